@@ -1,0 +1,48 @@
+# dejavu-lab: `make test` and `make book` each bootstrap .venv on a fresh machine.
+SHELL := /bin/bash
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# JavaScript the static book serves itself (no CDN): pinned npm tarballs, checked by sha256.
+REQUIREJS := requirejs@2.3.7
+HTML_MANAGER := @jupyter-widgets/html-manager@1.0.14
+VENDOR := _static/vendor
+
+.PHONY: test book lab bench lint clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check --upgrade pip
+	$(BIN)/pip install -q --disable-pip-version-check -e ".[dev,book,kernels]"
+	touch $(STAMP)
+
+test: $(STAMP)
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+$(VENDOR)/require.js $(VENDOR)/embed-amd.js: _static/vendor.sha256
+	rm -rf $(VENDOR) && mkdir -p $(VENDOR) && tmp=$$(mktemp -d) && \
+	(cd $$tmp && npm pack --silent $(REQUIREJS) $(HTML_MANAGER) >/dev/null) && \
+	tar -xzf $$tmp/requirejs-*.tgz -C $$tmp package/require.js && mv $$tmp/package/require.js $(VENDOR)/ && \
+	tar -xzf $$tmp/jupyter-widgets-html-manager-*.tgz -C $$tmp package/dist/embed-amd.js && \
+	mv $$tmp/package/dist/embed-amd.js $(VENDOR)/ && rm -rf $$tmp && \
+	(cd _static && sha256sum -c --quiet vendor.sha256)
+
+book: $(STAMP) $(VENDOR)/require.js
+	$(BIN)/jupyter-book build . -W --keep-going
+
+lab: $(STAMP)
+	$(BIN)/pip install -q --disable-pip-version-check -e ".[lab]"
+	$(BIN)/python -m ipykernel install --user --name dejavu-lab --display-name "dejavu-lab"
+	$(BIN)/jupyter lab notebooks/
+
+bench: $(STAMP)
+	@$(BIN)/python -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 'make bench needs an NVIDIA GPU; on a GPU box run it there (book/reproduce.md).')"
+	for f in kernels/bench_*.py; do $(BIN)/python $$f || exit 1; done
+
+clean:
+	rm -rf _build $(VENDOR) .pytest_cache .ruff_cache
+	find . -name __pycache__ -not -path "./$(VENV)/*" -prune -exec rm -rf {} +

