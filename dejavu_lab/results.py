@@ -1,0 +1,222 @@
+"""Recorded measurements with provenance: ``results/{name}.json``.
+
+GPU numbers are expensive and this book is built on machines without a GPU, so benchmarks
+record what they measured, and notebooks draw those records (and say which GPU, on which date)
+when they cannot measure live. One file holds one run::
+
+    {"provenance": {"gpu": ..., "torch": ..., "triton": ..., "cuda": ..., "git_sha": ...,
+                    "date": ..., "command": ..., "host": ..., "python": ..., ...extra},
+     "rows": [{...}, {...}]}          # one flat dict per measurement (a tidy table)
+
+``save`` writes atomically (temporary file + rename), so a crashed benchmark never leaves half
+a file behind; ``load`` returns ``(pandas.DataFrame, provenance)`` and raises
+:class:`ResultsError` with one sentence on a missing file, bad JSON or missing provenance.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "REQUIRED_PROVENANCE",
+    "ResultsError",
+    "describe",
+    "list_results",
+    "load",
+    "provenance",
+    "results_dir",
+    "save",
+]
+
+ENV_DIR = "DEJAVU_LAB_RESULTS"  # overrides where results live (default: <repo>/results)
+ENV_SHA = "DEJAVU_LAB_GIT_SHA"  # git sha to record where the tree has no .git (GPU copies)
+REQUIRED_PROVENANCE = ("gpu", "torch", "triton", "cuda", "git_sha", "date", "command", "host")
+
+
+class ResultsError(RuntimeError):
+    """A results file is missing, unreadable or lacks its provenance."""
+
+
+def results_dir() -> Path:
+    """The folder holding ``*.json`` results: ``$DEJAVU_LAB_RESULTS`` or the repo's ``results/``."""
+    env = os.environ.get(ENV_DIR)
+    if env:
+        return Path(env).expanduser()
+    return Path(__file__).resolve().parent.parent / "results"
+
+
+def _git_sha() -> str:
+    root = Path(__file__).resolve().parent.parent
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10
+        )
+        if sha.returncode == 0:
+            dirty = subprocess.run(
+                ["git", "status", "--porcelain", "--untracked-files=no"],
+                cwd=root,
+                capture_output=True,
+                text=True,
+                timeout=10,
+            )
+            return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return os.environ.get(ENV_SHA, "unknown")
+
+
+def provenance(command: str) -> dict[str, Any]:
+    """Where and with what a measurement was made (GPU, library versions, git sha, date)."""
+    info: dict[str, Any] = {
+        "gpu": "none (CPU)",
+        "torch": None,
+        "triton": None,
+        "cuda": None,
+        "git_sha": _git_sha(),
+        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "command": command,
+        "host": platform.node(),
+        "python": platform.python_version(),
+    }
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        info["cuda"] = torch.version.cuda
+        if torch.cuda.is_available():
+            props = torch.cuda.get_device_properties(0)
+            info["gpu"] = props.name
+            info["gpu_sms"] = props.multi_processor_count
+            info["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)
+            info["driver"] = _driver_version()
+    except ImportError:
+        pass
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def _driver_version() -> str | None:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return None
+
+
+def _clean(value: Any) -> Any:
+    """JSON-safe copy: numpy/torch scalars to Python, NaN/inf to None, tuples to lists."""
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_clean(v) for v in value]
+    if hasattr(value, "item") and callable(value.item) and getattr(value, "ndim", 0) == 0:
+        value = value.item()  # numpy / torch scalar
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    return str(value)
+
+
+def _path(name_or_path: str | os.PathLike) -> Path:
+    text = os.fspath(name_or_path)
+    if text.endswith(".json") or os.sep in text or "/" in text:
+        return Path(text).expanduser()
+    return results_dir() / f"{text}.json"
+
+
+def save(name: str, rows: list[dict], *, command: str, extra: dict | None = None) -> Path:
+    """Write ``rows`` with provenance to ``results_dir()/{name}.json`` atomically; return the path.
+
+    ``extra`` adds keys to the provenance (e.g. the measured copy ceiling); it may not replace
+    the required keys.
+    """
+    if not name or "/" in name or os.sep in name or name.endswith(".json"):
+        raise ValueError(f"results name {name!r} must be a bare name such as 'sparse_mlp'.")
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise TypeError("rows must be a list of dicts (one flat dict per measurement).")
+    prov = provenance(command)
+    for key, value in (extra or {}).items():
+        if key in REQUIRED_PROVENANCE:
+            raise ValueError(f"extra key {key!r} would overwrite recorded provenance; rename it.")
+        prov[key] = value
+    payload = json.dumps(
+        {"provenance": _clean(prov), "rows": _clean(rows)}, indent=1, allow_nan=False
+    )
+    folder = results_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.json"
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(payload + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def load(name_or_path: str | os.PathLike):
+    """Read a results file: ``(pandas.DataFrame of rows, provenance dict)``; never modifies it."""
+    import pandas as pd
+
+    path = _path(name_or_path)
+    if not path.is_file():
+        raise ResultsError(
+            f"no results file at {path}; run the benchmark that records it "
+            f"(see kernels/) or set {ENV_DIR} to the folder that holds it."
+        )
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ResultsError(f"{path} is not valid JSON ({exc}); re-run its benchmark.") from exc
+    if not isinstance(data, dict) or not isinstance(data.get("provenance"), dict):
+        raise ResultsError(f"{path} has no 'provenance' object; re-run its benchmark.")
+    missing = [k for k in REQUIRED_PROVENANCE if k not in data["provenance"]]
+    if missing:
+        raise ResultsError(f"{path} provenance lacks {missing}; re-run its benchmark.")
+    rows = data.get("rows")
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise ResultsError(f"{path} has no 'rows' list of objects; re-run its benchmark.")
+    return pd.DataFrame(rows), data["provenance"]
+
+
+def list_results() -> list[str]:
+    """Names of the recorded results (``load`` takes any of them)."""
+    folder = results_dir()
+    return sorted(p.stem for p in folder.glob("*.json")) if folder.is_dir() else []
+
+
+def describe(prov: dict) -> str:
+    """One line for a figure caption: 'NVIDIA H200, 2026-11-30 (torch 2.11.0, triton 3.6.0)'."""
+    date = str(prov.get("date", "unknown date"))[:10]
+    return f"{prov.get('gpu', 'unknown GPU')}, {date} (torch {prov.get('torch')}, triton {prov.get('triton')})"
+
+
+if __name__ == "__main__":  # pragma: no cover - tiny CLI: list or show a result
+    if len(sys.argv) > 1:
+        frame, prov = load(sys.argv[1])
+        print(describe(prov))
+        print(frame.to_string())
+    else:
+        print("\n".join(list_results()))
