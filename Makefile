@@ -7,6 +7,7 @@ STAMP := $(VENV)/.installed
 # JavaScript the static book serves itself (no CDN): pinned npm tarballs, checked by sha256.
 REQUIREJS := requirejs@2.3.7
 HTML_MANAGER := @jupyter-widgets/html-manager@1.0.14
+MATHJAX := mathjax@3.2.2
 VENDOR := _static/vendor
 
 .PHONY: test book lab bench lint clean
@@ -25,13 +26,21 @@ lint: $(STAMP)
 
 $(VENDOR)/require.js $(VENDOR)/embed-amd.js: _static/vendor.sha256
 	rm -rf $(VENDOR) && mkdir -p $(VENDOR) && tmp=$$(mktemp -d) && \
-	(cd $$tmp && npm pack --silent $(REQUIREJS) $(HTML_MANAGER) >/dev/null) && \
+	(cd $$tmp && npm pack --silent $(REQUIREJS) $(HTML_MANAGER) $(MATHJAX) >/dev/null) && \
 	tar -xzf $$tmp/requirejs-*.tgz -C $$tmp package/require.js && mv $$tmp/package/require.js $(VENDOR)/ && \
 	tar -xzf $$tmp/jupyter-widgets-html-manager-*.tgz -C $$tmp package/dist/embed-amd.js && \
-	mv $$tmp/package/dist/embed-amd.js $(VENDOR)/ && rm -rf $$tmp && \
+	mv $$tmp/package/dist/embed-amd.js $(VENDOR)/ && mkdir -p $(VENDOR)/mathjax && \
+	tar -xzf $$tmp/mathjax-*.tgz -C $(VENDOR)/mathjax --strip-components=1 \
+	  package/es5/tex-mml-chtml.js package/es5/output/chtml/fonts/woff-v2 && rm -rf $$tmp && \
 	(cd _static && sha256sum -c --quiet vendor.sha256)
 
+# The execution cache is keyed on each notebook's code; a change to the package also
+# invalidates it, so a chapter never shows results of code that no longer exists.
+PKG_HASH = $(shell cat $$(find dejavu_lab -name '*.py' | sort) | sha256sum | cut -c1-16)
+
 book: $(STAMP) $(VENDOR)/require.js
+	@mkdir -p _build && if [ "$$(cat _build/.pkg-hash 2>/dev/null)" != "$(PKG_HASH)" ]; then \
+	  rm -rf _build/.jupyter_cache _build/.doctrees && echo "$(PKG_HASH)" > _build/.pkg-hash; fi
 	$(BIN)/jupyter-book build . -W --keep-going
 
 lab: $(STAMP)

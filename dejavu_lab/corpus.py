@@ -45,8 +45,10 @@ def _hf_dataset_text(name: str, split: str, max_chars: int | None) -> str:
     try:
         import datasets
     except ImportError:
-        raise CorpusError(f"Corpus {name!r} needs the `datasets` package: "
-                          "pip install 'dejavu-lab[data]', or use 'demo' offline.") from None
+        raise CorpusError(
+            f"Corpus {name!r} needs the `datasets` package: "
+            "pip install 'dejavu-lab[data]', or use 'demo' offline."
+        ) from None
     try:
         if name == "wikitext-2":
             ds = datasets.load_dataset("wikitext", "wikitext-2-raw-v1", split=split)
@@ -60,9 +62,11 @@ def _hf_dataset_text(name: str, split: str, max_chars: int | None) -> str:
                 break
         return "\n\n".join(parts)
     except Exception as e:  # datasets raises many types for "offline"
-        raise CorpusError(f"Could not load {name!r} through datasets ({type(e).__name__}); "
-                          "it needs a network or a filled HF_DATASETS cache; use 'demo' "
-                          "offline.") from None
+        raise CorpusError(
+            f"Could not load {name!r} through datasets ({type(e).__name__}); "
+            "it needs a network or a filled HF_DATASETS cache; use 'demo' "
+            "offline."
+        ) from None
 
 
 def token_windows(
@@ -78,20 +82,28 @@ def token_windows(
     ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
     n = ids.numel() // window
     if n == 0:
-        raise CorpusError(f"The text has {ids.numel()} tokens, fewer than one window of "
-                          f"{window}; pass a longer text or a smaller window.")
+        raise CorpusError(
+            f"The text has {ids.numel()} tokens, fewer than one window of "
+            f"{window}; pass a longer text or a smaller window."
+        )
     if max_windows is not None:
         n = min(n, max_windows)
     return ids[: n * window].view(n, window)
 
 
 @torch.no_grad()
-def window_nll(model, windows: torch.Tensor, batch_size: int = 1,
-               progress: bool = True, desc: str = "perplexity") -> torch.Tensor:
+def window_nll(
+    model,
+    windows: torch.Tensor,
+    batch_size: int = 1,
+    progress: bool = True,
+    desc: str = "perplexity",
+) -> torch.Tensor:
     """Mean next-token negative log-likelihood of each window: FloatTensor [n]."""
     if windows.dim() != 2 or windows.shape[0] == 0:
-        raise CorpusError(f"windows must be a non-empty [n, window] tensor, got shape "
-                          f"{tuple(windows.shape)}.")
+        raise CorpusError(
+            f"windows must be a non-empty [n, window] tensor, got shape {tuple(windows.shape)}."
+        )
     device = next(model.parameters()).device
     out = []
     batches = range(0, windows.shape[0], batch_size)

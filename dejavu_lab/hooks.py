@@ -53,8 +53,14 @@ HOOK_POINTS = (
     "hook_mlp_out",
     "hook_resid_post",
 )
-WRITABLE = {"hook_resid_pre", "attn.hook_z", "hook_attn_out", "mlp.hook_post", "hook_mlp_out",
-            "hook_resid_post"}
+WRITABLE = {
+    "hook_resid_pre",
+    "attn.hook_z",
+    "hook_attn_out",
+    "mlp.hook_post",
+    "hook_mlp_out",
+    "hook_resid_post",
+}
 _NAME = re.compile(r"^blocks\.(\d+)\.(.+)$")
 
 HookFn = Callable[[torch.Tensor, str], torch.Tensor | None]
@@ -121,15 +127,22 @@ def hooks(
             model.set_attn_implementation(restore_attn)
 
 
-def run_with_hooks(model, input_ids: torch.Tensor, fwd_hooks, arch: Arch | None = None,
-                   **forward_kwargs) -> torch.Tensor:
+def run_with_hooks(
+    model, input_ids: torch.Tensor, fwd_hooks, arch: Arch | None = None, **forward_kwargs
+) -> torch.Tensor:
     """One forward pass with callbacks attached; returns the logits [b, p, vocab]."""
     with torch.no_grad(), hooks(model, fwd_hooks, arch):
         return model(input_ids=input_ids, **forward_kwargs).logits
 
 
-def run_with_cache(model, input_ids: torch.Tensor, names=None, arch: Arch | None = None,
-                   device: str | torch.device | None = None, **forward_kwargs):
+def run_with_cache(
+    model,
+    input_ids: torch.Tensor,
+    names=None,
+    arch: Arch | None = None,
+    device: str | torch.device | None = None,
+    **forward_kwargs,
+):
     """Forward ``input_ids`` and return ``(logits, cache)``, cache a dict name -> tensor.
 
     ``names``: None (everything), a name, a glob, a list of these, or a predicate on names.
@@ -148,8 +161,9 @@ def run_with_cache(model, input_ids: torch.Tensor, names=None, arch: Arch | None
         cache[name] = t.detach().to(device) if device is not None else t.detach().clone()
 
     selected = _select(arch, names)
-    logits = run_with_hooks(model, input_ids, [(n, store) for n in selected], arch,
-                            **forward_kwargs)
+    logits = run_with_hooks(
+        model, input_ids, [(n, store) for n in selected], arch, **forward_kwargs
+    )
     return logits, {n: cache[n] for n in selected if n in cache}
 
 
@@ -171,8 +185,10 @@ def _call(fns: list[HookFn], t: torch.Tensor, name: str, point: str) -> torch.Te
             if point not in WRITABLE:
                 raise ValueError(f"{name} is read-only; a hook there must return None.")
             if out.shape != t.shape:
-                raise ValueError(f"A hook at {name} returned shape {tuple(out.shape)}; "
-                                 f"it must keep {tuple(t.shape)}.")
+                raise ValueError(
+                    f"A hook at {name} returned shape {tuple(out.shape)}; "
+                    f"it must keep {tuple(t.shape)}."
+                )
             t = replaced = out
     return replaced
 
@@ -242,42 +258,54 @@ def _attach(model: nn.Module, arch: Arch, i: int, points: dict[str, list[HookFn]
 
         handles.append(arch.part(model, i, "attn").register_forward_hook(attn_fwd))
 
-    if fns := want("hook_resid_mid"):
+    if want("hook_resid_mid"):
         if arch.pre_ln:  # the input of the MLP's norm is the residual after attention
 
             def mid_pre(mod, args):
-                _call(fns, unflat(args[0]), name + "hook_resid_mid", "hook_resid_mid")
+                _call(
+                    want("hook_resid_mid"),
+                    unflat(args[0]),
+                    name + "hook_resid_mid",
+                    "hook_resid_mid",
+                )
 
             handles.append(arch.part(model, i, "ln_mlp").register_forward_pre_hook(mid_pre))
         else:  # post-LN: the attention norm's output is the residual
 
             def mid_fwd(mod, args, output):
-                _call(fns, unflat(output), name + "hook_resid_mid", "hook_resid_mid")
+                _call(
+                    want("hook_resid_mid"),
+                    unflat(output),
+                    name + "hook_resid_mid",
+                    "hook_resid_mid",
+                )
 
             handles.append(arch.part(model, i, "ln_attn").register_forward_hook(mid_fwd))
 
-    if fns := want("mlp.hook_post"):
+    if want("mlp.hook_post"):
 
         def post_pre(mod, args):
             x = args[0]
-            new = _call(fns, unflat(x), name + "mlp.hook_post", "mlp.hook_post")
+            new = _call(want("mlp.hook_post"), unflat(x), name + "mlp.hook_post", "mlp.hook_post")
             return None if new is None else (new.reshape(x.shape), *args[1:])
 
         handles.append(mlp_out.register_forward_pre_hook(post_pre))
 
-    if fns := want("hook_mlp_out"):
+    if want("hook_mlp_out"):
 
         def mlp_fwd(mod, args, output):
-            new = _call(fns, unflat(output), name + "hook_mlp_out", "hook_mlp_out")
+            new = _call(want("hook_mlp_out"), unflat(output), name + "hook_mlp_out", "hook_mlp_out")
             return None if new is None else new.reshape(output.shape)
 
         handles.append(mlp_out.register_forward_hook(mlp_fwd))
 
-    if fns := want("hook_resid_post"):
+    if want("hook_resid_post"):
 
         def layer_fwd(mod, args, output):
             hidden = output[0] if isinstance(output, tuple) else output
-            new = _call(fns, hidden, name + "hook_resid_post", "hook_resid_post")
+            new = _call(
+                want("hook_resid_post"), hidden, name + "hook_resid_post", "hook_resid_post"
+            )
             if new is not None:
                 return (new, *output[1:]) if isinstance(output, tuple) else new
             return None

@@ -166,8 +166,9 @@ def load_model(
     if not isinstance(spec, str) or not spec:
         raise ModelNotFoundError(f"Model spec must be a non-empty string, got {spec!r}.")
     if spec.startswith("random:"):
-        return random_model(spec.removeprefix("random:"), device=device,
-                            dtype=dtype or torch.float32)
+        return random_model(
+            spec.removeprefix("random:"), device=device, dtype=dtype or torch.float32
+        )
     if spec == "demo":
         path = _demo_dir()
     elif Path(spec).expanduser().is_dir():
@@ -192,8 +193,12 @@ def _config(path, spec: str) -> PretrainedConfig:
     try:
         return AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as e:
-        offline = os.environ.get("HF_HUB_OFFLINE") == "1" or "offline" in str(e).lower() or \
-            "connect" in str(e).lower() or "resolve" in str(e).lower()
+        offline = (
+            os.environ.get("HF_HUB_OFFLINE") == "1"
+            or "offline" in str(e).lower()
+            or "connect" in str(e).lower()
+            or "resolve" in str(e).lower()
+        )
         why = "we are offline and it is not in the Hugging Face cache" if offline else str(e)
         raise ModelNotFoundError(
             f"Cannot load model {spec!r}: {why}; pass a local directory, set HF_HOME to a "

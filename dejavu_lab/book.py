@@ -1,0 +1,53 @@
+"""Helpers every chapter notebook calls: quick mode, figure set-up, captions.
+
+Each chapter takes its size from a parameters cell written with :func:`size`, so the test suite
+can execute every chapter in seconds (``DEJAVU_QUICK=1``) while ``make book`` runs it full size.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+
+import torch
+
+__all__ = ["QUICK_ENV", "caption", "hardware", "is_quick", "setup", "size"]
+
+QUICK_ENV = "DEJAVU_QUICK"  # set to 1 to shrink every chapter (tests do)
+
+
+def is_quick() -> bool:
+    return os.environ.get(QUICK_ENV, "0") not in ("", "0", "false", "False")
+
+
+def size(full, quick):
+    """``full`` in the book, ``quick`` when ``DEJAVU_QUICK=1`` (the test suite)."""
+    return quick if is_quick() else full
+
+
+def setup() -> None:
+    """Figure defaults: plotly figures that render in the static book, seaborn's theme."""
+    import plotly.io as pio
+    import seaborn as sns
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one-second loads: no progress widgets in the page
+
+    # the mimetype keeps the figure for JupyterLab; "notebook" embeds plotly.js in the page so
+    # the built HTML draws it with no network.
+    pio.renderers.default = "plotly_mimetype+notebook"
+    pio.templates.default = "plotly_white"
+    sns.set_theme(style="whitegrid", context="notebook")
+
+
+def hardware() -> str:
+    """What ran this: GPU name or CPU and core count."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def caption(model: str, text: str, n_tokens: int, extra: str = "") -> str:
+    """One line naming the model, the text, the token count and the hardware of a figure."""
+    line = f"Model: {model}. Text: {text}, {n_tokens:,} tokens. Hardware: {hardware()}."
+    return f"{line} {extra}".strip()
