@@ -1,0 +1,25 @@
+"""Triton kernels for contextual sparsity at decode time (Deja Vu §4.4, Appendix E).
+
+One kernel per module, each with a checking wrapper, a plain-PyTorch ``*_ref`` and a CPU path
+(the reference, or the Triton kernel itself under ``TRITON_INTERPRET=1``):
+
+- :func:`sparse_mlp_up`   — selected rows of W1 (or gate/up), fused bias and activation.
+- :func:`sparse_mlp_down` — selected rows of W2 stored transposed (coalesced), reduced.
+- :func:`sparse_attention` — QKV for the selected heads, attention over their KV cache, W_O.
+
+All take a union batch of 1-32 tokens that share one index set (Knowl 12).
+"""
+
+from .sparse_attention import sparse_attention, sparse_attention_ref
+from .sparse_mlp_down import sparse_mlp_down, sparse_mlp_down_ref
+from .sparse_mlp_up import ACTIVATIONS, sparse_mlp_up, sparse_mlp_up_ref
+
+__all__ = [
+    "ACTIVATIONS",
+    "sparse_attention",
+    "sparse_attention_ref",
+    "sparse_mlp_down",
+    "sparse_mlp_down_ref",
+    "sparse_mlp_up",
+    "sparse_mlp_up_ref",
+]

@@ -1,0 +1,252 @@
+"""Sparse multi-head attention for decoding: only the selected heads are projected and attended.
+
+Deja Vu §4.2 and Appendix E: attention heads are contextually sparse too, and in decoding the
+attention block is dominated by reading ``W_QKV`` and ``W_O``. One decode step for the selected
+query heads ``heads`` (shared by a union batch of 1-32 sequences, each with its own KV cache):
+
+1. QKV projection of the selected heads' rows of ``W_QKV`` (``d_head`` rows per head) with
+   :func:`sparse_mlp_up` (no activation). GQA-aware: a KV head is projected if any query head
+   of its group is selected.
+2. ``sparse_attention_kernel``: one program per (sequence, needed KV head). It appends the new
+   key/value to the cache at position ``seqlens - 1`` and attends for every selected query
+   head of its group, reading each cached key/value once (online softmax, fp32).
+3. Output projection over the selected heads' rows of ``W_O^T`` (stored transposed at load
+   time, like W2) with :func:`sparse_mlp_down`.
+
+Skipped heads' keys and values are not written (Deja Vu defers them; see Knowl 5).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import (
+    as_batch,
+    check_device,
+    check_float,
+    check_index,
+    check_out,
+    check_rowmajor,
+    check_shape,
+    next_pow2,
+    use_triton,
+)
+from .sparse_mlp_down import sparse_mlp_down
+from .sparse_mlp_up import sparse_mlp_up
+
+__all__ = ["sparse_attention", "sparse_attention_kernel", "sparse_attention_ref"]
+
+
+@triton.jit
+def sparse_attention_kernel(
+    qkv_ptr,  # [B, (n_q + 2 n_kv) * DH] selected q heads, then k, then v (projection output)
+    kc_ptr,  # [B, H_kv, T_max, DH] key cache
+    vc_ptr,  # [B, H_kv, T_max, DH] value cache
+    seqlens_ptr,  # [B] lengths including the new token
+    kv_heads_ptr,  # [n_kv] needed KV heads
+    q_slot_ptr,  # [H] column block of each query head in qkv (-1: not selected)
+    o_ptr,  # [B, n_q * DH] attention output of the selected heads
+    n_q,
+    n_kv,
+    stride_qkv,
+    stride_kb,
+    stride_kh,
+    stride_kt,
+    stride_vb,
+    stride_vh,
+    stride_vt,
+    stride_o,
+    qk_scale,  # softmax scale * log2(e)
+    GROUP: tl.constexpr,  # query heads per KV head
+    BLOCK_G: tl.constexpr,  # next power of two >= GROUP
+    DH: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    kvh = tl.load(kv_heads_ptr + s).to(tl.int64)
+    seqlen = tl.load(seqlens_ptr + b)
+    offs_dh = tl.arange(0, DH)
+    offs_g = tl.arange(0, BLOCK_G)
+    mask_g = offs_g < GROUP
+    slot = tl.load(q_slot_ptr + kvh * GROUP + offs_g, mask=mask_g, other=-1)
+    sel = slot >= 0
+    row = qkv_ptr + b * stride_qkv
+    q_ptrs = row + slot[:, None].to(tl.int64) * DH + offs_dh[None, :]
+    q = tl.load(q_ptrs, mask=sel[:, None], other=0.0).to(tl.float32) * qk_scale  # [BLOCK_G, DH]
+    k_new = tl.load(row + (n_q + s) * DH + offs_dh)
+    v_new = tl.load(row + (n_q + n_kv + s) * DH + offs_dh)
+    kc = kc_ptr + b * stride_kb + kvh * stride_kh
+    vc = vc_ptr + b * stride_vb + kvh * stride_vh
+    last = (seqlen - 1).to(tl.int64)
+    tl.store(kc + last * stride_kt + offs_dh, k_new.to(kc_ptr.dtype.element_ty))
+    tl.store(vc + last * stride_vt + offs_dh, v_new.to(vc_ptr.dtype.element_ty))
+    # the new token first (read from registers, so no program reads what another writes)
+    m = tl.sum(q * k_new.to(tl.float32)[None, :], axis=1)  # [BLOCK_G], log2 domain
+    l_sum = tl.full((BLOCK_G,), 1.0, tl.float32)
+    acc = tl.zeros((BLOCK_G, DH), tl.float32) + v_new.to(tl.float32)[None, :]
+    for t0 in range(0, seqlen - 1, BLOCK_T):
+        offs_t = t0 + tl.arange(0, BLOCK_T)
+        mask_t = offs_t < seqlen - 1
+        t64 = offs_t.to(tl.int64)[:, None]
+        k = tl.load(kc + t64 * stride_kt + offs_dh[None, :], mask=mask_t[:, None], other=0.0)
+        v = tl.load(vc + t64 * stride_vt + offs_dh[None, :], mask=mask_t[:, None], other=0.0)
+        sc = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)  # [BLOCK_G, BLOCK_T]
+        sc = tl.where(mask_t[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m, tl.max(sc, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(sc - m_new[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+        m = m_new
+    o = acc / l_sum[:, None]
+    o_ptrs = o_ptr + b * stride_o + slot[:, None].to(tl.int64) * DH + offs_dh[None, :]
+    tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=sel[:, None])
+
+
+def _plan(heads, n_heads, n_kv, kv_heads):
+    """(kv_heads, qkv block indices, q_slot) for the selected query heads."""
+    group = n_heads // n_kv
+    if kv_heads is None:
+        kv_heads = heads if group == 1 else torch.unique(heads // group)
+    kv_heads = kv_heads.to(heads.dtype)
+    qkv_idx = torch.cat([heads, kv_heads + n_heads, kv_heads + n_heads + n_kv])
+    q_slot = torch.full((n_heads,), -1, dtype=torch.int32, device=heads.device)
+    q_slot[heads.long()] = torch.arange(heads.numel(), dtype=torch.int32, device=heads.device)
+    return kv_heads, qkv_idx, q_slot
+
+
+def sparse_attention_ref(
+    x, w_qkv, w_o_t, k_cache, v_cache, seqlens, heads, *, n_heads, b_qkv=None, b_o=None,
+    scale=None,
+):  # fmt: skip
+    """Plain-PyTorch reference (fp32 math); updates the caches of the needed KV heads in place."""
+    batch, d = x.shape
+    n_kv, dh = k_cache.shape[1], k_cache.shape[3]
+    group = n_heads // n_kv
+    scale = 1.0 / math.sqrt(dh) if scale is None else scale
+    heads_l = heads.long()
+    kv_heads = torch.unique(heads_l // group)
+    qkv = x.float() @ w_qkv.float().T + (b_qkv.float() if b_qkv is not None else 0.0)
+    qkv = qkv.to(x.dtype).float()  # the kernel keeps the projection in x's dtype
+    q = qkv[:, : n_heads * dh].view(batch, n_heads, dh)
+    k = qkv[:, n_heads * dh : (n_heads + n_kv) * dh].view(batch, n_kv, dh)
+    v = qkv[:, (n_heads + n_kv) * dh :].view(batch, n_kv, dh)
+    rows = (heads_l[:, None] * dh + torch.arange(dh, device=x.device)).reshape(-1)
+    attn = torch.zeros(batch, n_heads, dh, dtype=torch.float32, device=x.device)
+    for bi in range(batch):
+        pos = int(seqlens[bi]) - 1
+        k_cache[bi, kv_heads, pos] = k[bi, kv_heads].to(k_cache.dtype)
+        v_cache[bi, kv_heads, pos] = v[bi, kv_heads].to(v_cache.dtype)
+        for h in heads_l.tolist():
+            kk = k_cache[bi, h // group, : pos + 1].float()
+            vv = v_cache[bi, h // group, : pos + 1].float()
+            p = torch.softmax(kk @ q[bi, h] * scale, dim=0)
+            attn[bi, h] = p @ vv
+    attn = attn.to(x.dtype).float().view(batch, n_heads * dh)  # the kernel rounds here too
+    y = attn[:, rows] @ w_o_t[rows].float() + (b_o.float() if b_o is not None else 0.0)
+    return y.to(x.dtype)
+
+
+def sparse_attention(
+    x: torch.Tensor,
+    w_qkv: torch.Tensor,
+    w_o_t: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seqlens: torch.Tensor,
+    heads: torch.Tensor,
+    *,
+    n_heads: int,
+    b_qkv: torch.Tensor | None = None,
+    b_o: torch.Tensor | None = None,
+    kv_heads: torch.Tensor | None = None,
+    scale: float | None = None,
+    out: torch.Tensor | None = None,
+    validate: bool | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """One decoding step of attention over the selected query ``heads``; returns [B, d].
+
+    x: [B, d] (B <= 32) or [d]; w_qkv: [(n_heads + 2 n_kv) d_head, d] = cat(W_q, W_k, W_v) rows;
+    w_o_t: [n_heads d_head, d] = ``o_proj.weight.T`` made contiguous at load time;
+    k_cache, v_cache: [B, n_kv, T_max, d_head] (written at ``seqlens - 1`` for needed KV heads);
+    seqlens: [B] int lengths including the new token; heads: [h] distinct query heads.
+    ``kv_heads`` (the sorted needed KV heads) avoids a host sync for GQA models under CUDA
+    graphs; for multi-head attention it equals ``heads``. ``config`` tunes the projections.
+    """
+    check_float("x", x)
+    dtype, device = x.dtype, x.device
+    check_device(device, w_qkv=w_qkv, w_o_t=w_o_t, k_cache=k_cache, v_cache=v_cache,
+                 seqlens=seqlens, heads=heads, b_qkv=b_qkv, b_o=b_o, kv_heads=kv_heads)  # fmt: skip
+    for name, t in (("w_qkv", w_qkv), ("w_o_t", w_o_t), ("k_cache", k_cache), ("v_cache", v_cache)):
+        check_float(name, t, dtype)
+    check_rowmajor("w_qkv", w_qkv)
+    check_rowmajor("w_o_t", w_o_t)
+    d = w_qkv.shape[1]
+    xb, squeeze = as_batch("x", x, d)
+    batch = xb.shape[0]
+    if k_cache.dim() != 4 or k_cache.shape[0] != batch:
+        raise ValueError(
+            f"k_cache has shape {tuple(k_cache.shape)}; expected [{batch}, n_kv, T_max, d_head]."
+        )
+    n_kv, t_max, dh = k_cache.shape[1:]
+    check_shape("v_cache", v_cache, tuple(k_cache.shape))
+    if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError("k_cache and v_cache need a contiguous last (d_head) dimension.")
+    if n_heads % n_kv or dh & (dh - 1) or dh < 16:
+        raise ValueError(
+            f"n_heads={n_heads} must be a multiple of n_kv={n_kv}, d_head={dh} a power of two >= 16."
+        )
+    check_shape("w_qkv", w_qkv, ((n_heads + 2 * n_kv) * dh, d))
+    check_shape("w_o_t", w_o_t, (n_heads * dh, d))
+    if b_qkv is not None:
+        check_float("b_qkv", b_qkv, dtype)
+        check_shape("b_qkv", b_qkv, ((n_heads + 2 * n_kv) * dh,))
+    if b_o is not None:
+        check_float("b_o", b_o, dtype)
+        check_shape("b_o", b_o, (d,))
+    if not isinstance(seqlens, torch.Tensor) or seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError("seqlens must be an int32 or int64 tensor of sequence lengths.")
+    check_shape("seqlens", seqlens, (batch,))
+    check_index("heads", heads, n_heads, device, validate)
+    if kv_heads is not None:
+        check_index("kv_heads", kv_heads, n_kv, device, validate)
+    if validate is not False and not (
+        device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    ):
+        if batch and (int(seqlens.min()) < 1 or int(seqlens.max()) > t_max):
+            raise ValueError(f"seqlens must lie in [1, {t_max}] (the cache length).")
+    shape = (d,) if squeeze else (batch, d)
+    check_out(out, shape, dtype, device)
+    res = out if out is not None else torch.empty(shape, dtype=dtype, device=device)
+    res2 = res.view(batch, d)
+    if not use_triton(device):
+        res2.copy_(sparse_attention_ref(xb, w_qkv, w_o_t, k_cache, v_cache, seqlens, heads,
+                                        n_heads=n_heads, b_qkv=b_qkv, b_o=b_o, scale=scale))  # fmt: skip
+        return res
+    if heads.numel() == 0:
+        res2.copy_(b_o.expand(batch, d) if b_o is not None else torch.zeros_like(res2))
+        return res
+    cfg = config or {}
+    kvh, qkv_idx, q_slot = _plan(heads, n_heads, n_kv, kv_heads)
+    qkv = sparse_mlp_up(xb, w_qkv, qkv_idx, bias=b_qkv, activation="none", rows_per_index=dh,
+                        validate=False, config=cfg.get("up"))  # fmt: skip
+    n_q = heads.numel()
+    o = torch.empty((batch, n_q * dh), dtype=dtype, device=device)
+    group = n_heads // n_kv
+    block_g = next_pow2(group)
+    scale = 1.0 / math.sqrt(dh) if scale is None else scale
+    sparse_attention_kernel[(batch, kvh.numel())](
+        qkv, k_cache, v_cache, seqlens, kvh, q_slot, o, n_q, kvh.numel(), qkv.stride(0),
+        *k_cache.stride()[:3], *v_cache.stride()[:3], o.stride(0), scale * math.log2(math.e),
+        GROUP=group, BLOCK_G=block_g, DH=dh, BLOCK_T=cfg.get("BLOCK_T", max(16, 64 // block_g)),
+        num_warps=cfg.get("num_warps", 4),
+    )  # fmt: skip
+    sparse_mlp_down(o, w_o_t, heads, bias=b_o, rows_per_index=dh, out=res2, validate=False,
+                    config=cfg.get("down"))  # fmt: skip
+    return res

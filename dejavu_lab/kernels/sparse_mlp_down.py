@@ -1,0 +1,237 @@
+"""Sparse MLP down-projection over W2 stored transposed: ``y = h @ W2T[idx] + b``.
+
+Deja Vu §4.4 and Appendix E (Knowl 3, memory coalescing): nn.Linear keeps ``fc2.weight`` as
+[d, 4d], so the weights of one neuron form a *column* — a strided gather of 2-byte elements.
+Stored transposed once at load time (``W2T = fc2.weight.T.contiguous()``, [4d, d]), each
+selected neuron's output weights become one contiguous row and every warp issues full 128-byte
+loads. The kernel reduces over the selected rows.
+
+Work split: programs tile the output columns (``BLOCK_D``) and, when that gives too few programs
+to fill the GPU, also split the selected rows (``split``): each split writes an fp32 partial
+and a small second kernel sums the partials, adds the bias and casts. With one split the
+first kernel writes the output directly (one launch).
+
+Union batches (1-32 tokens sharing ``idx``, each with its own ``h``) use ``tl.dot`` with the
+token tile padded to 16; batch 1 uses FMAs. fp32 accumulation throughout.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import (
+    as_batch,
+    batch_block,
+    check_device,
+    check_float,
+    check_index,
+    check_out,
+    check_rowmajor,
+    check_shape,
+    dot_acc,
+    upcast_dot,
+    use_triton,
+)
+
+__all__ = ["sparse_mlp_down", "sparse_mlp_down_kernel", "sparse_mlp_down_ref"]
+
+
+@triton.jit
+def sparse_mlp_down_kernel(
+    h_ptr,  # [B, K] activations of the selected rows
+    w_ptr,  # [n_rows, D] W2 transposed, row-major
+    idx_ptr,  # [K // G] selected row blocks
+    b_ptr,  # [D] bias (optional)
+    out_ptr,  # [B, D] output (one split)
+    part_ptr,  # [n_split, B, D] fp32 partial sums (several splits)
+    B,
+    K,
+    D,
+    stride_hb,
+    stride_w,
+    stride_ob,
+    rows_per_split,
+    G: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    PARTIAL: tl.constexpr,  # write fp32 partials instead of the output
+    BLOCK_B: tl.constexpr,  # 1 (FMA path) or >= 16 (tl.dot path)
+    BLOCK_R: tl.constexpr,  # selected rows per step
+    BLOCK_D: tl.constexpr,  # output columns per program
+    UPCAST: tl.constexpr,  # fp32 tl.dot (CPU interpreter, bf16)
+):
+    pid_d = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    offs_b = tl.arange(0, BLOCK_B)
+    mask_b = offs_b < B
+    r_lo = pid_s * rows_per_split
+    r_hi = tl.minimum(K, r_lo + rows_per_split)
+    if BLOCK_B == 1:
+        acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_B, BLOCK_D), tl.float32)
+    for r0 in range(r_lo, r_hi, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        mask_r = offs_r < r_hi
+        if G == 1:
+            rows = tl.load(idx_ptr + offs_r, mask=mask_r, other=0).to(tl.int64)
+        else:
+            blk = tl.load(idx_ptr + offs_r // G, mask=mask_r, other=0).to(tl.int64)
+            rows = blk * G + offs_r % G
+        w_ptrs = w_ptr + rows[:, None] * stride_w + offs_d[None, :]
+        w = tl.load(w_ptrs, mask=mask_r[:, None] & mask_d[None, :], other=0.0)
+        if BLOCK_B == 1:
+            hv = tl.load(h_ptr + offs_r, mask=mask_r, other=0.0).to(tl.float32)
+            acc += hv[:, None] * w.to(tl.float32)
+        else:
+            h_ptrs = h_ptr + offs_b[:, None] * stride_hb + offs_r[None, :]
+            hv = tl.load(h_ptrs, mask=mask_b[:, None] & mask_r[None, :], other=0.0)
+            acc = dot_acc(hv, w, acc, UPCAST)
+    if BLOCK_B == 1:
+        y = tl.sum(acc, axis=0)[None, :]  # [1, BLOCK_D]
+    else:
+        y = acc  # [BLOCK_B, BLOCK_D]
+    mask = mask_b[:, None] & mask_d[None, :]
+    if PARTIAL:
+        p_ptrs = part_ptr + (pid_s * B + offs_b[:, None]).to(tl.int64) * D + offs_d[None, :]
+        tl.store(p_ptrs, y, mask=mask)
+    else:
+        if HAS_BIAS:
+            y += tl.load(b_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
+        o_ptrs = out_ptr + offs_b[:, None] * stride_ob + offs_d[None, :]
+        tl.store(o_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def sparse_mlp_down_reduce_kernel(
+    part_ptr,  # [n_split, N] fp32
+    b_ptr,  # [D]
+    out_ptr,  # [N] = [B, D] contiguous
+    n_split,
+    N,
+    D,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for s in range(n_split):
+        acc += tl.load(part_ptr + s * N + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs % D, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def sparse_mlp_down_ref(h, weight_t, idx, *, bias=None, rows_per_index=1):
+    """Plain-PyTorch reference (fp32 math): ``h @ weight_t[idx] + bias``."""
+    from .sparse_mlp_up import _expand
+
+    rows = _expand(idx, rows_per_index)
+    y = h.float() @ weight_t[rows].float()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(h.dtype)
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def default_config(batch: int, k: int, d: int, device: torch.device) -> dict:
+    """Tile sizes tuned on an H200 (results/sparse_mlp_tuning.json); any valid choice is correct."""
+    if batch == 1:
+        cfg = {"BLOCK_R": 32, "BLOCK_D": 128, "num_warps": 4}
+    else:
+        cfg = {"BLOCK_R": 32, "BLOCK_D": 128, "num_warps": 4}
+    cfg["programs"] = 2 * (_sm_count(device.index or 0) if device.type == "cuda" else 2)
+    return cfg
+
+
+def _split(k: int, d: int, cfg: dict) -> tuple[int, int]:
+    """(n_split, rows_per_split): enough programs to fill the GPU, whole BLOCK_R steps each."""
+    n_col = triton.cdiv(d, cfg["BLOCK_D"])
+    steps = triton.cdiv(k, cfg["BLOCK_R"])
+    want = cfg.get("split") or max(1, min(steps, triton.cdiv(cfg["programs"], n_col)))
+    rows = triton.cdiv(steps, want) * cfg["BLOCK_R"]
+    return triton.cdiv(k, rows), rows
+
+
+def sparse_mlp_down(
+    h: torch.Tensor,
+    weight_t: torch.Tensor,
+    idx: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    rows_per_index: int = 1,
+    out: torch.Tensor | None = None,
+    validate: bool | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """``h @ weight_t[idx] + bias``: the MLP output from the selected neurons only.
+
+    h: [k * rows_per_index] or [B, k * rows_per_index] activations of the selected neurons in
+    ``idx`` order (what :func:`sparse_mlp_up` returns); weight_t: [n_rows, d] = ``fc2.weight.T``
+    made contiguous once at load time; idx: [k] distinct int32/int64 indices; bias: [d].
+    Returns [d] or [B, d]. ``validate`` as in :func:`sparse_mlp_up`.
+    """
+    check_float("h", h)
+    dtype, device = h.dtype, h.device
+    check_device(device, weight_t=weight_t, idx=idx, bias=bias)
+    check_float("weight_t", weight_t, dtype)
+    check_rowmajor("weight_t", weight_t)
+    n_rows, d = weight_t.shape
+    g = int(rows_per_index)
+    if g < 1 or n_rows % g:
+        raise ValueError(f"rows_per_index={rows_per_index} must divide weight_t's {n_rows} rows.")
+    if bias is not None:
+        check_float("bias", bias, dtype)
+        check_shape("bias", bias, (d,))
+    if not isinstance(idx, torch.Tensor) or idx.dim() != 1:
+        raise ValueError("idx must be a 1-D tensor of row indices.")
+    k = idx.numel() * g
+    hb, squeeze = as_batch("h", h, k)
+    check_index("idx", idx, n_rows // g, device, validate)
+    batch = hb.shape[0]
+    shape = (d,) if squeeze else (batch, d)
+    check_out(out, shape, dtype, device)
+    res = out if out is not None else torch.empty(shape, dtype=dtype, device=device)
+    res2 = res.view(batch, d)
+    if k == 0:
+        res2.copy_(bias.expand(batch, d) if bias is not None else torch.zeros_like(res2))
+        return res
+    if not use_triton(device):
+        res2.copy_(sparse_mlp_down_ref(hb, weight_t, idx, bias=bias, rows_per_index=g))
+        return res
+    cfg = {**default_config(batch, k, d, device), **(config or {})}
+    block_b = batch_block(batch)
+    if block_b > 1 and cfg["BLOCK_R"] < 16:
+        raise ValueError("config BLOCK_R must be >= 16 for batches above 1 (tensor-core path).")
+    n_split, rows_per_split = _split(k, d, cfg)
+    part = (
+        torch.empty((n_split, batch, d), dtype=torch.float32, device=device)
+        if n_split > 1
+        else res2
+    )
+    grid = (triton.cdiv(d, cfg["BLOCK_D"]), n_split)
+    sparse_mlp_down_kernel[grid](
+        hb, weight_t, idx, bias if bias is not None else weight_t, res2, part,
+        batch, k, d, hb.stride(0), weight_t.stride(0), res2.stride(0), rows_per_split,
+        G=g, HAS_BIAS=bias is not None, PARTIAL=n_split > 1, BLOCK_B=block_b,
+        BLOCK_R=cfg["BLOCK_R"], BLOCK_D=cfg["BLOCK_D"], UPCAST=upcast_dot(dtype), num_warps=cfg["num_warps"],
+        num_stages=cfg.get("num_stages", 3),
+    )  # fmt: skip
+    if n_split > 1:
+        n = batch * d
+        block = 1024
+        sparse_mlp_down_reduce_kernel[(triton.cdiv(n, block),)](
+            part, bias if bias is not None else part, res2, n_split, n, d,
+            HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
+        )  # fmt: skip
+    return res

@@ -1,0 +1,271 @@
+"""Sparse Triton kernels against their PyTorch references, run through TRITON_INTERPRET=1.
+
+Fresh random inputs every run (the seed is in each failure message), unsorted distinct
+indices, 0% to 100% kept, outputs poisoned with NaN so an unwritten element fails, fp16 and
+bf16, batch 1 and union batches. Under the interpreter, Triton 3.9 truncates fp32 -> bf16
+instead of rounding, so bf16 outputs sit about one bf16 ulp from the reference.
+"""
+
+import os
+import random
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are decorated
+
+import pytest
+import torch
+
+from dejavu_lab.kernels import (
+    sparse_attention,
+    sparse_attention_ref,
+    sparse_mlp_down,
+    sparse_mlp_down_ref,
+    sparse_mlp_up,
+    sparse_mlp_up_ref,
+)
+from dejavu_lab.kernels.sparse_mlp_up import sparse_mlp_up_kernel
+
+DTYPES = [torch.float16, torch.bfloat16]
+TOL = {torch.float16: 3e-3, torch.bfloat16: 3e-2}  # relative Frobenius error
+KEPT = [0.0, 0.1, 0.5, 1.0]
+
+
+@pytest.fixture
+def seed():
+    s = random.randrange(2**31)
+    torch.manual_seed(s)
+    return s
+
+
+def relerr(out, ref):
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+
+
+def assert_close(out, ref, dtype, seed):
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    assert not out.isnan().any(), f"unwritten (NaN) output elements; seed={seed}"
+    err = relerr(out, ref)
+    assert err < TOL[dtype], f"relative error {err:.2e}; seed={seed}"
+
+
+def pick(n, frac):
+    """round(frac * n) distinct indices in random (unsorted) order, int32."""
+    return torch.randperm(n)[: round(frac * n)].to(torch.int32)
+
+
+def test_kernels_run_in_the_interpreter():
+    assert type(sparse_mlp_up_kernel).__name__ == "InterpretedFunction", (
+        "set TRITON_INTERPRET=1 before importing dejavu_lab.kernels (make test does) so the "
+        "Triton kernels themselves run on the CPU"
+    )
+
+
+# ----------------------------------------------------------------------------- up-projection
+UP_CASES = [  # (activation, gated, with biases)
+    ("relu", False, True),
+    ("gelu", True, True),
+    ("silu", True, False),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch", [1, 5])
+@pytest.mark.parametrize("kept", KEPT)
+@pytest.mark.parametrize("case", UP_CASES, ids=lambda c: c[0] + ("_gated" if c[1] else ""))
+def test_sparse_mlp_up(dtype, batch, kept, case, seed):
+    act, gated, biased = case
+    n, d = 96, 80  # d not a multiple of BLOCK_D: masked tail
+    x = torch.randn(batch, d, dtype=dtype)
+    w = (torch.randn(n, d) / d**0.5).to(dtype)
+    wu = (torch.randn(n, d) / d**0.5).to(dtype) if gated else None
+    b = torch.randn(n, dtype=dtype) if biased else None
+    bu = torch.randn(n, dtype=dtype) if biased and gated else None
+    idx = pick(n, kept)
+    kw = dict(bias=b, activation=act, up_weight=wu, up_bias=bu)
+    out = torch.full((batch, idx.numel()), float("nan"), dtype=dtype)
+    cfg = {"BLOCK_N": 4 if batch == 1 else 16, "BLOCK_D": 32, "num_warps": 4}
+    got = sparse_mlp_up(x, w, idx, out=out, config=cfg, **kw)
+    assert got is out
+    ref = sparse_mlp_up_ref(x, w, idx, **kw)
+    if idx.numel():
+        assert_close(out, ref, dtype, seed)
+        # the reference is the dense layer read at the selected neurons
+        dense = sparse_mlp_up_ref(x, w, torch.arange(n), **kw)
+        assert_close(ref, dense[:, idx.long()], dtype, seed)
+
+
+def test_sparse_mlp_up_1d_default_config_and_head_blocks(seed):
+    dtype, d = torch.float16, 48
+    x = torch.randn(d, dtype=dtype)
+    w = (torch.randn(64, d) / 7).to(dtype)
+    idx = pick(64, 0.3)
+    got = sparse_mlp_up(x, w, idx, activation="none")
+    assert got.shape == (idx.numel(),)
+    assert_close(got, sparse_mlp_up_ref(x[None], w, idx, activation="none")[0], dtype, seed)
+    heads = pick(4, 0.5)  # 4 blocks of 16 rows
+    got = sparse_mlp_up(x, w, heads, activation="none", rows_per_index=16)
+    rows = (heads.long()[:, None] * 16 + torch.arange(16)).reshape(-1)
+    assert_close(got, sparse_mlp_up_ref(x[None], w, rows, activation="none")[0], dtype, seed)
+
+
+# --------------------------------------------------------------------------- down-projection
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch", [1, 5])
+@pytest.mark.parametrize("kept", KEPT)
+@pytest.mark.parametrize("split", [1, 3])
+def test_sparse_mlp_down(dtype, batch, kept, split, seed):
+    n, d = 96, 80
+    w2t = (torch.randn(n, d) / n**0.5).to(dtype)  # W2 transposed: one row per neuron
+    bias = torch.randn(d, dtype=dtype)
+    idx = pick(n, kept)
+    h = torch.randn(batch, idx.numel(), dtype=dtype)
+    out = torch.full((batch, d), float("nan"), dtype=dtype)
+    cfg = {"BLOCK_R": 16, "BLOCK_D": 32, "num_warps": 4, "split": split}
+    assert sparse_mlp_down(h, w2t, idx, bias=bias, out=out, config=cfg) is out
+    ref = sparse_mlp_down_ref(h, w2t, idx, bias=bias)
+    assert_close(out, ref, dtype, seed)
+    # the reference equals the dense layer fed zeros at the skipped neurons
+    full = torch.zeros(batch, n, dtype=dtype)
+    full[:, idx.long()] = h
+    assert_close(ref, sparse_mlp_down_ref(full, w2t, torch.arange(n), bias=bias), dtype, seed)
+
+
+def test_union_batch_32_up_then_down(seed):
+    dtype, n, d = torch.float16, 64, 32
+    x = torch.randn(32, d, dtype=dtype)
+    w1 = (torch.randn(n, d) / d**0.5).to(dtype)
+    w2t = (torch.randn(n, d) / n**0.5).to(dtype)
+    idx = pick(n, 0.5)
+    h = sparse_mlp_up(x, w1, idx, config={"BLOCK_N": 16, "BLOCK_D": 16, "num_warps": 4})
+    assert_close(h, sparse_mlp_up_ref(x, w1, idx), dtype, seed)
+    y = sparse_mlp_down(h, w2t, idx, config={"BLOCK_R": 16, "BLOCK_D": 16, "num_warps": 4})
+    assert_close(y, sparse_mlp_down_ref(h, w2t, idx), dtype, seed)
+
+
+def test_cpu_without_interpreter_runs_the_reference(monkeypatch, seed):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    x = torch.randn(2, 32, dtype=torch.float16)
+    w = torch.randn(40, 32, dtype=torch.float16)
+    idx = pick(40, 0.5)
+    assert torch.equal(sparse_mlp_up(x, w, idx), sparse_mlp_up_ref(x, w, idx))
+
+
+# ----------------------------------------------------------------------------- attention
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads_kv", [(4, 4), (8, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("kept", [0.0, 0.5, 1.0])
+def test_sparse_attention(dtype, heads_kv, batch, kept, seed):
+    n_heads, n_kv = heads_kv
+    dh, d, t_max = 16, 32, 40
+    x = torch.randn(batch, d, dtype=dtype)
+    w_qkv = (torch.randn((n_heads + 2 * n_kv) * dh, d) / d**0.5).to(dtype)
+    w_o_t = (torch.randn(n_heads * dh, d) / (n_heads * dh) ** 0.5).to(dtype)
+    b_qkv = (torch.randn((n_heads + 2 * n_kv) * dh) / 4).to(dtype)
+    b_o = torch.randn(d, dtype=dtype)
+    seqlens = torch.randint(1, t_max + 1, (batch,), dtype=torch.int32)
+    seqlens[0] = t_max  # a full cache, whatever the draw
+    k_cache = torch.randn(batch, n_kv, t_max, dh, dtype=dtype)
+    v_cache = torch.randn(batch, n_kv, t_max, dh, dtype=dtype)
+    for b in range(batch):  # positions not yet written must never be read
+        k_cache[b, :, seqlens[b] - 1 :] = float("nan")
+        v_cache[b, :, seqlens[b] - 1 :] = float("nan")
+    heads = pick(n_heads, kept)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    out = torch.full((batch, d), float("nan"), dtype=dtype)
+    args = (x, w_qkv, w_o_t)
+    kw = dict(n_heads=n_heads, b_qkv=b_qkv, b_o=b_o)
+    cfg = {"up": {"BLOCK_N": 32, "BLOCK_D": 32, "num_warps": 4}, "BLOCK_T": 16}
+    assert sparse_attention(*args, kc, vc, seqlens, heads, out=out, config=cfg, **kw) is out
+    ref = sparse_attention_ref(*args, k_cache, v_cache, seqlens, heads, **kw)
+    assert_close(out, ref, dtype, seed)
+    # the new token's key/value lands in the cache of each needed KV head, nowhere else
+    tol = dict(rtol=TOL[dtype], atol=TOL[dtype], equal_nan=True)
+    torch.testing.assert_close(kc, k_cache, **tol, msg=lambda m: f"{m}; seed={seed}")
+    torch.testing.assert_close(vc, v_cache, **tol, msg=lambda m: f"{m}; seed={seed}")
+
+
+# ------------------------------------------------------------------------------ bad inputs
+def _mlp():
+    x = torch.randn(2, 32, dtype=torch.float16)
+    w = torch.randn(40, 32, dtype=torch.float16)
+    return x, w, pick(40, 0.5)
+
+
+@pytest.mark.parametrize(
+    "mutate, exc, message",
+    [
+        (lambda x, w, i: (x.float(), w, i), TypeError, "float16 or bfloat16"),
+        (lambda x, w, i: (x, w.bfloat16(), i), TypeError, "cast it to match"),
+        (lambda x, w, i: (x.to("meta"), w, i), ValueError, "on meta"),
+        (lambda x, w, i: (x, w.to("meta"), i), ValueError, "weight is on meta"),
+        (lambda x, w, i: (x[:, :31], w, i), ValueError, "expected [32] or [B, 32]"),
+        (lambda x, w, i: (x[:1].expand(33, 32), w, i), ValueError, "1 to 32 tokens"),
+        (lambda x, w, i: (x, w.T, i), ValueError, "row-major"),
+        (lambda x, w, i: (x, w, i.float()), TypeError, "int32 or int64"),
+        (lambda x, w, i: (x, w, i[None]), ValueError, "1-D"),
+        (
+            lambda x, w, i: (x, w, torch.cat([i, torch.tensor([40], dtype=i.dtype)])),
+            ValueError,
+            "must lie in [0, 39]",
+        ),  # fmt: skip
+        (lambda x, w, i: (x, w, torch.cat([i, i[:1]])), ValueError, "duplicate"),
+    ],
+    ids=[
+        "dtype",
+        "mixed-dtype",
+        "device",
+        "weight-device",
+        "shape",
+        "batch",
+        "layout",
+        "index-dtype",
+        "index-dim",
+        "out-of-range",
+        "duplicate",
+    ],  # fmt: skip
+)
+def test_up_rejects_bad_inputs(mutate, exc, message):
+    x, w, idx = mutate(*_mlp())
+    with pytest.raises(exc, match=message.replace("[", r"\[").replace("]", r"\]")):
+        sparse_mlp_up(x, w, idx)
+
+
+def test_down_and_options_reject_bad_inputs():
+    x, w, idx = _mlp()
+    with pytest.raises(ValueError, match="activation 'tanh'"):
+        sparse_mlp_up(x, w, idx, activation="tanh")
+    with pytest.raises(ValueError, match="expected"):
+        sparse_mlp_up(x, w, idx, out=torch.empty(2, 3, dtype=torch.float16))
+    with pytest.raises(ValueError, match="bias has shape"):
+        sparse_mlp_up(x, w, idx, bias=torch.zeros(39, dtype=torch.float16))
+    h = torch.randn(2, idx.numel(), dtype=torch.float16)
+    with pytest.raises(ValueError, match="h has shape"):
+        sparse_mlp_down(h[:, 1:], w, idx)
+    with pytest.raises(ValueError, match="duplicate"):
+        sparse_mlp_down(torch.randn(2, 2, dtype=torch.float16), w, torch.tensor([3, 3]))
+    with pytest.raises(TypeError, match="float16 or bfloat16"):
+        sparse_mlp_down(h.double(), w, idx)
+
+
+def test_attention_rejects_bad_inputs():
+    n_heads, dh, d, t_max = 4, 16, 32, 8
+    x = torch.randn(1, d, dtype=torch.float16)
+    w_qkv = torch.randn(3 * n_heads * dh, d, dtype=torch.float16)
+    w_o_t = torch.randn(n_heads * dh, d, dtype=torch.float16)
+    kc = torch.randn(1, n_heads, t_max, dh, dtype=torch.float16)
+    vc = kc.clone()
+    ok = torch.tensor([t_max], dtype=torch.int32)
+    heads = torch.tensor([2, 0])
+    with pytest.raises(ValueError, match=r"seqlens must lie in \[1, 8\]"):
+        sparse_attention(x, w_qkv, w_o_t, kc, vc, ok + 1, heads, n_heads=n_heads)
+    with pytest.raises(ValueError, match="duplicate"):
+        sparse_attention(x, w_qkv, w_o_t, kc, vc, ok, torch.tensor([1, 1]), n_heads=n_heads)
+    with pytest.raises(ValueError, match="must lie in"):
+        sparse_attention(x, w_qkv, w_o_t, kc, vc, ok, torch.tensor([4]), n_heads=n_heads)
+    with pytest.raises(ValueError, match="w_qkv has shape"):
+        sparse_attention(x, w_qkv[:-1], w_o_t, kc, vc, ok, heads, n_heads=n_heads)
+    with pytest.raises(TypeError, match="k_cache has dtype"):
+        sparse_attention(x, w_qkv, w_o_t, kc.bfloat16(), vc, ok, heads, n_heads=n_heads)
+    with pytest.raises(TypeError, match="seqlens"):
+        sparse_attention(x, w_qkv, w_o_t, kc, vc, ok.float(), heads, n_heads=n_heads)
