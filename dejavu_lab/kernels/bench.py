@@ -1,0 +1,259 @@
+"""Timing harness for the sparse kernels (used by ``kernels/bench_*.py`` and the chapter).
+
+Deja Vu Appendix E measures sparse MLP and attention against dense at batch 1; we report, for
+each case, the dense cuBLAS layer, a PyTorch ``index_select`` + matmul baseline and our Triton
+kernel, timed two ways (``triton.testing.do_bench``: events around one launch after an L2
+flush; ``do_bench_cudagraph``: CUDA-graph replay, as a decoding engine runs), with the bytes
+that must move, the achieved bandwidth and the speedup over dense against the ideal
+1 / kept fraction.
+
+Repeated calls over one weight would measure the L2 cache (60 MB on an H200) once the selected
+rows fit in it, so each case keeps several weight copies stacked in one tensor and every call
+rotates to the next copy (and its own random index set): every timed call reads cold weights,
+as a real model does when it walks through its layers.
+
+On a machine without a GPU everything runs through the CPU path with wall-clock timing, which
+is only good for checking the plumbing (tiny shapes).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .sparse_attention import sparse_attention, sparse_attention_ref
+from .sparse_mlp_down import sparse_mlp_down, sparse_mlp_down_ref
+from .sparse_mlp_up import sparse_mlp_up, sparse_mlp_up_ref
+
+__all__ = ["AttentionCase", "MlpCase", "copy_ceiling", "relerr", "time_both"]
+
+L2_FLUSH_BYTES = 4 * 60e6  # rotate over >= 4x the H200's L2 (60 MB) per case
+MAX_COPIES_BYTES = 6e9  # but keep a case's stacked weights under 6 GB
+
+
+def _cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+def time_both(fn: Callable[[], object], *, rep_ms: int = 60) -> tuple[float, float]:
+    """(event-timed median ms, graph-replay median ms) of ``fn``; wall clock on CPU."""
+    if not _cuda():
+        fn()
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        med = statistics.median(times)
+        return med, med
+    from triton.testing import do_bench, do_bench_cudagraph
+
+    event = do_bench(fn, warmup=10, rep=rep_ms, return_mode="median")
+    graph = do_bench_cudagraph(fn, rep=max(20, rep_ms // 2), return_mode="median")
+    return float(event), float(graph)
+
+
+def copy_ceiling(nbytes: int = 2**31) -> float:
+    """Device-to-device copy bandwidth in TB/s (bytes read + written), the practical ceiling."""
+    if not _cuda():
+        return float("nan")
+    from triton.testing import do_bench
+
+    src = torch.empty(nbytes // 2, dtype=torch.float16, device="cuda").uniform_()
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    return 2 * nbytes / (ms * 1e-3) / 1e12
+
+
+def relerr(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def _rotating(calls: list[Callable[[], object]]) -> Callable[[], object]:
+    state = [0]
+
+    def call():
+        i = state[0]
+        state[0] = (i + 1) % len(calls)
+        return calls[i]()
+
+    return call
+
+
+def _copies(selected_bytes: float, copy_bytes: float) -> int:
+    want = max(1, math.ceil(L2_FLUSH_BYTES / max(selected_bytes, 1.0)))
+    return max(1, min(want, int(MAX_COPIES_BYTES // max(copy_bytes, 1.0)), 64))
+
+
+class MlpCase:
+    """One MLP shape (d, hidden 4d) with stacked weight copies for cold-cache timing.
+
+    ``w1``/``b1``: fc1 [copies*n, d] / [copies*n]; ``w2t``: fc2 weight transposed [copies*n, d];
+    ``b2``: [d]. ``min_kept`` sizes the rotation so the smallest selection still misses L2.
+    """
+
+    def __init__(self, d: int, *, min_kept: float = 0.05, dtype=torch.float16, device=None):
+        device = device or ("cuda" if _cuda() else "cpu")
+        self.d, self.n, self.dtype, self.device = d, 4 * d, dtype, torch.device(device)
+        esize = torch.finfo(dtype).bits // 8
+        self.copies = _copies(min_kept * self.n * d * esize, self.n * d * esize)
+        rows = self.copies * self.n
+
+        def rand(*shape, scale):
+            return torch.randn(*shape, dtype=dtype, device=device).mul_(scale)
+
+        self.w1 = rand(rows, d, scale=d**-0.5)
+        self.b1 = rand(rows, scale=0.1)
+        self.w2t = rand(rows, d, scale=self.n**-0.5)
+        self.b2 = rand(d, scale=0.1)
+
+    def _inputs(self, kept: float, batch: int):
+        n, k = self.n, round(kept * self.n)
+        idx = [
+            (torch.randperm(n, device=self.device)[:k] + r * n).to(torch.int32)
+            for r in range(self.copies)
+        ]
+        x = torch.randn(batch, self.d, dtype=self.dtype, device=self.device)
+        h = torch.randn(batch, k, dtype=self.dtype, device=self.device).relu_()
+        h_full = torch.zeros(batch, n, dtype=self.dtype, device=self.device)
+        if k:
+            h_full[:, idx[0].long()] = h  # copy 0 sits at offset 0
+        return k, idx, x, h, h_full
+
+    def calls(self, op: str, kept: float, batch: int, config: dict | None = None) -> dict:
+        """{'dense', 'torch', 'triton'} -> rotating zero-argument callables, plus metadata."""
+        n, d = self.n, self.d
+        k, idx, x, h, h_full = self._inputs(kept, batch)
+        sl = [slice(r * n, (r + 1) * n) for r in range(self.copies)]
+        w1, b1, w2t, b2 = self.w1, self.b1, self.w2t, self.b2
+        if op == "up":
+            dense = [lambda s=s: F.linear(x, w1[s], b1[s]) for s in sl]
+            gather = [
+                lambda i=i: torch.relu(F.linear(x, w1.index_select(0, i), b1.index_select(0, i)))
+                for i in idx
+            ]
+            ours = [
+                lambda i=i: sparse_mlp_up(
+                    x, w1, i, bias=b1, activation="relu", validate=False, config=config
+                )
+                for i in idx
+            ]
+        elif op == "down":
+            dense = [lambda s=s: torch.addmm(b2, h_full, w2t[s]) for s in sl]
+            gather = [lambda i=i: torch.addmm(b2, h, w2t.index_select(0, i)) for i in idx]
+            ours = [
+                lambda i=i: sparse_mlp_down(h, w2t, i, bias=b2, validate=False, config=config)
+                for i in idx
+            ]
+        else:
+            raise ValueError(f"op {op!r} is not 'up' or 'down'.")
+        esize = torch.finfo(self.dtype).bits // 8
+        io = batch * (d + k) * esize  # tokens in, selected activations out (or the reverse)
+        sparse_bytes = k * d * esize + k * 4 + io + (k if op == "up" else d) * esize
+        dense_bytes = n * d * esize + batch * (d + n) * esize + (n if op == "up" else d) * esize
+        return {
+            "dense": _rotating(dense),
+            "torch": _rotating(gather),
+            "triton": _rotating(ours),
+            "k": k,
+            "bytes": {"dense": dense_bytes, "torch": sparse_bytes, "triton": sparse_bytes},
+        }
+
+    def check(self, op: str, kept: float, batch: int, config: dict | None = None) -> float:
+        """Relative error of the Triton kernel against the fp32 reference on fresh inputs."""
+        k, idx, x, h, _ = self._inputs(kept, batch)
+        if op == "up":
+            got = sparse_mlp_up(x, self.w1, idx[0], bias=self.b1, config=config)
+            ref = sparse_mlp_up_ref(x, self.w1, idx[0], bias=self.b1)
+        else:
+            got = sparse_mlp_down(h, self.w2t, idx[0], bias=self.b2, config=config)
+            ref = sparse_mlp_down_ref(h, self.w2t, idx[0], bias=self.b2)
+        if got.isnan().any():
+            return float("inf")
+        return relerr(got, ref) if k else 0.0
+
+
+class AttentionCase:
+    """Decode-step attention at one shape (OPT-175B: 96 heads x 128, d = 12288)."""
+
+    def __init__(self, n_heads=96, d_head=128, context=1024, batch=1, dtype=torch.float16,
+                 device=None):  # fmt: skip
+        device = device or ("cuda" if _cuda() else "cpu")
+        self.h, self.dh, self.ctx, self.batch = n_heads, d_head, context, batch
+        self.d = d = n_heads * d_head
+        self.dtype, self.device = dtype, torch.device(device)
+
+        def rand(*shape, scale=1.0):
+            return torch.randn(*shape, dtype=dtype, device=device).mul_(scale)
+
+        self.w_qkv = rand(3 * d, d, scale=d**-0.5)
+        self.b_qkv = rand(3 * d, scale=0.1)
+        self.w_o = rand(d, d, scale=d**-0.5)  # nn.Linear layout, for the dense baseline
+        self.w_o_t = self.w_o.T.contiguous()  # what the sparse kernel reads
+        self.b_o = rand(d, scale=0.1)
+        self.k_cache = rand(batch, n_heads, context, d_head)
+        self.v_cache = rand(batch, n_heads, context, d_head)
+        self.x = rand(batch, d)
+        self.seqlens = torch.full((batch,), context, dtype=torch.int32, device=device)
+
+    def calls(self, kept: float, config: dict | None = None) -> dict:
+        h, dh, d, b, ctx = self.h, self.dh, self.d, self.batch, self.ctx
+        x, kc, vc, pos = self.x, self.k_cache, self.v_cache, ctx - 1
+        heads = torch.randperm(h, device=self.device)[: round(kept * h)].to(torch.int32)
+        hl = heads.long()
+        ar = torch.arange(dh, device=self.device)
+        q_rows = (hl[:, None] * dh + ar).reshape(-1)
+        rows = torch.cat([q_rows, q_rows + d, q_rows + 2 * d])
+
+        def dense():
+            qkv = F.linear(x, self.w_qkv, self.b_qkv).view(b, 3, h, dh)
+            kc[:, :, pos] = qkv[:, 1]
+            vc[:, :, pos] = qkv[:, 2]
+            o = F.scaled_dot_product_attention(qkv[:, 0, :, None], kc, vc)
+            return F.linear(o.reshape(b, d), self.w_o, self.b_o)
+
+        def gather():
+            qkv = F.linear(x, self.w_qkv.index_select(0, rows), self.b_qkv.index_select(0, rows))
+            qkv = qkv.view(b, 3, heads.numel(), dh)
+            kc[:, hl, pos] = qkv[:, 1]
+            vc[:, hl, pos] = qkv[:, 2]
+            o = F.scaled_dot_product_attention(qkv[:, 0, :, None], kc[:, hl], vc[:, hl])
+            return torch.addmm(self.b_o, o.reshape(b, -1), self.w_o_t.index_select(0, q_rows))
+
+        def ours():
+            return sparse_attention(
+                x, self.w_qkv, self.w_o_t, kc, vc, self.seqlens, heads, n_heads=h,
+                b_qkv=self.b_qkv, b_o=self.b_o, validate=False, config=config,
+            )  # fmt: skip
+
+        esize = torch.finfo(self.dtype).bits // 8
+        kv = b * ctx * dh * 2 * esize  # one head's keys and values, all sequences
+        sel = heads.numel()
+        return {
+            "dense": dense,
+            "torch": gather,
+            "triton": ours,
+            "heads": sel,
+            "bytes": {
+                "dense": 4 * d * d * esize + h * kv,
+                "torch": 4 * sel * dh * d * esize + sel * kv,
+                "triton": 4 * sel * dh * d * esize + sel * kv,
+            },
+        }
+
+    def check(self, kept: float, config: dict | None = None) -> float:
+        heads = torch.randperm(self.h, device=self.device)[: round(kept * self.h)]
+        kc, vc = self.k_cache.clone(), self.v_cache.clone()
+        args = (self.x, self.w_qkv, self.w_o_t)
+        kw = dict(n_heads=self.h, b_qkv=self.b_qkv, b_o=self.b_o)
+        got = sparse_attention(*args, kc, vc, self.seqlens, heads, config=config, **kw)
+        ref = sparse_attention_ref(
+            *args, self.k_cache.clone(), self.v_cache.clone(), self.seqlens, heads, **kw
+        )
+        return float("inf") if got.isnan().any() else relerr(got, ref)

@@ -1,0 +1,224 @@
+"""Sparse MLP kernels vs dense cuBLAS and a torch gather baseline (Deja Vu §4.4, Appendix E).
+
+For d in {4096, 8192, 12288} (OPT-6.7B, -66B, -175B; hidden 4d), kept fraction in
+{50, 20, 10, 5}% and batch 1 plus union batches 4 and 16, times the up-projection
+(fc1 + bias + ReLU, selected rows only) and the down-projection (fc2 over W2 stored
+transposed) three ways — dense cuBLAS, torch ``index_select`` + matmul, our Triton kernel —
+with ``do_bench`` (events, L2 flushed) and ``do_bench_cudagraph`` (graph replay). Reports
+achieved bandwidth over the bytes that must move and speedup over dense against the ideal
+1 / kept. Writes ``results/sparse_mlp.json`` (``--tune``: also ``results/sparse_mlp_tuning.json``).
+
+    PYTHONPATH=. python kernels/bench_sparse_mlp.py [--tune] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+import triton
+import triton.testing
+
+from dejavu_lab import results
+from dejavu_lab.kernels.bench import MlpCase, copy_ceiling, time_both
+
+DIMS = [4096, 8192, 12288]
+KEPT = [0.5, 0.2, 0.1, 0.05]
+BATCHES = [1, 4, 16]
+PROVIDERS = ["dense", "torch", "triton"]
+
+# Candidate tile shapes for --tune (batch 1 uses the FMA path; batches > 1 the tl.dot path).
+TUNE = {
+    ("up", 1): [
+        {"BLOCK_N": n, "BLOCK_D": bd, "num_warps": w}
+        for n, bd, w in [
+            (1, 512, 4),
+            (1, 1024, 4),
+            (1, 1024, 8),
+            (1, 2048, 8),
+            (2, 1024, 8),
+            (2, 512, 4),
+            (4, 512, 8),
+            (4, 256, 4),
+        ]
+    ],  # fmt: skip
+    ("up", 16): [
+        {"BLOCK_N": n, "BLOCK_D": bd, "num_warps": w}
+        for n, bd, w in [
+            (16, 256, 4),
+            (16, 512, 4),
+            (16, 128, 4),
+            (32, 256, 4),
+            (32, 128, 4),
+            (64, 128, 4),
+            (64, 256, 8),
+        ]
+    ],  # fmt: skip
+    ("down", 1): [
+        {"BLOCK_R": r, "BLOCK_D": bd, "num_warps": w, "programs": p}
+        for r, bd, w, p in [
+            (32, 128, 4, 264),
+            (64, 128, 4, 264),
+            (32, 256, 4, 264),
+            (16, 256, 4, 264),
+            (64, 64, 4, 264),
+            (32, 128, 4, 528),
+            (32, 128, 8, 132),
+            (64, 256, 8, 264),
+            (32, 64, 4, 1),
+        ]
+    ],  # fmt: skip
+    ("down", 16): [
+        {"BLOCK_R": r, "BLOCK_D": bd, "num_warps": w, "programs": p}
+        for r, bd, w, p in [
+            (32, 128, 4, 264),
+            (64, 128, 4, 264),
+            (32, 256, 4, 264),
+            (64, 256, 8, 264),
+            (32, 64, 4, 264),
+            (16, 128, 4, 264),
+        ]
+    ],  # fmt: skip
+}
+
+ROWS: list[dict] = []
+_CASE: dict[int, MlpCase] = {}
+_DENSE: dict[tuple, tuple[float, float]] = {}
+
+
+def case_for(d: int) -> MlpCase:
+    if d not in _CASE:
+        _CASE.clear()  # one shape's weights on the GPU at a time
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        _CASE[d] = MlpCase(d, min_kept=min(KEPT))
+    return _CASE[d]
+
+
+def measure(op, d, kept, batch, provider, config=None) -> dict:
+    case = case_for(d)
+    calls = case.calls(op, kept, batch, config)
+    if provider == "dense" and (op, d, batch) in _DENSE:
+        event, graph = _DENSE[(op, d, batch)]
+    else:
+        event, graph = time_both(calls[provider])
+        if provider == "dense":
+            _DENSE[(op, d, batch)] = (event, graph)
+    nbytes = calls["bytes"][provider]
+    row = {
+        "op": op, "d": d, "hidden": case.n, "kept": kept, "k": calls["k"], "batch": batch,
+        "provider": provider, "event_ms": event, "graph_ms": graph, "bytes": nbytes,
+        "event_tbps": nbytes / (event * 1e-3) / 1e12, "graph_tbps": nbytes / (graph * 1e-3) / 1e12,
+        "copies": case.copies, "config": config,
+    }  # fmt: skip
+    if provider != "dense":
+        dense_event, dense_graph = _DENSE.get((op, d, batch)) or time_both(calls["dense"])
+        _DENSE[(op, d, batch)] = (dense_event, dense_graph)
+        ideal = case.n / calls["k"]
+        row.update(
+            ideal=ideal,
+            speedup_event=dense_event / event,
+            speedup_graph=dense_graph / graph,
+            frac_ideal_event=dense_event / event / ideal,
+            frac_ideal_graph=dense_graph / graph / ideal,
+        )
+    return row
+
+
+def make_benchmarks(dims, kept, batches):
+    x_vals = [(d, k, b) for d in dims for b in batches for k in kept]
+    return [
+        triton.testing.Benchmark(
+            x_names=["d", "kept", "batch"],
+            x_vals=x_vals,
+            line_arg="provider",
+            line_vals=PROVIDERS,
+            line_names=["dense cuBLAS", "torch gather", "Triton (ours)"],
+            ylabel="TB/s over bytes that must move (graph replay)",
+            plot_name=f"sparse_mlp_{op}",
+            args={"op": op},
+        )  # fmt: skip
+        for op in ("up", "down")
+    ]
+
+
+def check_correctness(dims):
+    """Kernels vs the fp32 reference on fresh inputs before any timing (fp16; bf16 once)."""
+    worst = 0.0
+    for d in dims:
+        for op in ("up", "down"):
+            for batch in (1, 16):
+                err = case_for(d).check(op, 0.1, batch)
+                worst = max(worst, err)
+                assert err < 5e-3, f"{op} d={d} batch={batch}: relative error {err:.2e}"
+    small = MlpCase(min(1024, dims[0]), dtype=torch.bfloat16, min_kept=0.5)
+    for op in ("up", "down"):
+        for batch in (1, 8):
+            err = small.check(op, 0.3, batch)
+            assert err < 2e-2, f"bf16 {op} batch={batch}: relative error {err:.2e}"
+    print(f"correctness: worst fp16 relative error {worst:.2e} (bf16 checked too)")
+    return worst
+
+
+def tune(d=12288):
+    rows = []
+    for (op, batch), configs in TUNE.items():
+        for kept in KEPT:
+            for cfg in configs:
+                row = measure(op, d, kept, batch, "triton", cfg)
+                rows.append(row)
+            best = max((r for r in rows if (r["op"], r["batch"], r["kept"]) == (op, batch, kept)),
+                       key=lambda r: r["frac_ideal_graph"])  # fmt: skip
+            print(f"tune {op:4s} B={batch:2d} kept={kept:.2f}: best {best['config']} "
+                  f"{best['frac_ideal_graph']:.2f} of ideal")  # fmt: skip
+    return rows
+
+
+def print_table(rows):
+    print(f"\n{'op':4s} {'d':>5s} {'B':>2s} {'kept':>5s} | {'dense':>7s} {'torch':>7s} "
+          f"{'ours':>7s} us (graph) | ours TB/s | speedup ideal frac | event frac")  # fmt: skip
+    key = {}
+    for r in rows:
+        key[(r["op"], r["d"], r["batch"], r["kept"], r["provider"])] = r
+    for (op, d, b, k, p), r in sorted(key.items()):
+        if p != "triton":
+            continue
+        dn, tc = key[(op, d, b, k, "dense")], key[(op, d, b, k, "torch")]
+        print(f"{op:4s} {d:5d} {b:2d} {k:5.2f} | {dn['graph_ms'] * 1e3:7.1f} "
+              f"{tc['graph_ms'] * 1e3:7.1f} {r['graph_ms'] * 1e3:7.1f}    | "
+              f"{r['graph_tbps']:9.2f} | {r['speedup_graph']:7.2f} {r['ideal']:5.1f} "
+              f"{r['frac_ideal_graph']:4.2f} | {r['frac_ideal_event']:4.2f}")  # fmt: skip
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tune", action="store_true", help="sweep tile shapes at d=12288 first")
+    ap.add_argument("--quick", action="store_true", help="tiny shapes (plumbing check, CPU)")
+    args = ap.parse_args(argv)
+    command = "python kernels/bench_sparse_mlp.py " + " ".join(argv or sys.argv[1:])
+    global DIMS, KEPT, BATCHES
+    if args.quick:
+        DIMS, KEPT, BATCHES = [64, 128], [0.5, 0.1], [1, 4]
+    ceiling = copy_ceiling()
+    print(f"copy ceiling: {ceiling:.2f} TB/s")
+    check_correctness(DIMS)
+    if args.tune and not args.quick:
+        trows = tune()
+        results.save("sparse_mlp_tuning", trows, command=command, extra={"copy_tbps": ceiling})
+    for bench in make_benchmarks(DIMS, KEPT, BATCHES):
+        op = bench.args["op"]
+
+        @triton.testing.perf_report(bench)
+        def run(d, kept, batch, provider, op=op):
+            row = measure(op, d, kept, batch, provider)
+            ROWS.append(row)
+            return row["graph_tbps"]
+
+        run.run(print_data=False, show_plots=False)
+    print_table(ROWS)
+    path = results.save("sparse_mlp", ROWS, command=command, extra={"copy_tbps": ceiling})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
