@@ -1,0 +1,273 @@
+"""Collect training data for DejaVu's sparsity predictors, streamed to disk (§4.1–4.2, Knowl 4).
+
+DejaVu trains one small classifier per layer on (block input, which units were active) pairs
+gathered by running the dense model over text ("500 token sequences", Knowl 4). Here one forward
+of ``chunk_windows`` windows writes one chunk file holding, for every layer ``l`` and token:
+
+==========  ===================  ==========================================================
+key         shape, dtype         what
+==========  ===================  ==========================================================
+``l.pre``   [T, d] fp16          ``blocks.l.hook_resid_pre``: layer input (head predictor)
+``l.mid``   [T, d] fp16          ``blocks.l.hook_resid_mid``: MLP input (same-layer MLP)
+``l.mlp``   [T, ⌈n/8⌉] uint8     packed bits: neuron active (ReLU: > 0; gated: in the top
+                                 (1 − ``mlp_label_sparsity``) by ``|act|``, CATS/TEAL-style)
+``l.head``  [T, h] fp16          per-head output norm ‖z_h W_O,h‖ (labels at any budget)
+==========  ===================  ==========================================================
+
+Chunks are written atomically (temporary name, then rename) next to a ``manifest.json`` naming
+the model fingerprint and the config; rerunning with the same arguments skips finished chunks,
+so an interrupted collection resumes. Only one chunk is ever in memory; ``max_tokens`` caps the
+total.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+from .arch import Arch, get_arch
+from .corpus import CorpusError, load_text, token_windows
+from .hooks import hooks
+from .sparsify import budgets, head_gram, head_output_norms, n_keep, topk_mask
+
+__all__ = [
+    "CollectConfig",
+    "CollectionError",
+    "Collection",
+    "collect",
+    "fingerprint",
+    "open_collection",
+    "pack_bits",
+    "unpack_bits",
+]
+
+FORMAT = 1  # bump when the chunk layout changes
+
+
+class CollectionError(ValueError):
+    """A collection directory is missing, incomplete or from another model/config."""
+
+
+@dataclass(frozen=True)
+class CollectConfig:
+    """What to collect. Every field enters the cache key."""
+
+    corpus: str = "demo"  # dejavu_lab.corpus.load_text name
+    window: int = 512  # tokens per window (DejaVu: sequences of length ≥ 500)
+    max_tokens: int = 8192  # cap on collected tokens (whole windows)
+    chunk_windows: int = 1  # windows per forward and per chunk file
+    mlp_label_sparsity: float = 0.5  # gated MLPs: label the top (1 - s) by |act| as active
+    skip_windows: int = 0  # start after this many windows (keep evaluation text apart)
+
+    def __post_init__(self):
+        if self.window < 2 or self.max_tokens < self.window or self.chunk_windows < 1:
+            raise CollectionError(
+                f"need window >= 2, max_tokens >= window and chunk_windows >= 1, got "
+                f"window={self.window}, max_tokens={self.max_tokens}, "
+                f"chunk_windows={self.chunk_windows}."
+            )
+        budgets(self.mlp_label_sparsity, 1, "mlp_label_sparsity")
+
+    def key(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:10]
+
+
+def fingerprint(model, arch: Arch | None = None) -> dict:
+    """Architecture, shapes and a hash of a few weights: enough to tell two models apart."""
+    arch = arch or get_arch(model)
+    h = hashlib.sha256()
+    parts = [
+        model.get_input_embeddings().weight,
+        arch.part(model, 0, "q").weight,
+        arch.part(model, arch.n_layers - 1, "mlp_out").weight,
+    ]
+    for w in parts:
+        h.update(w.detach()[:8].float().cpu().contiguous().numpy().tobytes())
+    return {
+        "model_type": arch.model_type,
+        "n_layers": arch.n_layers,
+        "d_model": arch.d_model,
+        "n_heads": arch.n_heads,
+        "n_kv_heads": arch.n_kv_heads,
+        "d_head": arch.d_head,
+        "d_mlp": arch.d_mlp,
+        "gated": arch.gated,
+        "weights_sha256": h.hexdigest()[:16],
+    }
+
+
+def fingerprint_id(fp: dict) -> str:
+    return f"{fp['model_type']}-L{fp['n_layers']}-d{fp['d_model']}-{fp['weights_sha256'][:8]}"
+
+
+def pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """Bool [T, n] -> uint8 [T, ceil(n/8)] (little-endian bits)."""
+    t, n = mask.shape
+    pad = (-n) % 8
+    m = torch.nn.functional.pad(mask.to(torch.uint8), (0, pad)).view(t, -1, 8)
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+    return (m * weights).sum(-1, dtype=torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """uint8 [T, ceil(n/8)] -> bool [T, n]."""
+    shifts = torch.arange(8, dtype=torch.uint8)
+    bits = (packed[..., None] >> shifts) & 1
+    return bits.flatten(-2)[..., :n].bool()
+
+
+@dataclass
+class Collection:
+    """A finished collection on disk; :meth:`layer` loads one layer's arrays."""
+
+    path: Path
+    manifest: dict
+
+    @property
+    def chunks(self) -> list[Path]:
+        return [self.path / f"chunk_{c:05d}.safetensors" for c in range(self.manifest["n_chunks"])]
+
+    @property
+    def n_tokens(self) -> int:
+        return self.manifest["n_tokens"]
+
+    def layer(self, i: int, keys=("pre", "mid", "mlp", "head"), chunks=None) -> dict:
+        """Concatenated arrays of layer ``i`` over ``chunks`` (default all): key -> tensor."""
+        out: dict[str, list] = {k: [] for k in keys}
+        for path in self.chunks if chunks is None else chunks:
+            try:
+                with safe_open(str(path), "pt") as f:
+                    for k in keys:
+                        out[k].append(f.get_tensor(f"{i}.{k}"))
+            except Exception as e:  # safetensors raises its own error types
+                raise CollectionError(
+                    f"Cannot read {path} ({type(e).__name__}); the collection is damaged: "
+                    "delete the folder and collect again."
+                ) from None
+        res = {k: torch.cat(v) for k, v in out.items()}
+        if "mlp" in res:
+            res["mlp"] = unpack_bits(res["mlp"], self.manifest["fingerprint"]["d_mlp"])
+        return res
+
+
+def default_dir(fp: dict, config: CollectConfig) -> Path:
+    from .assets import cache_dir
+
+    return cache_dir() / "activations" / f"{fingerprint_id(fp)}-{config.key()}"
+
+
+@torch.no_grad()
+def collect(
+    model,
+    tokenizer,
+    config: CollectConfig = CollectConfig(),
+    out_dir: str | os.PathLike | None = None,
+    *,
+    arch: Arch | None = None,
+    windows: torch.Tensor | None = None,
+    progress: bool = True,
+) -> Collection:
+    """Run the dense model over the corpus and stream per-layer inputs and labels to disk.
+
+    ``windows`` [n, window] (token ids) replaces the corpus, e.g. for random-init test models;
+    ``config.max_tokens`` and ``skip_windows`` still apply. The default ``out_dir`` is a folder
+    under :func:`dejavu_lab.assets.cache_dir` keyed by the model fingerprint and the config.
+    """
+    arch = arch or get_arch(model)
+    fp = fingerprint(model, arch)
+    out = Path(out_dir) if out_dir is not None else default_dir(fp, config)
+    n_windows = config.skip_windows + config.max_tokens // config.window
+    if windows is None:
+        if tokenizer is None:
+            raise CollectionError("collect needs a tokenizer (with the corpus) or windows=.")
+        windows = token_windows(tokenizer, load_text(config.corpus), config.window, n_windows)
+    windows = windows[config.skip_windows : n_windows]
+    if windows.shape[0] == 0:
+        raise CorpusError(
+            f"The corpus has no windows left after skipping {config.skip_windows}; "
+            "lower skip_windows or the window."
+        )
+    n_chunks = math.ceil(windows.shape[0] / config.chunk_windows)
+    manifest = {
+        "format": FORMAT,
+        "fingerprint": fp,
+        "config": asdict(config),
+        "n_chunks": n_chunks,
+        "n_tokens": windows.numel(),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    mpath = out / "manifest.json"
+    if mpath.exists():
+        old = json.loads(mpath.read_text())
+        if {k: old.get(k) for k in manifest} != manifest:
+            raise CollectionError(
+                f"{out} holds a collection for another model or config; pass another "
+                "out_dir or delete that folder."
+            )
+    else:
+        mpath.write_text(json.dumps(manifest, indent=1))
+    device = next(model.parameters()).device
+    grams = [head_gram(model, arch, i).to(device) for i in range(arch.n_layers)]
+    k_label = n_keep(config.mlp_label_sparsity, arch.d_mlp)
+    relu = not arch.gated and arch.activation == "relu"
+    bar = tqdm(total=n_chunks, desc="collect", unit="chunk", disable=not progress)
+    buf: dict[str, torch.Tensor] = {}
+
+    def grab(t: torch.Tensor, name: str) -> None:
+        _, i, point = name.split(".", 2)
+        t = t.detach().flatten(0, -2) if point != "attn.hook_z" else t.detach().flatten(0, 1)
+        if point == "hook_resid_pre":
+            buf[f"{i}.pre"] = t.half().cpu()
+        elif point == "hook_resid_mid":
+            buf[f"{i}.mid"] = t.half().cpu()
+        elif point == "mlp.hook_post":
+            active = t > 0 if relu else topk_mask(t.abs(), k_label)
+            buf[f"{i}.mlp"] = pack_bits(active.cpu())
+        else:
+            buf[f"{i}.head"] = head_output_norms(t, grams[int(i)]).half().cpu()
+
+    points = ["hook_resid_pre", "hook_resid_mid", "mlp.hook_post", "attn.hook_z"]
+    with hooks(model, [(f"blocks.*.{p}", grab) for p in points], arch):
+        for c in range(n_chunks):
+            path = out / f"chunk_{c:05d}.safetensors"
+            if path.exists():
+                bar.update()
+                continue
+            ids = windows[c * config.chunk_windows : (c + 1) * config.chunk_windows]
+            buf.clear()
+            model(input_ids=ids.to(device))
+            tmp = path.with_suffix(".partial")
+            save_file(dict(buf), str(tmp), metadata={"windows": str(ids.shape[0])})
+            os.replace(tmp, path)
+            bar.update()
+    bar.close()
+    buf.clear()
+    return Collection(out, manifest)
+
+
+def open_collection(path: str | os.PathLike) -> Collection:
+    """A finished collection folder (written by :func:`collect`)."""
+    path = Path(path)
+    mpath = path / "manifest.json"
+    if not mpath.exists():
+        raise CollectionError(
+            f"{path} is not a collection (no manifest.json); run `dejavu-lab collect` first."
+        )
+    manifest = json.loads(mpath.read_text())
+    col = Collection(path, manifest)
+    missing = [p.name for p in col.chunks if not p.exists()]
+    if missing:
+        raise CollectionError(
+            f"{path} is incomplete ({len(missing)} of {manifest['n_chunks']} chunks missing); "
+            "rerun the same collect command to resume it."
+        )
+    return col
