@@ -31,56 +31,45 @@ PROVIDERS = ["dense", "torch", "triton"]
 # Candidate tile shapes for --tune (batch 1 uses the FMA path; batches > 1 the tl.dot path).
 TUNE = {
     ("up", 1): [
-        {"BLOCK_N": n, "BLOCK_D": bd, "num_warps": w}
-        for n, bd, w in [
-            (1, 512, 4),
-            (1, 1024, 4),
-            (1, 1024, 8),
-            (1, 2048, 8),
-            (2, 1024, 8),
-            (2, 512, 4),
-            (4, 512, 8),
-            (4, 256, 4),
+        {"BLOCK_N": n, "BLOCK_D": bd, "num_warps": w, "prefetch": pf}
+        for n, bd, w, pf in [
+            (1, 1024, 4, True),
+            (1, 512, 4, True),
+            (2, 512, 4, True),
+            (1, 2048, 8, True),
+            (2, 1024, 8, True),
+            (1, 1024, 4, False),
+            (4, 512, 8, False),
+            (1, 512, 2, True),
         ]
     ],  # fmt: skip
     ("up", 16): [
-        {"BLOCK_N": n, "BLOCK_D": bd, "num_warps": w}
-        for n, bd, w in [
-            (16, 256, 4),
-            (16, 512, 4),
-            (16, 128, 4),
-            (32, 256, 4),
-            (32, 128, 4),
-            (64, 128, 4),
-            (64, 256, 8),
+        {"BLOCK_N": n, "BLOCK_D": bd, "num_warps": w, "num_stages": st}
+        for n, bd, w, st in [
+            (16, 512, 4, 4),
+            (16, 512, 8, 5),
+            (16, 1024, 8, 3),
+            (32, 256, 4, 4),
+            (32, 512, 8, 4),
+            (64, 128, 4, 3),
+            (16, 256, 4, 5),
         ]
     ],  # fmt: skip
     ("down", 1): [
-        {"BLOCK_R": r, "BLOCK_D": bd, "num_warps": w, "programs": p}
-        for r, bd, w, p in [
-            (32, 128, 4, 264),
-            (64, 128, 4, 264),
-            (32, 256, 4, 264),
-            (16, 256, 4, 264),
-            (64, 64, 4, 264),
-            (32, 128, 4, 528),
-            (32, 128, 8, 132),
-            (64, 256, 8, 264),
-            (32, 64, 4, 1),
-        ]
-    ],  # fmt: skip
-    ("down", 16): [
-        {"BLOCK_R": r, "BLOCK_D": bd, "num_warps": w, "programs": p}
-        for r, bd, w, p in [
-            (32, 128, 4, 264),
-            (64, 128, 4, 264),
-            (32, 256, 4, 264),
-            (64, 256, 8, 264),
-            (32, 64, 4, 264),
-            (16, 128, 4, 264),
+        {"BLOCK_R": r, "BLOCK_D": bd, "num_warps": w, "programs": p, "num_stages": st, "dot": dot}
+        for r, bd, w, p, st, dot in [
+            (32, 256, 4, 396, 3, True),
+            (32, 256, 4, 528, 4, True),
+            (64, 256, 8, 264, 4, True),
+            (64, 256, 4, 264, 3, True),
+            (32, 512, 8, 264, 3, True),
+            (16, 256, 4, 792, 4, True),
+            (64, 128, 4, 528, 4, True),
+            (32, 256, 4, 528, 3, False),
         ]
     ],  # fmt: skip
 }
+TUNE[("down", 16)] = [c for c in TUNE[("down", 1)] if c["dot"]]
 
 ROWS: list[dict] = []
 _CASE: dict[int, MlpCase] = {}
@@ -95,10 +84,15 @@ def case_for(d: int) -> MlpCase:
     return _CASE[d]
 
 
-def measure(op, d, kept, batch, provider, config=None) -> dict:
+def measure(op, d, kept, batch, provider, config=None, graph_only=False) -> dict:
     case = case_for(d)
     calls = case.calls(op, kept, batch, config)
-    if provider == "dense" and (op, d, batch) in _DENSE:
+    if graph_only:
+        from triton.testing import do_bench_cudagraph
+
+        graph = do_bench_cudagraph(calls[provider], rep=20, return_mode="median")
+        event = float("nan")
+    elif provider == "dense" and (op, d, batch) in _DENSE:
         event, graph = _DENSE[(op, d, batch)]
     else:
         event, graph = time_both(calls[provider])
@@ -165,7 +159,7 @@ def tune(d=12288):
     for (op, batch), configs in TUNE.items():
         for kept in KEPT:
             for cfg in configs:
-                row = measure(op, d, kept, batch, "triton", cfg)
+                row = measure(op, d, kept, batch, "triton", cfg, graph_only=True)
                 rows.append(row)
             best = max((r for r in rows if (r["op"], r["batch"], r["kept"]) == (op, batch, kept)),
                        key=lambda r: r["frac_ideal_graph"])  # fmt: skip
@@ -193,6 +187,7 @@ def print_table(rows):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tune", action="store_true", help="sweep tile shapes at d=12288 first")
+    ap.add_argument("--tune-only", action="store_true", help="sweep, record, stop")
     ap.add_argument("--quick", action="store_true", help="tiny shapes (plumbing check, CPU)")
     args = ap.parse_args(argv)
     command = "python kernels/bench_sparse_mlp.py " + " ".join(argv or sys.argv[1:])
@@ -202,9 +197,11 @@ def main(argv=None):
     ceiling = copy_ceiling()
     print(f"copy ceiling: {ceiling:.2f} TB/s")
     check_correctness(DIMS)
-    if args.tune and not args.quick:
+    if (args.tune or args.tune_only) and not args.quick:
         trows = tune()
         results.save("sparse_mlp_tuning", trows, command=command, extra={"copy_tbps": ceiling})
+        if args.tune_only:
+            return
     for bench in make_benchmarks(DIMS, KEPT, BATCHES):
         op = bench.args["op"]
 

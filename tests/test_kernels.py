@@ -269,3 +269,26 @@ def test_attention_rejects_bad_inputs():
         sparse_attention(x, w_qkv, w_o_t, kc.bfloat16(), vc, ok, heads, n_heads=n_heads)
     with pytest.raises(TypeError, match="seqlens"):
         sparse_attention(x, w_qkv, w_o_t, kc, vc, ok.float(), heads, n_heads=n_heads)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_alternative_tilings(dtype, seed):
+    """The tuned variants: prefetching FMA path (up), tensor-core path at batch 1 (down)."""
+    n, d = 96, 80
+    x = torch.randn(1, d, dtype=dtype)
+    w = (torch.randn(n, d) / d**0.5).to(dtype)
+    wu = (torch.randn(n, d) / d**0.5).to(dtype)
+    idx = pick(n, 0.4)
+    for gated in (False, True):
+        kw = dict(activation="silu", up_weight=wu if gated else None)
+        out = torch.full((1, idx.numel()), float("nan"), dtype=dtype)
+        cfg = {"BLOCK_N": 2, "BLOCK_D": 32, "num_warps": 4, "prefetch": True}
+        sparse_mlp_up(x, w, idx, out=out, config=cfg, **kw)
+        assert_close(out, sparse_mlp_up_ref(x, w, idx, **kw), dtype, seed)
+    h = torch.randn(1, idx.numel(), dtype=dtype)
+    bias = torch.randn(d, dtype=dtype)
+    for split in (1, 2):
+        out = torch.full((1, d), float("nan"), dtype=dtype)
+        cfg = {"BLOCK_R": 16, "BLOCK_D": 32, "num_warps": 4, "dot": True, "split": split}
+        sparse_mlp_down(h, w, idx, bias=bias, out=out, config=cfg)
+        assert_close(out, sparse_mlp_down_ref(h, w, idx, bias=bias), dtype, seed)

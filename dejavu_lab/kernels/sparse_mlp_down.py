@@ -84,7 +84,8 @@ def sparse_mlp_down_kernel(
             blk = tl.load(idx_ptr + offs_r // G, mask=mask_r, other=0).to(tl.int64)
             rows = blk * G + offs_r % G
         w_ptrs = w_ptr + rows[:, None] * stride_w + offs_d[None, :]
-        w = tl.load(w_ptrs, mask=mask_r[:, None] & mask_d[None, :], other=0.0)
+        w_mask = mask_r[:, None] & mask_d[None, :]
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
         if BLOCK_B == 1:
             hv = tl.load(h_ptr + offs_r, mask=mask_r, other=0.0).to(tl.float32)
             acc += hv[:, None] * w.to(tl.float32)
@@ -210,7 +211,7 @@ def sparse_mlp_down(
         res2.copy_(sparse_mlp_down_ref(hb, weight_t, idx, bias=bias, rows_per_index=g))
         return res
     cfg = {**default_config(batch, k, d, device), **(config or {})}
-    block_b = batch_block(batch)
+    block_b = max(16, batch_block(batch)) if cfg.get("dot") else batch_block(batch)
     if block_b > 1 and cfg["BLOCK_R"] < 16:
         raise ValueError("config BLOCK_R must be >= 16 for batches above 1 (tensor-core path).")
     n_split, rows_per_split = _split(k, d, cfg)

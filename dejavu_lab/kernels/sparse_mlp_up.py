@@ -77,6 +77,7 @@ def sparse_mlp_up_kernel(
     BLOCK_N: tl.constexpr,  # selected rows per program
     BLOCK_D: tl.constexpr,  # input features per step
     UPCAST: tl.constexpr,  # fp32 tl.dot (CPU interpreter, bf16)
+    PREFETCH: tl.constexpr,  # FMA path: load the next tile before using this one
 ):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -90,34 +91,66 @@ def sparse_mlp_up_kernel(
     mask_b = offs_b < B
     w_rows = w_ptr + rows[:, None] * stride_w  # [BLOCK_N, 1]
     wu_rows = wu_ptr + rows[:, None] * stride_wu
+    offs_k = tl.arange(0, BLOCK_D)
     if BLOCK_B == 1:
+        # FMA path: accumulate the whole tile, reduce once at the end. PREFETCH issues the
+        # next tile's loads before this tile's FMAs (two loads in flight per thread).
         acc = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
         acc_u = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_N, BLOCK_B), tl.float32)
-        acc_u = tl.zeros((BLOCK_N, BLOCK_B), tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        offs_d = d0 + tl.arange(0, BLOCK_D)
-        mask_d = offs_d < D
-        w_mask = mask_n[:, None] & mask_d[None, :]
-        w = tl.load(w_rows + offs_d[None, :], mask=w_mask, other=0.0)
-        if GATED:
-            wu = tl.load(wu_rows + offs_d[None, :], mask=w_mask, other=0.0)
-        if BLOCK_B == 1:
+        if PREFETCH:
+            m0 = mask_n[:, None] & (offs_k < D)[None, :]
+            w_nxt = tl.load(
+                w_rows + offs_k[None, :], mask=m0, other=0.0, eviction_policy="evict_first"
+            )
+            if GATED:
+                wu_nxt = tl.load(
+                    wu_rows + offs_k[None, :], mask=m0, other=0.0, eviction_policy="evict_first"
+                )
+        for d0 in range(0, D, BLOCK_D):
+            offs_d = d0 + offs_k
+            mask_d = offs_d < D
+            if PREFETCH:
+                w = w_nxt
+                nd = offs_d + BLOCK_D
+                m1 = mask_n[:, None] & (nd < D)[None, :]
+                w_nxt = tl.load(
+                    w_rows + nd[None, :], mask=m1, other=0.0, eviction_policy="evict_first"
+                )
+                if GATED:
+                    wu = wu_nxt
+                    wu_nxt = tl.load(
+                        wu_rows + nd[None, :], mask=m1, other=0.0, eviction_policy="evict_first"
+                    )
+            else:
+                m1 = mask_n[:, None] & mask_d[None, :]
+                w = tl.load(
+                    w_rows + offs_d[None, :], mask=m1, other=0.0, eviction_policy="evict_first"
+                )
+                if GATED:
+                    wu = tl.load(
+                        wu_rows + offs_d[None, :], mask=m1, other=0.0, eviction_policy="evict_first"
+                    )
             x = tl.load(x_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
             acc += w.to(tl.float32) * x[None, :]
             if GATED:
                 acc_u += wu.to(tl.float32) * x[None, :]
-        else:
+        h = tl.sum(acc, axis=1)[:, None]  # [BLOCK_N, 1]
+        u = tl.sum(acc_u, axis=1)[:, None]
+    else:
+        # tensor-core path (tokens padded to BLOCK_B >= 16); Triton pipelines these loads
+        acc = tl.zeros((BLOCK_N, BLOCK_B), tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_B), tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            offs_d = d0 + offs_k
+            mask_d = offs_d < D
+            w_mask = mask_n[:, None] & mask_d[None, :]
+            w = tl.load(w_rows + offs_d[None, :], mask=w_mask, other=0.0)
             x_ptrs = x_ptr + offs_b[:, None] * stride_xb + offs_d[None, :]
             x = tl.load(x_ptrs, mask=mask_b[:, None] & mask_d[None, :], other=0.0)
             acc = dot_acc(w, tl.trans(x), acc, UPCAST)
             if GATED:
+                wu = tl.load(wu_rows + offs_d[None, :], mask=w_mask, other=0.0)
                 acc_u = dot_acc(wu, tl.trans(x), acc_u, UPCAST)
-    if BLOCK_B == 1:
-        h = tl.sum(acc, axis=1)[:, None]  # [BLOCK_N, 1]
-        u = tl.sum(acc_u, axis=1)[:, None]
-    else:
         h = acc  # [BLOCK_N, BLOCK_B]
         u = acc_u
     if HAS_BIAS:
@@ -240,6 +273,6 @@ def sparse_mlp_up(
         up_weight.stride(0) if up_weight is not None else 0, res2.stride(0),
         G=g, ACT=activation, GATED=up_weight is not None, HAS_BIAS=bias is not None,
         HAS_UP_BIAS=up_bias is not None, BLOCK_B=block_b, BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_D=cfg["BLOCK_D"], UPCAST=upcast_dot(dtype), num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 3),
+        BLOCK_D=cfg["BLOCK_D"], UPCAST=upcast_dot(dtype), PREFETCH=bool(cfg.get("prefetch", False)), num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 3),
     )  # fmt: skip
     return res
