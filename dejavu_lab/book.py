@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 
 import torch
 
@@ -33,9 +34,10 @@ def setup() -> None:
 
     hf_logging.disable_progress_bar()  # one-second loads: no progress widgets in the page
 
-    # the mimetype keeps the figure for JupyterLab; "notebook" embeds plotly.js in the page so
-    # the built HTML draws it with no network.
-    pio.renderers.default = "plotly_mimetype+notebook"
+    # the mimetype keeps the figure for JupyterLab; "offline_notebook" embeds plotly.js in the
+    # page so the built HTML draws it with no network.
+    pio.renderers["offline_notebook"] = _offline_notebook_renderer()
+    pio.renderers.default = "plotly_mimetype+offline_notebook"
     pio.templates.default = "plotly_white"
     sns.set_theme(style="whitegrid", context="notebook")
 
@@ -51,3 +53,18 @@ def caption(model: str, text: str, n_tokens: int, extra: str = "") -> str:
     """One line naming the model, the text, the token count and the hardware of a figure."""
     line = f"Model: {model}. Text: {text}, {n_tokens:,} tokens. Hardware: {hardware()}."
     return f"{line} {extra}".strip()
+
+
+def _offline_notebook_renderer():
+    """plotly's notebook renderer without its MathJax <script> from a CDN (figures use none)."""
+    from plotly.io._base_renderers import NotebookRenderer
+
+    cdn_script = re.compile(r'<script[^>]*src="https?://[^"]*mathjax[^"]*"[^>]*>\s*</script>', re.I)
+
+    class OfflineNotebookRenderer(NotebookRenderer):
+        def to_mimebundle(self, fig_dict):
+            bundle = super().to_mimebundle(fig_dict)
+            bundle["text/html"] = cdn_script.sub("", bundle["text/html"])
+            return bundle
+
+    return OfflineNotebookRenderer()
