@@ -56,20 +56,29 @@ TUNE = {
         ]
     ],  # fmt: skip
     ("down", 1): [
-        {"BLOCK_R": r, "BLOCK_D": bd, "num_warps": w, "programs": p, "num_stages": st, "dot": dot}
-        for r, bd, w, p, st, dot in [
-            (32, 256, 4, 396, 3, True),
-            (32, 256, 4, 528, 4, True),
-            (64, 256, 8, 264, 4, True),
-            (64, 256, 4, 264, 3, True),
-            (32, 512, 8, 264, 3, True),
-            (16, 256, 4, 792, 4, True),
-            (64, 128, 4, 528, 4, True),
-            (32, 256, 4, 528, 3, False),
+        {"BLOCK_R": r, "BLOCK_D": bd, "num_warps": w, "programs": p, "prefetch": pf, "fused": fu}
+        for r, bd, w, p, pf, fu in [
+            (32, 256, 4, 528, True, True),
+            (32, 256, 4, 528, False, True),
+            (32, 256, 4, 528, True, False),
+            (32, 256, 4, 792, True, True),
+            (32, 256, 4, 1056, True, True),
+            (16, 256, 4, 1056, True, True),
+            (64, 256, 8, 528, True, True),
+            (32, 512, 8, 396, True, True),
+        ]
+    ],  # fmt: skip
+    ("down", 16): [
+        {"BLOCK_R": r, "BLOCK_D": bd, "num_warps": w, "programs": p, "num_stages": 4, "fused": fu}
+        for r, bd, w, p, fu in [
+            (64, 128, 4, 528, True),
+            (64, 128, 4, 528, False),
+            (64, 128, 4, 792, True),
+            (32, 256, 4, 528, True),
+            (64, 256, 8, 264, True),
         ]
     ],  # fmt: skip
 }
-TUNE[("down", 16)] = [c for c in TUNE[("down", 1)] if c["dot"]]
 
 ROWS: list[dict] = []
 _CASE: dict[int, MlpCase] = {}
@@ -154,9 +163,11 @@ def check_correctness(dims):
     return worst
 
 
-def tune(d=12288):
+def tune(ops, d=12288):
     rows = []
     for (op, batch), configs in TUNE.items():
+        if op not in ops:
+            continue
         for kept in KEPT:
             for cfg in configs:
                 row = measure(op, d, kept, batch, "triton", cfg, graph_only=True)
@@ -186,7 +197,7 @@ def print_table(rows):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tune", action="store_true", help="sweep tile shapes at d=12288 first")
+    ap.add_argument("--tune", nargs="*", choices=["up", "down"], help="sweep tiles at d=12288")
     ap.add_argument("--tune-only", action="store_true", help="sweep, record, stop")
     ap.add_argument("--quick", action="store_true", help="tiny shapes (plumbing check, CPU)")
     args = ap.parse_args(argv)
@@ -197,9 +208,11 @@ def main(argv=None):
     ceiling = copy_ceiling()
     print(f"copy ceiling: {ceiling:.2f} TB/s")
     check_correctness(DIMS)
-    if (args.tune or args.tune_only) and not args.quick:
-        trows = tune()
-        results.save("sparse_mlp_tuning", trows, command=command, extra={"copy_tbps": ceiling})
+    if (args.tune is not None or args.tune_only) and not args.quick:
+        ops = args.tune or ["up", "down"]
+        trows = tune(ops)
+        name = "sparse_mlp_tuning" + ("" if len(ops) == 2 else "_" + ops[0])
+        results.save(name, trows, command=command, extra={"copy_tbps": ceiling})
         if args.tune_only:
             return
     for bench in make_benchmarks(DIMS, KEPT, BATCHES):

@@ -287,8 +287,9 @@ def test_alternative_tilings(dtype, seed):
         assert_close(out, sparse_mlp_up_ref(x, w, idx, **kw), dtype, seed)
     h = torch.randn(1, idx.numel(), dtype=dtype)
     bias = torch.randn(d, dtype=dtype)
-    for split in (1, 2):
+    for split, extra in [(1, {"dot": True}), (2, {"dot": True}), (3, {"prefetch": True}),
+                         (1, {"prefetch": True}), (3, {"fused": False})]:  # fmt: skip
         out = torch.full((1, d), float("nan"), dtype=dtype)
-        cfg = {"BLOCK_R": 16, "BLOCK_D": 32, "num_warps": 4, "dot": True, "split": split}
+        cfg = {"BLOCK_R": 16, "BLOCK_D": 32, "num_warps": 4, "split": split, **extra}
         sparse_mlp_down(h, w, idx, bias=bias, out=out, config=cfg)
         assert_close(out, sparse_mlp_down_ref(h, w, idx, bias=bias), dtype, seed)

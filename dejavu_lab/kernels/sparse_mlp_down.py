@@ -33,6 +33,7 @@ from ._common import (
     check_rowmajor,
     check_shape,
     dot_acc,
+    next_pow2,
     upcast_dot,
     use_triton,
 )
@@ -41,13 +42,25 @@ __all__ = ["sparse_mlp_down", "sparse_mlp_down_kernel", "sparse_mlp_down_ref"]
 
 
 @triton.jit
+def _rows(idx_ptr, offs_r, mask_r, G: tl.constexpr):
+    """Weight rows of the selected positions ``offs_r`` (blocks of G rows per index)."""
+    if G == 1:
+        rows = tl.load(idx_ptr + offs_r, mask=mask_r, other=0).to(tl.int64)
+    else:
+        blk = tl.load(idx_ptr + offs_r // G, mask=mask_r, other=0).to(tl.int64)
+        rows = blk * G + offs_r % G
+    return rows
+
+
+@triton.jit
 def sparse_mlp_down_kernel(
     h_ptr,  # [B, K] activations of the selected rows
     w_ptr,  # [n_rows, D] W2 transposed, row-major
     idx_ptr,  # [K // G] selected row blocks
     b_ptr,  # [D] bias (optional)
-    out_ptr,  # [B, D] output (one split)
+    out_ptr,  # [B, D] output
     part_ptr,  # [n_split, B, D] fp32 partial sums (several splits)
+    count_ptr,  # [>= n_col] int32 arrival counters, zero between launches (FUSED)
     B,
     K,
     D,
@@ -55,13 +68,16 @@ def sparse_mlp_down_kernel(
     stride_w,
     stride_ob,
     rows_per_split,
+    n_split,
     G: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    PARTIAL: tl.constexpr,  # write fp32 partials instead of the output
+    PARTIAL: tl.constexpr,  # several splits: write fp32 partials
+    FUSED: tl.constexpr,  # ... and the last split to arrive sums them (else a second kernel)
     BLOCK_B: tl.constexpr,  # 1 (FMA path) or >= 16 (tl.dot path)
     BLOCK_R: tl.constexpr,  # selected rows per step
     BLOCK_D: tl.constexpr,  # output columns per program
     UPCAST: tl.constexpr,  # fp32 tl.dot (CPU interpreter, bf16)
+    PREFETCH: tl.constexpr,  # FMA path: next tile's weights and indices in flight
 ):
     pid_d = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -69,43 +85,78 @@ def sparse_mlp_down_kernel(
     mask_d = offs_d < D
     offs_b = tl.arange(0, BLOCK_B)
     mask_b = offs_b < B
+    offs_k = tl.arange(0, BLOCK_R)
     r_lo = pid_s * rows_per_split
     r_hi = tl.minimum(K, r_lo + rows_per_split)
     if BLOCK_B == 1:
         acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_B, BLOCK_D), tl.float32)
-    for r0 in range(r_lo, r_hi, BLOCK_R):
-        offs_r = r0 + tl.arange(0, BLOCK_R)
-        mask_r = offs_r < r_hi
-        if G == 1:
-            rows = tl.load(idx_ptr + offs_r, mask=mask_r, other=0).to(tl.int64)
-        else:
-            blk = tl.load(idx_ptr + offs_r // G, mask=mask_r, other=0).to(tl.int64)
-            rows = blk * G + offs_r % G
-        w_ptrs = w_ptr + rows[:, None] * stride_w + offs_d[None, :]
-        w_mask = mask_r[:, None] & mask_d[None, :]
-        w = tl.load(w_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
-        if BLOCK_B == 1:
+        if PREFETCH:
+            m0 = (r_lo + offs_k) < r_hi
+            rows0 = _rows(idx_ptr, r_lo + offs_k, m0, G)
+            w_nxt = tl.load(w_ptr + rows0[:, None] * stride_w + offs_d[None, :],
+                            mask=m0[:, None] & mask_d[None, :], other=0.0,
+                            eviction_policy="evict_first")  # fmt: skip
+            m1 = (r_lo + BLOCK_R + offs_k) < r_hi
+            rows_nxt = _rows(idx_ptr, r_lo + BLOCK_R + offs_k, m1, G)
+        for r0 in range(r_lo, r_hi, BLOCK_R):
+            offs_r = r0 + offs_k
+            mask_r = offs_r < r_hi
+            if PREFETCH:
+                w = w_nxt
+                m1 = (offs_r + BLOCK_R) < r_hi
+                w_nxt = tl.load(w_ptr + rows_nxt[:, None] * stride_w + offs_d[None, :],
+                                mask=m1[:, None] & mask_d[None, :], other=0.0,
+                                eviction_policy="evict_first")  # fmt: skip
+                m2 = (offs_r + 2 * BLOCK_R) < r_hi
+                rows_nxt = _rows(idx_ptr, offs_r + 2 * BLOCK_R, m2, G)
+            else:
+                rows = _rows(idx_ptr, offs_r, mask_r, G)
+                w = tl.load(w_ptr + rows[:, None] * stride_w + offs_d[None, :],
+                            mask=mask_r[:, None] & mask_d[None, :], other=0.0,
+                            eviction_policy="evict_first")  # fmt: skip
             hv = tl.load(h_ptr + offs_r, mask=mask_r, other=0.0).to(tl.float32)
             acc += hv[:, None] * w.to(tl.float32)
-        else:
+        y = tl.sum(acc, axis=0)[None, :]  # [1, BLOCK_D]
+    else:
+        # tensor-core path (tokens padded to BLOCK_B >= 16); Triton pipelines these loads
+        acc = tl.zeros((BLOCK_B, BLOCK_D), tl.float32)
+        for r0 in range(r_lo, r_hi, BLOCK_R):
+            offs_r = r0 + offs_k
+            mask_r = offs_r < r_hi
+            rows = _rows(idx_ptr, offs_r, mask_r, G)
+            w = tl.load(w_ptr + rows[:, None] * stride_w + offs_d[None, :],
+                        mask=mask_r[:, None] & mask_d[None, :], other=0.0)  # fmt: skip
             h_ptrs = h_ptr + offs_b[:, None] * stride_hb + offs_r[None, :]
             hv = tl.load(h_ptrs, mask=mask_b[:, None] & mask_r[None, :], other=0.0)
             acc = dot_acc(hv, w, acc, UPCAST)
-    if BLOCK_B == 1:
-        y = tl.sum(acc, axis=0)[None, :]  # [1, BLOCK_D]
-    else:
         y = acc  # [BLOCK_B, BLOCK_D]
     mask = mask_b[:, None] & mask_d[None, :]
     if PARTIAL:
         p_ptrs = part_ptr + (pid_s * B + offs_b[:, None]).to(tl.int64) * D + offs_d[None, :]
         tl.store(p_ptrs, y, mask=mask)
+        if FUSED:
+            # Split-K "serial reduction" (as CUTLASS's semaphore): the CTA's partial stores
+            # precede the barrier, the barrier precedes one gpu-scope acq_rel atomic; the
+            # last of the n_split programs of this column tile sums every partial.
+            tl.debug_barrier()
+            arrived = tl.atomic_add(count_ptr + pid_d, 1, sem="acq_rel", scope="gpu")
+            if arrived == n_split - 1:
+                tot = tl.zeros((BLOCK_B, BLOCK_D), tl.float32)
+                for s in range(0, n_split):
+                    q_ptrs = part_ptr + (s * B + offs_b[:, None]).to(tl.int64) * D + offs_d[None, :]
+                    tot += tl.load(q_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+                tl.atomic_xchg(count_ptr + pid_d, 0)  # ready for the next launch
+                _finish(tot, b_ptr, out_ptr, offs_b, offs_d, mask, mask_d, stride_ob, HAS_BIAS)
     else:
-        if HAS_BIAS:
-            y += tl.load(b_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
-        o_ptrs = out_ptr + offs_b[:, None] * stride_ob + offs_d[None, :]
-        tl.store(o_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)
+        _finish(y, b_ptr, out_ptr, offs_b, offs_d, mask, mask_d, stride_ob, HAS_BIAS)
+
+
+@triton.jit
+def _finish(y, b_ptr, out_ptr, offs_b, offs_d, mask, mask_d, stride_ob, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        y += tl.load(b_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
+    o_ptrs = out_ptr + offs_b[:, None] * stride_ob + offs_d[None, :]
+    tl.store(o_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -140,18 +191,35 @@ def sparse_mlp_down_ref(h, weight_t, idx, *, bias=None, rows_per_index=1):
     return y.to(h.dtype)
 
 
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """Per-device int32 arrival counters for the fused split reduction (left at zero by each
+    launch). One set per device: launches on concurrent streams of one device must use
+    ``config={"fused": False}``."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(4096, n), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
+
+
 @functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def default_config(batch: int, k: int, d: int, device: torch.device) -> dict:
-    """Tile sizes tuned on an H200 (results/sparse_mlp_tuning.json); any valid choice is correct."""
+    """Tile shapes from the H200 sweeps in results/sparse_mlp_tuning.json (d = 12288): about
+    four programs per SM, the partial sums reduced by the last program to arrive."""
+    sms = _sm_count(device.index or 0) if device.type == "cuda" else 2
     if batch == 1:
-        cfg = {"BLOCK_R": 32, "BLOCK_D": 128, "num_warps": 4}
+        cfg = {"BLOCK_R": 32, "BLOCK_D": 256, "num_warps": 4, "prefetch": True}
     else:
-        cfg = {"BLOCK_R": 32, "BLOCK_D": 128, "num_warps": 4}
-    cfg["programs"] = 2 * (_sm_count(device.index or 0) if device.type == "cuda" else 2)
+        cfg = {"BLOCK_R": 64, "BLOCK_D": 128, "num_warps": 4, "num_stages": 4}
+    cfg["BLOCK_D"] = min(cfg["BLOCK_D"], max(16, next_pow2(d)))
+    cfg["programs"] = 4 * sms
     return cfg
 
 
@@ -215,20 +283,23 @@ def sparse_mlp_down(
     if block_b > 1 and cfg["BLOCK_R"] < 16:
         raise ValueError("config BLOCK_R must be >= 16 for batches above 1 (tensor-core path).")
     n_split, rows_per_split = _split(k, d, cfg)
+    fused = n_split > 1 and cfg.get("fused", True)
     part = (
         torch.empty((n_split, batch, d), dtype=torch.float32, device=device)
         if n_split > 1
         else res2
     )
-    grid = (triton.cdiv(d, cfg["BLOCK_D"]), n_split)
-    sparse_mlp_down_kernel[grid](
-        hb, weight_t, idx, bias if bias is not None else weight_t, res2, part,
-        batch, k, d, hb.stride(0), weight_t.stride(0), res2.stride(0), rows_per_split,
-        G=g, HAS_BIAS=bias is not None, PARTIAL=n_split > 1, BLOCK_B=block_b,
-        BLOCK_R=cfg["BLOCK_R"], BLOCK_D=cfg["BLOCK_D"], UPCAST=upcast_dot(dtype), num_warps=cfg["num_warps"],
-        num_stages=cfg.get("num_stages", 3),
+    n_col = triton.cdiv(d, cfg["BLOCK_D"])
+    counts = _counters(device, n_col) if fused else part
+    sparse_mlp_down_kernel[(n_col, n_split)](
+        hb, weight_t, idx, bias if bias is not None else weight_t, res2, part, counts,
+        batch, k, d, hb.stride(0), weight_t.stride(0), res2.stride(0), rows_per_split, n_split,
+        G=g, HAS_BIAS=bias is not None, PARTIAL=n_split > 1, FUSED=fused, BLOCK_B=block_b,
+        BLOCK_R=cfg["BLOCK_R"], BLOCK_D=cfg["BLOCK_D"], UPCAST=upcast_dot(dtype),
+        PREFETCH=bool(cfg.get("prefetch", False)) and block_b == 1,
+        num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 3),
     )  # fmt: skip
-    if n_split > 1:
+    if n_split > 1 and not fused:
         n = batch * d
         block = 1024
         sparse_mlp_down_reduce_kernel[(triton.cdiv(n, block),)](
