@@ -10,7 +10,7 @@ HTML_MANAGER := @jupyter-widgets/html-manager@1.0.14
 MATHJAX := mathjax@3.2.2
 VENDOR := _static/vendor
 
-.PHONY: test book lab bench lint clean
+.PHONY: test book lab bench lint clean chromium
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,7 +18,14 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --disable-pip-version-check -e ".[dev,book,kernels]"
 	touch $(STAMP)
 
-test: $(STAMP)
+# The rendered-page tests drive Debian's chromium; install it where we can (root + apt).
+chromium:
+	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  { apt-get install -y -qq chromium >/dev/null 2>&1 || \
+	    { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq chromium >/dev/null 2>&1; }; }; } || \
+	  echo "chromium could not be installed: the rendered-page tests will be skipped"
+
+test: $(STAMP) chromium
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest
 
 lint: $(STAMP)
