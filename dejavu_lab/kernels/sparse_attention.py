@@ -61,13 +61,17 @@ def sparse_attention_kernel(
     stride_vt,
     stride_o,
     qk_scale,  # softmax scale * log2(e)
+    chunk,  # cached positions per split (a multiple of BLOCK_T)
+    part_ptr,  # [B * n_kv * n_split, BLOCK_G, DH + 2] fp32 partial (acc, m, l) per split
     GROUP: tl.constexpr,  # query heads per KV head
     BLOCK_G: tl.constexpr,  # next power of two >= GROUP
     DH: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    PARTIAL: tl.constexpr,  # several splits of the context (flash-decoding); combine after
 ):
     b = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
+    split = tl.program_id(2)
     kvh = tl.load(kv_heads_ptr + s).to(tl.int64)
     seqlen = tl.load(seqlens_ptr + b)
     offs_dh = tl.arange(0, DH)
@@ -83,15 +87,25 @@ def sparse_attention_kernel(
     kc = kc_ptr + b * stride_kb + kvh * stride_kh
     vc = vc_ptr + b * stride_vb + kvh * stride_vh
     last = (seqlen - 1).to(tl.int64)
-    tl.store(kc + last * stride_kt + offs_dh, k_new.to(kc_ptr.dtype.element_ty))
-    tl.store(vc + last * stride_vt + offs_dh, v_new.to(vc_ptr.dtype.element_ty))
-    # the new token first (read from registers, so no program reads what another writes)
-    m = tl.sum(q * k_new.to(tl.float32)[None, :], axis=1)  # [BLOCK_G], log2 domain
-    l_sum = tl.full((BLOCK_G,), 1.0, tl.float32)
-    acc = tl.zeros((BLOCK_G, DH), tl.float32) + v_new.to(tl.float32)[None, :]
-    for t0 in range(0, seqlen - 1, BLOCK_T):
+    if split == 0:
+        # the new token: appended to the cache and attended from registers, so no program
+        # reads what another one writes (the others read positions < seqlen - 1 only)
+        k_new = tl.load(row + (n_q + s) * DH + offs_dh)
+        v_new = tl.load(row + (n_q + n_kv + s) * DH + offs_dh)
+        tl.store(kc + last * stride_kt + offs_dh, k_new.to(kc_ptr.dtype.element_ty))
+        tl.store(vc + last * stride_vt + offs_dh, v_new.to(vc_ptr.dtype.element_ty))
+        m = tl.sum(q * k_new.to(tl.float32)[None, :], axis=1)  # [BLOCK_G], log2 domain
+        l_sum = tl.full((BLOCK_G,), 1.0, tl.float32)
+        acc = tl.zeros((BLOCK_G, DH), tl.float32) + v_new.to(tl.float32)[None, :]
+    else:
+        m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+        l_sum = tl.zeros((BLOCK_G,), tl.float32)
+        acc = tl.zeros((BLOCK_G, DH), tl.float32)
+    lo = split * chunk
+    hi = tl.minimum(seqlen - 1, lo + chunk)
+    for t0 in range(lo, hi, BLOCK_T):
         offs_t = t0 + tl.arange(0, BLOCK_T)
-        mask_t = offs_t < seqlen - 1
+        mask_t = offs_t < hi
         t64 = offs_t.to(tl.int64)[:, None]
         k = tl.load(kc + t64 * stride_kt + offs_dh[None, :], mask=mask_t[:, None], other=0.0)
         v = tl.load(vc + t64 * stride_vt + offs_dh[None, :], mask=mask_t[:, None], other=0.0)
@@ -103,9 +117,60 @@ def sparse_attention_kernel(
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
         m = m_new
+    if PARTIAL:
+        base = part_ptr + ((b * n_kv + s) * tl.num_programs(2) + split) * (BLOCK_G * (DH + 2))
+        rows = base + offs_g[:, None] * (DH + 2)
+        tl.store(rows + offs_dh[None, :], acc)
+        tl.store(base + offs_g * (DH + 2) + DH, m)
+        tl.store(base + offs_g * (DH + 2) + DH + 1, l_sum)
+    else:
+        o = acc / l_sum[:, None]
+        o_ptrs = o_ptr + b * stride_o + slot[:, None].to(tl.int64) * DH + offs_dh[None, :]
+        tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=sel[:, None])
+
+
+@triton.jit
+def sparse_attention_combine_kernel(
+    part_ptr,  # [B * n_kv * n_split, BLOCK_G, DH + 2] fp32 (acc, m, l)
+    kv_heads_ptr,
+    q_slot_ptr,
+    o_ptr,
+    n_kv,
+    n_split,
+    stride_o,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    DH: tl.constexpr,
+):
+    """Merge the splits' online-softmax states: o = sum_i 2^(m_i - M) acc_i / sum_i 2^(m_i - M) l_i."""
+    b = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    kvh = tl.load(kv_heads_ptr + s).to(tl.int64)
+    offs_dh = tl.arange(0, DH)
+    offs_g = tl.arange(0, BLOCK_G)
+    slot = tl.load(q_slot_ptr + kvh * GROUP + offs_g, mask=offs_g < GROUP, other=-1)
+    first = part_ptr + (b * n_kv + s) * n_split * (BLOCK_G * (DH + 2))
+    big_m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+    for i in range(n_split):
+        big_m = tl.maximum(
+            big_m, tl.load(first + i * (BLOCK_G * (DH + 2)) + offs_g * (DH + 2) + DH)
+        )
+    l_sum = tl.zeros((BLOCK_G,), tl.float32)
+    acc = tl.zeros((BLOCK_G, DH), tl.float32)
+    for i in range(n_split):
+        base = first + i * (BLOCK_G * (DH + 2)) + offs_g * (DH + 2)
+        w = tl.exp2(tl.load(base + DH) - big_m)  # 0 for an empty split (m = -inf)
+        l_sum += w * tl.load(base + DH + 1)
+        acc += w[:, None] * tl.load(base[:, None] + offs_dh[None, :])
     o = acc / l_sum[:, None]
     o_ptrs = o_ptr + b * stride_o + slot[:, None].to(tl.int64) * DH + offs_dh[None, :]
-    tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=sel[:, None])
+    tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=(slot >= 0)[:, None])
+
+
+def _programs(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _plan(heads, n_heads, n_kv, kv_heads):
@@ -241,12 +306,34 @@ def sparse_attention(
     group = n_heads // n_kv
     block_g = next_pow2(group)
     scale = 1.0 / math.sqrt(dh) if scale is None else scale
-    sparse_attention_kernel[(batch, kvh.numel())](
-        qkv, k_cache, v_cache, seqlens, kvh, q_slot, o, n_q, kvh.numel(), qkv.stride(0),
+    block_t = cfg.get("BLOCK_T", max(16, 64 // block_g))
+    n_kv_sel = kvh.numel()
+    # flash-decoding: split the context so that about 4 programs per SM stream the cache
+    steps = triton.cdiv(max(t_max - 1, 1), block_t)
+    want = cfg.get("kv_splits") or triton.cdiv(
+        cfg.get("programs", _programs(device)), batch * n_kv_sel
+    )
+    n_split = max(1, min(steps, want))
+    chunk = triton.cdiv(steps, n_split) * block_t
+    n_split = triton.cdiv(max(t_max - 1, 1), chunk)
+    part = (
+        torch.empty(
+            (batch * n_kv_sel * n_split, block_g, dh + 2), dtype=torch.float32, device=device
+        )
+        if n_split > 1
+        else o
+    )
+    sparse_attention_kernel[(batch, n_kv_sel, n_split)](
+        qkv, k_cache, v_cache, seqlens, kvh, q_slot, o, n_q, n_kv_sel, qkv.stride(0),
         *k_cache.stride()[:3], *v_cache.stride()[:3], o.stride(0), scale * math.log2(math.e),
-        GROUP=group, BLOCK_G=block_g, DH=dh, BLOCK_T=cfg.get("BLOCK_T", max(16, 64 // block_g)),
+        chunk, part, GROUP=group, BLOCK_G=block_g, DH=dh, BLOCK_T=block_t, PARTIAL=n_split > 1,
         num_warps=cfg.get("num_warps", 4),
     )  # fmt: skip
+    if n_split > 1:
+        sparse_attention_combine_kernel[(batch, n_kv_sel)](
+            part, kvh, q_slot, o, n_kv_sel, n_split, o.stride(0),
+            GROUP=group, BLOCK_G=block_g, DH=dh, num_warps=4,
+        )  # fmt: skip
     sparse_mlp_down(o, w_o_t, heads, bias=b_o, rows_per_index=dh, out=res2, validate=False,
                     config=cfg.get("down"))  # fmt: skip
     return res

@@ -77,7 +77,7 @@ def sparse_mlp_down_kernel(
     BLOCK_R: tl.constexpr,  # selected rows per step
     BLOCK_D: tl.constexpr,  # output columns per program
     UPCAST: tl.constexpr,  # fp32 tl.dot (CPU interpreter, bf16)
-    PREFETCH: tl.constexpr,  # FMA path: next tile's weights and indices in flight
+    PREFETCH: tl.constexpr,  # FMA path: load the next step's indices one step early
 ):
     pid_d = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -91,29 +91,18 @@ def sparse_mlp_down_kernel(
     if BLOCK_B == 1:
         acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
         if PREFETCH:
-            m0 = (r_lo + offs_k) < r_hi
-            rows0 = _rows(idx_ptr, r_lo + offs_k, m0, G)
-            w_nxt = tl.load(w_ptr + rows0[:, None] * stride_w + offs_d[None, :],
-                            mask=m0[:, None] & mask_d[None, :], other=0.0,
-                            eviction_policy="evict_first")  # fmt: skip
-            m1 = (r_lo + BLOCK_R + offs_k) < r_hi
-            rows_nxt = _rows(idx_ptr, r_lo + BLOCK_R + offs_k, m1, G)
+            rows_nxt = _rows(idx_ptr, r_lo + offs_k, (r_lo + offs_k) < r_hi, G)
         for r0 in range(r_lo, r_hi, BLOCK_R):
             offs_r = r0 + offs_k
             mask_r = offs_r < r_hi
-            if PREFETCH:
-                w = w_nxt
-                m1 = (offs_r + BLOCK_R) < r_hi
-                w_nxt = tl.load(w_ptr + rows_nxt[:, None] * stride_w + offs_d[None, :],
-                                mask=m1[:, None] & mask_d[None, :], other=0.0,
-                                eviction_policy="evict_first")  # fmt: skip
-                m2 = (offs_r + 2 * BLOCK_R) < r_hi
-                rows_nxt = _rows(idx_ptr, offs_r + 2 * BLOCK_R, m2, G)
+            if PREFETCH:  # this step's rows were loaded last step: one latency per step
+                rows = rows_nxt
+                rows_nxt = _rows(idx_ptr, offs_r + BLOCK_R, (offs_r + BLOCK_R) < r_hi, G)
             else:
                 rows = _rows(idx_ptr, offs_r, mask_r, G)
-                w = tl.load(w_ptr + rows[:, None] * stride_w + offs_d[None, :],
-                            mask=mask_r[:, None] & mask_d[None, :], other=0.0,
-                            eviction_policy="evict_first")  # fmt: skip
+            w = tl.load(w_ptr + rows[:, None] * stride_w + offs_d[None, :],
+                        mask=mask_r[:, None] & mask_d[None, :], other=0.0,
+                        eviction_policy="evict_first")  # fmt: skip
             hv = tl.load(h_ptr + offs_r, mask=mask_r, other=0.0).to(tl.float32)
             acc += hv[:, None] * w.to(tl.float32)
         y = tl.sum(acc, axis=0)[None, :]  # [1, BLOCK_D]
@@ -215,9 +204,9 @@ def default_config(batch: int, k: int, d: int, device: torch.device) -> dict:
     four programs per SM, the partial sums reduced by the last program to arrive."""
     sms = _sm_count(device.index or 0) if device.type == "cuda" else 2
     if batch == 1:
-        cfg = {"BLOCK_R": 32, "BLOCK_D": 256, "num_warps": 4, "prefetch": True}
+        cfg = {"BLOCK_R": 32, "BLOCK_D": 256, "num_warps": 4, "prefetch": True, "fused": True}
     else:
-        cfg = {"BLOCK_R": 64, "BLOCK_D": 128, "num_warps": 4, "num_stages": 4}
+        cfg = {"BLOCK_R": 64, "BLOCK_D": 128, "num_warps": 4, "num_stages": 4, "fused": False}
     cfg["BLOCK_D"] = min(cfg["BLOCK_D"], max(16, next_pow2(d)))
     cfg["programs"] = 4 * sms
     return cfg
