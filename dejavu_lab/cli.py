@@ -1,0 +1,264 @@
+"""``dejavu-lab``: collect activations, train and evaluate DejaVu predictors, measure perplexity.
+
+::
+
+    dejavu-lab perplexity --model demo --corpus demo --window 512
+    dejavu-lab perplexity --model demo --mlp-sparsity 0.5 --head-sparsity 0.3 --mode oracle
+    dejavu-lab collect --model demo --max-tokens 8192            # resumable; prints the folder
+    dejavu-lab train-predictors --model demo --mode both         # collects first if needed
+    dejavu-lab eval --model demo --predictors P.safetensors --mlp-sparsity 0.5
+
+Every subcommand prints its result on stdout, progress bars on stderr, and on a bad input one
+line ``dejavu-lab: error: ...`` with exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["main", "parser"]
+
+
+def _budget(text: str):
+    """A sparsity: one number or comma-separated per-layer numbers (checked later)."""
+    parts = [p for p in text.split(",") if p.strip()]
+    try:
+        values = [float(p) for p in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a number in [0, 1) or a comma-separated list, got {text!r}"
+        ) from None
+    return values[0] if len(values) == 1 else values
+
+
+def _layers(text: str) -> list[int]:
+    try:
+        return [int(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated layer indices, got {text!r}"
+        ) from None
+
+
+def _common(p: argparse.ArgumentParser, corpus: bool = True) -> None:
+    p.add_argument("--model", default="demo", help="'demo', a Hugging Face id or a local folder")
+    if corpus:
+        p.add_argument("--corpus", default="demo", help="demo, wikitext-2 or c4")
+        p.add_argument("--window", type=int, default=512, help="tokens per window")
+    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
+
+def _sparsity_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mlp-sparsity", type=_budget, default=0.0, help="fraction of neurons removed")
+    p.add_argument("--head-sparsity", type=_budget, default=0.0, help="fraction of heads removed")
+    p.add_argument("--dense-layers", type=_layers, default=[], help="e.g. 0,1 (left dense)")
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="dejavu-lab", description="Contextual sparsity (Deja Vu, ICML 2023) on HF models."
+    )
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("perplexity", help="perplexity on a corpus, dense or sparsified")
+    _common(p)
+    p.add_argument("--max-windows", type=int, default=None, help="cap on windows evaluated")
+    p.add_argument("--skip-windows", type=int, default=0, help="start after this many windows")
+    _sparsity_args(p)
+    p.add_argument("--mode", choices=["oracle", "static", "predicted"], default="oracle")
+    p.add_argument("--predictors", type=Path, help="predictor file (--mode predicted)")
+    p.add_argument("--static-windows", type=int, default=4, help="calibration windows (static)")
+
+    p = sub.add_parser("collect", help="stream per-layer predictor training data to disk")
+    _common(p)
+    p.add_argument("--max-tokens", type=int, default=8192, help="cap on collected tokens")
+    p.add_argument("--mlp-label-sparsity", type=float, default=0.5, help="gated MLP labels")
+    p.add_argument("--out", type=Path, default=None, help="folder (default: the cache)")
+
+    p = sub.add_parser("train-predictors", help="train DejaVu predictors (collects if needed)")
+    _common(p)
+    p.add_argument("--collection", type=Path, help="a folder from `collect` (default: cached)")
+    p.add_argument("--max-tokens", type=int, default=8192, help="tokens to collect if needed")
+    p.add_argument("--mode", choices=["same", "lookahead", "both"], default="both")
+    p.add_argument("--mlp-rank", type=int, default=64)
+    p.add_argument("--head-rank", type=int, default=32)
+    p.add_argument("--epochs", type=int, default=8)
+    p.add_argument("--out", type=Path, default=None, help="file (one mode) or folder")
+
+    p = sub.add_parser("eval", help="per-layer recall/precision/mass of trained predictors")
+    _common(p)
+    p.add_argument("--predictors", type=Path, nargs="+", required=True)
+    p.add_argument("--mlp-sparsity", type=float, default=0.5)
+    p.add_argument("--head-sparsity", type=float, default=0.3)
+    p.add_argument("--windows", type=int, default=2, help="held-out windows to evaluate on")
+    p.add_argument("--skip-windows", type=int, default=16, help="skip the training windows")
+    p.add_argument("--per-layer", action="store_true", help="print every layer's row")
+    return ap
+
+
+def _load(args):
+    from .models import load_model
+
+    return load_model(args.model)
+
+
+def _windows(args, tokenizer, n: int | None, skip: int = 0):
+    from .corpus import load_text, token_windows
+
+    if tokenizer is None:
+        raise ValueError(
+            f"Model {args.model!r} has no tokenizer, so it cannot read a corpus; "
+            "use 'demo', a Hugging Face id or a folder with tokenizer files."
+        )
+    total = None if n is None else n + skip
+    w = token_windows(tokenizer, load_text(args.corpus), args.window, total)[skip:]
+    if w.shape[0] == 0:
+        from .corpus import CorpusError
+
+        raise CorpusError(
+            f"The corpus has no {args.window}-token windows left after skipping {skip}; "
+            "skip fewer windows or use a smaller --window."
+        )
+    return w
+
+
+def cmd_perplexity(args) -> None:
+    from .sparsify import sparse_perplexity, static_sets
+
+    model, tok, arch = _load(args)
+    windows = _windows(args, tok, args.max_windows, args.skip_windows)
+    kw = dict(
+        mlp_sparsity=args.mlp_sparsity,
+        head_sparsity=args.head_sparsity,
+        dense_layers=args.dense_layers,
+        mode=args.mode,
+    )
+    if args.mode == "predicted":
+        from .predictors import load_predictors
+
+        if args.predictors is None:
+            raise ValueError("--mode predicted needs --predictors FILE (see train-predictors).")
+        kw["predictors"] = load_predictors(args.predictors, model, arch)
+    if args.mode == "static":
+        calib = _windows(args, tok, args.static_windows)
+        kw["static"] = static_sets(
+            model, calib, mlp_sparsity=args.mlp_sparsity, head_sparsity=args.head_sparsity
+        )
+    ppl = sparse_perplexity(model, windows, progress=not args.no_progress, **kw)
+    print(f"{ppl:.4f}")
+
+
+def cmd_collect(args) -> None:
+    from .collect import CollectConfig, collect
+
+    model, tok, arch = _load(args)
+    cfg = CollectConfig(
+        corpus=args.corpus,
+        window=args.window,
+        max_tokens=args.max_tokens,
+        mlp_label_sparsity=args.mlp_label_sparsity,
+    )
+    col = collect(model, tok, cfg, args.out, arch=arch, progress=not args.no_progress)
+    print(col.path)
+
+
+def cmd_train(args) -> None:
+    from .collect import CollectConfig, collect, open_collection
+    from .predictors import PredictorConfig, default_path, train_predictors
+
+    model, tok, arch = _load(args)
+    cfg_c = CollectConfig(corpus=args.corpus, window=args.window, max_tokens=args.max_tokens)
+    t0 = time.perf_counter()
+    if args.collection is not None:
+        col = open_collection(args.collection)
+        if col.manifest["fingerprint"]["weights_sha256"] != _fp(model, arch)["weights_sha256"]:
+            raise ValueError(f"{args.collection} was collected from another model.")
+    else:
+        col = collect(model, tok, cfg_c, arch=arch, progress=not args.no_progress)
+    t1 = time.perf_counter()
+    modes = ["same", "lookahead"] if args.mode == "both" else [args.mode]
+    for mode in modes:
+        cfg = PredictorConfig(
+            mode=mode, mlp_rank=args.mlp_rank, head_rank=args.head_rank, epochs=args.epochs
+        )
+        pred = train_predictors(col, cfg, progress=not args.no_progress)
+        if args.out is None:
+            path = default_path(col.manifest["fingerprint"], cfg_c, cfg)
+        elif len(modes) == 1 and args.out.suffix == ".safetensors":
+            path = args.out
+        else:
+            path = args.out / f"predictors-{mode}.safetensors"
+        pred.save(path)
+        recall = {
+            k: sum(h["val_recall"] for h in pred.history if h["kind"] == k) / arch.n_layers
+            for k in ("mlp", "heads")
+        }
+        print(
+            f"{mode}: {path}  mean validation recall: MLP {recall['mlp']:.3f}, "
+            f"heads {recall['heads']:.3f}"
+        )
+    print(
+        f"collection {t1 - t0:.0f} s, training {time.perf_counter() - t1:.0f} s",
+        file=sys.stderr,
+    )
+
+
+def _fp(model, arch):
+    from .collect import fingerprint
+
+    return fingerprint(model, arch)
+
+
+def cmd_eval(args) -> None:
+    from .predictors import evaluate, load_predictors
+
+    model, tok, arch = _load(args)
+    preds = [load_predictors(p, model, arch) for p in args.predictors]
+    windows = _windows(args, tok, args.windows, args.skip_windows)
+    df = evaluate(
+        model,
+        windows,
+        preds,
+        mlp_sparsity=args.mlp_sparsity,
+        head_sparsity=args.head_sparsity,
+        arch=arch,
+        progress=not args.no_progress,
+    )
+    cols = ["recall", "precision", "mass_kept", "oracle_mass"]
+    if args.per_layer:
+        print(df.to_string(index=False, float_format="%.3f"))
+    else:
+        print(df.groupby(["mode", "kind"])[cols].mean().to_string(float_format="%.3f"))
+
+
+COMMANDS = {
+    "perplexity": cmd_perplexity,
+    "collect": cmd_collect,
+    "train-predictors": cmd_train,
+    "eval": cmd_eval,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    from .assets import AssetError
+
+    if args.no_progress:
+        hf_logging.disable_progress_bar()
+
+    try:
+        COMMANDS[args.command](args)
+    except (ValueError, OSError, AssetError) as e:  # our errors are one sentence
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"dejavu-lab: error: {msg}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
