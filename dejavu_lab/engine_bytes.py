@@ -1,0 +1,60 @@
+"""Bytes a batch-1 decode step reads, and the speedup they predict (Deja Vu §2.2, §4.4, Knowl 3).
+
+At batch 1 a decode step is memory-bound: its time is (bytes read) / (bandwidth) plus the gaps
+between kernels. Counting the bytes of each part of :class:`dejavu_lab.engine.Decoder`'s step
+gives its floor and, for a sparse configuration, the speedup it can at most reach. The counts
+follow what the engine actually reads:
+
+- attention weights: ``W_QKV`` and ``W_O``; the sparse path reads the kept heads' rows of
+  ``W_Q``/``W_O`` and, with deferred KV (multi-head attention), of ``W_K``/``W_V``; with GQA
+  it reads every K/V head (they are few);
+- MLP weights: ``W1`` and ``W2`` (ReLU) or gate, up and down (SwiGLU), the kept neurons' rows;
+- KV cache: the attention core reads every head's cache up to the current position;
+- ``lm_head`` (never sparse), and the predictors' weights (fp32 in :mod:`dejavu_lab.predictors`).
+"""
+
+from __future__ import annotations
+
+from .arch import Arch
+
+__all__ = ["predictor_bytes", "step_bytes"]
+
+
+def predictor_bytes(arch: Arch, mlp_rank: int, head_rank: int, esize: int = 4) -> int:
+    """Weights of DejaVu's low-rank predictors (d -> r -> n, plus the output bias), all layers."""
+    d, n, h = arch.d_model, arch.d_mlp, arch.n_heads
+    per_layer = d * mlp_rank + mlp_rank * n + n + d * head_rank + head_rank * h + h
+    return arch.n_layers * per_layer * esize
+
+
+def step_bytes(
+    arch: Arch,
+    *,
+    vocab: int,
+    context: int,
+    mlp_kept: float = 1.0,
+    head_kept: float = 1.0,
+    predictors: int = 0,
+    esize: int = 2,
+    d_embed: int | None = None,
+) -> dict[str, float]:
+    """Bytes per decode step by part: attention, mlp, kv_cache, lm_head, predictors, total.
+
+    ``context`` is the number of cached positions attended; ``mlp_kept``/``head_kept`` are the
+    kept fractions (1 - sparsity); ``predictors`` is :func:`predictor_bytes` (0 for dense).
+    """
+    L, d, n, dh = arch.n_layers, arch.d_model, arch.d_mlp, arch.d_head
+    q_rows, kv_rows = arch.n_heads * dh, arch.n_kv_heads * dh
+    mha = arch.n_heads == arch.n_kv_heads
+    kv_kept = head_kept if mha else 1.0
+    attn = (2 * q_rows * head_kept + 2 * kv_rows * kv_kept) * d
+    mlp = (3 if arch.gated else 2) * n * d * mlp_kept
+    parts = {
+        "attention": L * attn * esize,
+        "mlp": L * mlp * esize,
+        "kv_cache": L * 2 * kv_rows * context * esize,
+        "lm_head": vocab * (d_embed or d) * esize,
+        "predictors": float(predictors),
+    }
+    parts["total"] = sum(parts.values())
+    return parts

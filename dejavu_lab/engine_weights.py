@@ -1,0 +1,197 @@
+"""Weights of a decoder, rearranged once at load time for batch-1 decoding (Deja Vu §4.4, Knowl 3).
+
+:func:`decoder_weights` reads a Hugging Face OPT or Llama-family model through its
+:class:`~dejavu_lab.arch.Arch` adapter and returns plain tensors laid out for the kernels:
+
+- ``w_qkv`` — ``cat(W_q, W_k, W_v)`` rows, one GEMV (dense) or one gather-GEMV (sparse) per step;
+- ``w_o_t`` and ``w_down_t`` — ``o_proj.weight.T`` and ``fc2/down_proj.weight.T`` made
+  contiguous, so the rows of one head / one neuron are contiguous (coalesced loads, Knowl 3);
+- ``w_in`` — ``fc1.weight`` (ReLU MLPs) or ``cat(gate, up)`` (SwiGLU): the sparse kernel reads
+  the two halves as views, the dense path reads it as one matrix.
+
+Tensors that need no new layout (norms, ``fc1``, embeddings, ``lm_head``) are shared with the
+HF model, not copied, so building an engine next to a 60 GB model costs the copies only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .arch import Arch, get_arch
+
+__all__ = ["DecoderWeights", "EngineError", "LayerWeights", "decoder_weights"]
+
+ENGINE_TYPES = ("opt", "llama", "mistral", "qwen2")  # Arch tables whose blocks the engine runs
+
+
+class EngineError(ValueError):
+    """The engine cannot run this model or this request; the message says what to do."""
+
+
+@dataclass
+class LayerWeights:
+    """One block. Shapes: d = d_model, H/Hkv = query/KV heads, dh = d_head, n = MLP neurons."""
+
+    ln_attn: tuple  # (weight [d], bias [d] or None, eps)
+    ln_mlp: tuple
+    w_qkv: torch.Tensor  # [(H + 2 Hkv) dh, d]
+    b_qkv: torch.Tensor | None  # [(H + 2 Hkv) dh]
+    w_o_t: torch.Tensor  # [H dh, d]  (o_proj.weight.T, contiguous)
+    b_o: torch.Tensor | None  # [d]
+    w_in: torch.Tensor  # [n, d] (fc1) or [2n, d] (gate rows, then up rows)
+    b_in: torch.Tensor | None  # [n] or [2n]
+    w_down_t: torch.Tensor  # [n, d]  (fc2/down_proj.weight.T, contiguous)
+    b_down: torch.Tensor | None  # [d]
+
+
+@dataclass
+class DecoderWeights:
+    """Everything a decode step reads, plus the model's shape (from its :class:`Arch`)."""
+
+    arch: Arch
+    layers: list[LayerWeights]
+    embed: torch.Tensor  # [V, d_embed] token embeddings
+    pos_embed: torch.Tensor | None  # [P, d] learned positions (OPT), indexed at pos + pos_offset
+    pos_offset: int  # OPT's learned positions start at 2
+    project_in: torch.Tensor | None  # [d, d_embed] (OPT-350m) or None
+    project_out: torch.Tensor | None  # [d_embed, d] or None
+    final_norm: tuple | None  # (weight, bias, eps) or None (post-LN OPT)
+    lm_head: torch.Tensor  # [V, d_embed]
+    norm: str  # "layer" (LayerNorm) or "rms" (RMSNorm)
+    activation: str  # "relu", "gelu" or "silu" (the MLP's, gated or not)
+    rotary: nn.Module | None  # HF rotary embedding module (Llama-family), None for OPT
+    max_positions: int  # longest sequence the position scheme supports
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    def nbytes(self, part: str = "all") -> int:
+        """Bytes a dense decode step reads: "layers", "lm_head" or "all" (both)."""
+        layer = sum(
+            t.numel() * t.element_size()
+            for lw in self.layers
+            for t in (
+                lw.w_qkv,
+                lw.b_qkv,
+                lw.w_o_t,
+                lw.b_o,
+                lw.w_in,
+                lw.b_in,
+                lw.w_down_t,
+                lw.b_down,
+            )
+            if t is not None
+        )
+        head = self.lm_head.numel() * self.lm_head.element_size()
+        return {"layers": layer, "lm_head": head, "all": layer + head}[part]
+
+
+def _norm(module: nn.Module) -> tuple:
+    eps = getattr(module, "eps", None) or getattr(module, "variance_epsilon", 1e-6)
+    return (module.weight.detach(), getattr(module, "bias", None), float(eps))
+
+
+def _cat(*ts: torch.Tensor | None) -> torch.Tensor | None:
+    if all(t is None for t in ts):
+        return None
+    if any(t is None for t in ts):
+        raise EngineError("some projections have a bias and others not; the engine needs both.")
+    return torch.cat([t.detach() for t in ts])
+
+
+def _activation(arch: Arch) -> str:
+    act = {"relu": "relu", "gelu": "gelu", "silu": "silu", "swish": "silu"}.get(arch.activation)
+    if act is None:
+        raise EngineError(
+            f"activation {arch.activation!r} is not supported by the engine; it runs relu, gelu "
+            "(erf form) and silu."
+        )
+    return act
+
+
+def decoder_weights(model: nn.Module, arch: Arch | None = None) -> DecoderWeights:
+    """Rearrange ``model``'s weights for :class:`dejavu_lab.engine.Decoder` (see module doc)."""
+    arch = arch or get_arch(model)
+    if arch.model_type not in ENGINE_TYPES:
+        raise EngineError(
+            f"the engine runs {', '.join(ENGINE_TYPES)} blocks; {arch.model_type!r} is not one "
+            "of them (use dejavu_lab.sparsify for quality runs on this model)."
+        )
+    cfg = model.config
+    if getattr(cfg, "use_qk_norm", False) or hasattr(arch.part(model, 0, "attn"), "q_norm"):
+        raise EngineError("models with per-head q/k norms are not supported by the engine.")
+    layers = []
+    with torch.no_grad():
+        for i in range(arch.n_layers):
+            q, k, v, o = (arch.part(model, i, p) for p in "qkvo")
+            w_in = arch.mlp_in(model, i)
+            down = arch.part(model, i, "mlp_out")
+            layers.append(
+                LayerWeights(
+                    ln_attn=_norm(arch.part(model, i, "ln_attn")),
+                    ln_mlp=_norm(arch.part(model, i, "ln_mlp")),
+                    w_qkv=_cat(q.weight, k.weight, v.weight),
+                    b_qkv=_cat(q.bias, k.bias, v.bias),
+                    w_o_t=o.weight.detach().T.contiguous(),
+                    b_o=None if o.bias is None else o.bias.detach(),
+                    w_in=w_in[0].weight.detach()
+                    if len(w_in) == 1
+                    else _cat(*(m.weight for m in w_in)),
+                    b_in=_cat(*(m.bias for m in w_in)),
+                    w_down_t=down.weight.detach().T.contiguous(),
+                    b_down=None if down.bias is None else down.bias.detach(),
+                )
+            )
+    lw = layers[0]
+    if lw.w_qkv.shape[0] != (arch.n_heads + 2 * arch.n_kv_heads) * arch.d_head:
+        raise EngineError("q/k/v projections do not match the model's head counts.")
+    if lw.w_down_t.shape != (arch.d_mlp, arch.d_model):
+        raise EngineError("the MLP's down projection does not match d_mlp x d_model.")
+    final = None
+    try:
+        fn = arch.final_norm(model)
+        final = None if fn is None else _norm(fn)
+    except AttributeError:
+        final = None
+    lm_head = model.get_output_embeddings().weight.detach()
+    if arch.family == "opt":
+        dec = model.model.decoder
+        pos = dec.embed_positions
+        return DecoderWeights(
+            arch=arch,
+            layers=layers,
+            embed=dec.embed_tokens.weight.detach(),
+            pos_embed=pos.weight.detach(),
+            pos_offset=int(getattr(pos, "offset", 2)),
+            project_in=None if dec.project_in is None else dec.project_in.weight.detach(),
+            project_out=None if dec.project_out is None else dec.project_out.weight.detach(),
+            final_norm=final,
+            lm_head=lm_head,
+            norm="layer",
+            activation=_activation(arch),
+            rotary=None,
+            max_positions=pos.weight.shape[0] - int(getattr(pos, "offset", 2)),
+        )
+    return DecoderWeights(
+        arch=arch,
+        layers=layers,
+        embed=model.get_input_embeddings().weight.detach(),
+        pos_embed=None,
+        pos_offset=0,
+        project_in=None,
+        project_out=None,
+        final_norm=final,
+        lm_head=lm_head,
+        norm="rms",
+        activation=_activation(arch),
+        rotary=model.model.rotary_emb,
+        max_positions=int(getattr(cfg, "sliding_window", None) or 1 << 20),
+    )
