@@ -20,7 +20,7 @@ import triton
 import triton.testing
 
 from dejavu_lab import results
-from dejavu_lab.kernels.bench import AttentionCase, copy_ceiling, time_both
+from dejavu_lab.kernels.bench import AttentionCase, attention_row, copy_ceiling
 
 SHAPE = {"n_heads": 96, "d_head": 128, "context": 1024}  # OPT-175B, the context
 KEPT = [0.5, 0.25]
@@ -47,25 +47,9 @@ def case_for(batch: int) -> AttentionCase:
 
 
 def measure(kept, batch, provider, config=None) -> dict:
-    case = case_for(batch)
     if provider == "triton" and config is None:
         config = BEST.get("config")
-    calls = case.calls(kept, config)
-    if batch not in _DENSE:
-        _DENSE[batch] = time_both(calls["dense"])
-    dense_event, dense_graph = _DENSE[batch]
-    event, graph = _DENSE[batch] if provider == "dense" else time_both(calls[provider])
-    nbytes = calls["bytes"][provider]
-    ideal = case.h / calls["heads"]
-    return {
-        "op": "attention", "d": case.d, "n_heads": case.h, "d_head": case.dh,
-        "context": case.ctx, "kept": kept, "heads": calls["heads"], "batch": batch,
-        "provider": provider, "event_ms": event, "graph_ms": graph, "bytes": nbytes,
-        "event_tbps": nbytes / (event * 1e-3) / 1e12, "graph_tbps": nbytes / (graph * 1e-3) / 1e12,
-        "ideal": ideal, "speedup_event": dense_event / event, "speedup_graph": dense_graph / graph,
-        "frac_ideal_event": dense_event / event / ideal,
-        "frac_ideal_graph": dense_graph / graph / ideal, "config": config,
-    }  # fmt: skip
+    return attention_row(case_for(batch), kept, provider, dense_cache=_DENSE, config=config)
 
 
 def main(argv=None):

@@ -21,7 +21,7 @@ import triton
 import triton.testing
 
 from dejavu_lab import results
-from dejavu_lab.kernels.bench import MlpCase, copy_ceiling, time_both
+from dejavu_lab.kernels.bench import MlpCase, copy_ceiling, mlp_row
 
 DIMS = [4096, 8192, 12288]
 KEPT = [0.5, 0.2, 0.1, 0.05]
@@ -96,40 +96,10 @@ def case_for(d: int) -> MlpCase:
 
 
 def measure(op, d, kept, batch, provider, config=None, graph_only=False) -> dict:
-    case = case_for(d)
     if provider == "triton" and config is None:
         config = BEST.get((op, batch == 1))
-    calls = case.calls(op, kept, batch, config)
-    if graph_only:
-        from triton.testing import do_bench_cudagraph
-
-        graph = do_bench_cudagraph(calls[provider], rep=20, return_mode="median")
-        event = float("nan")
-    elif provider == "dense" and (op, d, batch) in _DENSE:
-        event, graph = _DENSE[(op, d, batch)]
-    else:
-        event, graph = time_both(calls[provider])
-        if provider == "dense":
-            _DENSE[(op, d, batch)] = (event, graph)
-    nbytes = calls["bytes"][provider]
-    row = {
-        "op": op, "d": d, "hidden": case.n, "kept": kept, "k": calls["k"], "batch": batch,
-        "provider": provider, "event_ms": event, "graph_ms": graph, "bytes": nbytes,
-        "event_tbps": nbytes / (event * 1e-3) / 1e12, "graph_tbps": nbytes / (graph * 1e-3) / 1e12,
-        "copies": case.copies, "config": config,
-    }  # fmt: skip
-    if provider != "dense":
-        dense_event, dense_graph = _DENSE.get((op, d, batch)) or time_both(calls["dense"])
-        _DENSE[(op, d, batch)] = (dense_event, dense_graph)
-        ideal = case.n / calls["k"]
-        row.update(
-            ideal=ideal,
-            speedup_event=dense_event / event,
-            speedup_graph=dense_graph / graph,
-            frac_ideal_event=dense_event / event / ideal,
-            frac_ideal_graph=dense_graph / graph / ideal,
-        )
-    return row
+    return mlp_row(case_for(d), op, kept, batch, provider, dense_cache=_DENSE, config=config,
+                   graph_only=graph_only)  # fmt: skip
 
 
 def make_benchmarks(dims, kept, batches):

@@ -30,7 +30,15 @@ from .sparse_attention import sparse_attention, sparse_attention_ref
 from .sparse_mlp_down import sparse_mlp_down, sparse_mlp_down_ref
 from .sparse_mlp_up import sparse_mlp_up, sparse_mlp_up_ref
 
-__all__ = ["AttentionCase", "MlpCase", "copy_ceiling", "relerr", "time_both"]
+__all__ = [
+    "AttentionCase",
+    "MlpCase",
+    "attention_row",
+    "copy_ceiling",
+    "mlp_row",
+    "relerr",
+    "time_both",
+]
 
 L2_FLUSH_BYTES = 4 * 60e6  # rotate over >= 4x the H200's L2 (60 MB) per case
 MAX_COPIES_BYTES = 6e9  # but keep a case's stacked weights under 6 GB
@@ -257,3 +265,53 @@ class AttentionCase:
             *args, self.k_cache.clone(), self.v_cache.clone(), self.seqlens, heads, **kw
         )
         return float("inf") if got.isnan().any() else relerr(got, ref)
+
+
+def _row(base: dict, calls: dict, provider: str, timed: tuple, dense: tuple, ideal: float):
+    event, graph = timed
+    nbytes = calls["bytes"][provider]
+    row = {**base, "provider": provider, "event_ms": event, "graph_ms": graph, "bytes": nbytes,
+           "event_tbps": nbytes / (event * 1e-3) / 1e12,
+           "graph_tbps": nbytes / (graph * 1e-3) / 1e12}  # fmt: skip
+    if provider != "dense":
+        row.update(
+            ideal=ideal,
+            speedup_event=dense[0] / event,
+            speedup_graph=dense[1] / graph,
+            frac_ideal_event=dense[0] / event / ideal,
+            frac_ideal_graph=dense[1] / graph / ideal,
+        )
+    return row
+
+
+def mlp_row(case: MlpCase, op: str, kept: float, batch: int, provider: str, *,
+            dense_cache: dict, config: dict | None = None, graph_only: bool = False) -> dict:  # fmt: skip
+    """Time one (op, kept, batch, provider) on fresh inputs; dense times are cached per shape."""
+    calls = case.calls(op, kept, batch, config)
+    key = (op, case.d, batch)
+    if key not in dense_cache:
+        dense_cache[key] = time_both(calls["dense"])
+    if provider == "dense":
+        timed = dense_cache[key]
+    elif graph_only and _cuda():
+        from triton.testing import do_bench_cudagraph
+
+        timed = (float("nan"), do_bench_cudagraph(calls[provider], rep=20, return_mode="median"))
+    else:
+        timed = time_both(calls[provider])
+    base = {"op": op, "d": case.d, "hidden": case.n, "kept": kept, "k": calls["k"],
+            "batch": batch, "copies": case.copies, "config": config}  # fmt: skip
+    return _row(base, calls, provider, timed, dense_cache[key], case.n / max(calls["k"], 1))
+
+
+def attention_row(case: AttentionCase, kept: float, provider: str, *, dense_cache: dict,
+                  config: dict | None = None) -> dict:  # fmt: skip
+    """Time one (kept heads, provider) decode step of attention at ``case``'s shape."""
+    calls = case.calls(kept, config)
+    if case.batch not in dense_cache:
+        dense_cache[case.batch] = time_both(calls["dense"])
+    timed = dense_cache[case.batch] if provider == "dense" else time_both(calls[provider])
+    base = {"op": "attention", "d": case.d, "n_heads": case.h, "d_head": case.dh,
+            "context": case.ctx, "kept": kept, "heads": calls["heads"], "batch": case.batch,
+            "config": config}  # fmt: skip
+    return _row(base, calls, provider, timed, dense_cache[case.batch], case.h / calls["heads"])

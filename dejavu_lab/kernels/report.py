@@ -1,0 +1,151 @@
+"""Tables and figures for the sparse-kernel chapter (Deja Vu §4.4, Appendix E).
+
+:func:`load` measures live on a GPU (a reduced grid, same harness as ``kernels/bench_*.py``)
+and otherwise reads the recorded ``results/sparse_mlp.json`` and ``results/sparse_attention.json``
+with their provenance, so every figure can say which GPU and date its numbers come from.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import torch
+
+from .. import results
+
+__all__ = [
+    "bandwidth_figure",
+    "decode_bytes_table",
+    "frac_table",
+    "load",
+    "overhead_fit",
+    "speedup_figure",
+    "transactions_table",
+]
+
+NAMES = {"dense": "dense cuBLAS", "torch": "torch index_select + matmul", "triton": "ours (Triton)"}
+
+
+def load(*, live: bool | None = None, dims=(12288,), kept=(0.5, 0.2, 0.1, 0.05), batches=(1, 16)):
+    """(mlp rows, attention rows, provenance, measured_live) as DataFrames.
+
+    ``live`` defaults to "a CUDA GPU is present"; live runs measure ``dims`` x ``kept`` x
+    ``batches`` for both projections and OPT-175B attention at 50% of heads.
+    """
+    live = torch.cuda.is_available() if live is None else live
+    if not live:
+        mlp, prov = results.load("sparse_mlp")
+        attn, _ = results.load("sparse_attention")
+        if "tuning" in attn:  # the tile sweep's rows; the table rows have no flag
+            attn = attn[attn["tuning"].isna()]
+        return mlp, attn, prov, False
+    from .bench import AttentionCase, MlpCase, attention_row, copy_ceiling, mlp_row
+
+    prov = results.provenance("notebooks/60_sparse_kernels.md (live)")
+    prov["copy_tbps"] = copy_ceiling()
+    rows, dense = [], {}
+    for d in dims:
+        case = MlpCase(d, min_kept=min(kept))
+        for op in ("up", "down"):
+            for b in batches:
+                for k in kept:
+                    for p in ("dense", "torch", "triton"):
+                        rows.append(mlp_row(case, op, k, b, p, dense_cache=dense))
+        del case
+        torch.cuda.empty_cache()
+    attn_rows, adense = [], {}
+    acase = AttentionCase(batch=1)
+    for p in ("dense", "torch", "triton"):
+        attn_rows.append(attention_row(acase, 0.5, p, dense_cache=adense))
+    return pd.DataFrame(rows), pd.DataFrame(attn_rows), prov, True
+
+
+def decode_bytes_table(dims=(4096, 8192, 12288), tbps: float = 4.27) -> pd.DataFrame:
+    """Bytes one decoded token reads per MLP (fc1 + fc2, fp16) and the time at ``tbps``."""
+    rows = []
+    for d in dims:
+        weights = 2 * (4 * d * d) * 2  # two [4d, d] matrices, 2 bytes each
+        rows.append({
+            "d": d,
+            "MLP weights per layer (MB)": weights / 1e6,
+            "FLOPs per byte at batch 1": 2 * (2 * 4 * d * d) / weights,
+            "time per layer at the copy ceiling (us)": weights / (tbps * 1e12) * 1e6,
+        })  # fmt: skip
+    return pd.DataFrame(rows).set_index("d")
+
+
+def transactions_table(d: int = 12288, line: int = 128, esize: int = 2) -> pd.DataFrame:
+    """128-byte memory transactions to read one selected neuron's fc2 weights, by layout."""
+    row_major = -(-d * esize // line)  # W2^T: the neuron's d weights are one contiguous row
+    column = d  # W2 as nn.Linear stores it: one weight per row of d, each in its own line
+    return pd.DataFrame(
+        {
+            "layout": ["W2 (nn.Linear, [d, 4d]): a column", "W2^T ([4d, d]): a row"],
+            "transactions": [column, row_major],
+            "bytes fetched": [column * line, row_major * line],
+            "bytes used": [d * esize, d * esize],
+        }
+    ).set_index("layout")
+
+
+def frac_table(mlp: pd.DataFrame, col: str = "frac_ideal_graph") -> pd.DataFrame:
+    """Our speedup over dense as a fraction of the ideal 1/kept, by (op, batch) x (d, kept)."""
+    ours = mlp[mlp.provider == "triton"]
+    return ours.pivot_table(index=["op", "batch"], columns=["d", "kept"], values=col).round(2)
+
+
+def overhead_fit(mlp: pd.DataFrame) -> pd.DataFrame:
+    """Per (op, d, batch): fit graph time = fixed + bytes / bandwidth over the kept fractions.
+
+    The fixed part (launch, first loads, tail) does not shrink with the kept fraction, so it
+    caps the fraction of ideal at small budgets: cap = t_ideal / (t_ideal + fixed).
+    """
+    rows = []
+    for (op, d, b), g in mlp[mlp.provider == "triton"].groupby(["op", "d", "batch"]):
+        slope, fixed = np.polyfit(g["bytes"] / 1e6, g["graph_ms"] * 1e3, 1)  # us per MB, us
+        dense = mlp[(mlp.provider == "dense") & (mlp.op == op) & (mlp.d == d) & (mlp.batch == b)]
+        t_dense = dense["graph_ms"].iloc[0] * 1e3
+        for kept in sorted(g["kept"]):
+            t_ideal = t_dense * kept
+            rows.append({"op": op, "d": d, "batch": b, "kept": kept,
+                         "streaming TB/s": 1e6 / slope / 1e12 * 1e6, "fixed us": fixed,
+                         "cap (fraction of ideal)": t_ideal / (t_ideal + max(fixed, 0.0)),
+                         "measured": float(g[g.kept == kept]["frac_ideal_graph"].iloc[0])})  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def speedup_figure(mlp: pd.DataFrame, *, d: int = 12288, batch: int = 1):
+    """Speedup over dense (graph replay) vs kept fraction, ours and torch, with the ideal."""
+    import plotly.express as px
+    import plotly.graph_objects as go
+
+    sub = mlp[(mlp.d == d) & (mlp.batch == batch) & (mlp.provider != "dense")].copy()
+    sub["method"] = sub.provider.map(NAMES)
+    fig = px.line(sub.sort_values("kept"), x="kept", y="speedup_graph", color="method",
+                  facet_col="op", markers=True, log_x=True, log_y=True,
+                  labels={"kept": "kept fraction", "speedup_graph": "speedup over dense"},
+                  title=f"Sparse MLP projections, d = {d}, batch {batch} (CUDA-graph replay)")  # fmt: skip
+    ks = np.geomspace(sub.kept.min(), sub.kept.max(), 20)
+    for col in (1, 2):
+        fig.add_trace(go.Scatter(x=ks, y=1 / ks, mode="lines", line=dict(dash="dash", color="grey"),
+                                 name="ideal 1 / kept", showlegend=col == 1), row=1, col=col)  # fmt: skip
+    fig.for_each_annotation(lambda a: a.update(text=a.text.replace("op=", "projection: ")))
+    return fig
+
+
+def bandwidth_figure(mlp: pd.DataFrame, ceiling: float, *, d: int = 12288, batch: int = 1):
+    """Achieved TB/s over the bytes that must move, against the measured copy ceiling."""
+    import plotly.express as px
+
+    sub = mlp[(mlp.d == d) & (mlp.batch == batch)].copy()
+    sub["method"] = sub.provider.map(NAMES)
+    sub.loc[sub.provider == "dense", "kept"] = 1.0
+    sub = sub.drop_duplicates(["op", "method", "kept"]).sort_values("kept")
+    fig = px.line(sub, x="kept", y="graph_tbps", color="method", facet_col="op", markers=True,
+                  log_x=True, labels={"kept": "kept fraction", "graph_tbps": "TB/s"},
+                  title=f"Achieved bandwidth, d = {d}, batch {batch} (dense drawn at kept = 1)")  # fmt: skip
+    if ceiling == ceiling:  # not NaN
+        fig.add_hline(y=ceiling, line_dash="dot", line_color="black",
+                      annotation_text=f"copy ceiling {ceiling:.2f} TB/s")  # fmt: skip
+    fig.for_each_annotation(lambda a: a.update(text=a.text.replace("op=", "projection: ")))
+    return fig
