@@ -7,7 +7,9 @@ One kernel per module, each with a checking wrapper, a plain-PyTorch ``*_ref`` a
 - :func:`sparse_mlp_down` — selected rows of W2 stored transposed (coalesced), reduced.
 - :func:`sparse_attention` — QKV for the selected heads, attention over their KV cache, W_O.
 
-All take a union batch of 1-32 tokens that share one index set (Knowl 12).
+All take a union batch of 1-32 tokens that share one index set (Knowl 12). :mod:`.bench` is the
+timing harness of ``kernels/bench_*.py`` (recorded in ``results/``); :mod:`.report` draws those
+results for the chapter ``notebooks/60_sparse_kernels.md``.
 """
 
 from .sparse_attention import sparse_attention, sparse_attention_ref

@@ -237,7 +237,10 @@ def sparse_mlp_down(
     h: [k * rows_per_index] or [B, k * rows_per_index] activations of the selected neurons in
     ``idx`` order (what :func:`sparse_mlp_up` returns); weight_t: [n_rows, d] = ``fc2.weight.T``
     made contiguous once at load time; idx: [k] distinct int32/int64 indices; bias: [d].
-    Returns [d] or [B, d]. ``validate`` as in :func:`sparse_mlp_up`.
+    Returns [d] or [B, d]. ``validate`` as in :func:`sparse_mlp_up`. When the selected rows
+    are split across programs, the last program of each column tile sums the fp32 partials
+    (arrival counters kept per device): launches on concurrent streams of one device should
+    pass ``config={"fused": False}``, which reduces in a second kernel instead.
     """
     check_float("h", h)
     dtype, device = h.dtype, h.device
