@@ -156,6 +156,8 @@ class Decoder:
         self._kv_off = torch.tensor([[self.H], [self.H + self.Hkv]], device=dev)  # K, V blocks
         for i in range(L):
             self._fill_qkv(i)
+        if self.predictors is not None:
+            self._fuse_predictors()
 
     def _fill_qkv(self, i: int) -> None:
         """Row blocks of W_QKV for layer i: kept q heads, then their (or all) K and V heads."""
@@ -182,14 +184,42 @@ class Decoder:
             buf[layer].copy_(idx)
         self._fill_qkv(layer)
 
+    def _fuse_predictors(self) -> None:
+        """Stack DejaVu's two low-rank predictors of each layer (same input in lookahead mode):
+        one RMS norm and one GEMV for both ``d -> r`` halves, then each ``r -> n`` (fp32)."""
+        p, self._fused = self.predictors, None
+        try:
+            mlp, heads = list(p.mlp), list(p.heads)
+            downs = [
+                torch.cat((m.down.weight, h.down.weight)).float()
+                for m, h in zip(mlp, heads, strict=True)
+            ]
+        except (AttributeError, TypeError):
+            return  # any other object: call its mlp_scores / head_scores
+        dev = self.w.device
+        self._fused = [
+            (d.to(dev), m.down.weight.shape[0], m.up.weight.float().to(dev),
+             m.up.bias.float().to(dev), h.up.weight.float().to(dev), h.up.bias.float().to(dev))
+            for d, m, h in zip(downs, mlp, heads, strict=True)
+        ]  # fmt: skip
+
+    def _scores(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mlp scores [1, n], head scores [1, H]) of layer i's predictors at x [1, d]."""
+        if self._fused is None:
+            p = self.predictors
+            return p.mlp_scores(i, x), p.head_scores(i, x)
+        down, r, wm, bm, wh, bh = self._fused[i]
+        z = F.rms_norm(x.float(), (x.shape[-1],), eps=1e-6) @ down.t()  # [1, r_mlp + r_head]
+        return F.linear(z[:, :r], wm, bm), F.linear(z[:, r:], wh, bh)
+
     def _predict(self, i: int, x: torch.Tensor) -> None:
         """Kept sets of layer i from x (layer i-1's input: lookahead) by top-k of the scores."""
-        p = self.predictors
+        ms, hs = self._scores(i, x)
         if self.k_mlp < self.arch.d_mlp:
-            s = p.mlp_scores(i, x).reshape(-1)
+            s = ms.reshape(-1)
             torch.topk(s.float(), self.k_mlp, sorted=False, out=(self._mlp_val[i], self.mlp_idx[i]))
         if self.k_heads < self.H:
-            s = p.head_scores(i, x).reshape(-1)
+            s = hs.reshape(-1)
             torch.topk(
                 s.float(), self.k_heads, sorted=False, out=(self._head_val[i], self.head_idx[i])
             )
@@ -222,6 +252,16 @@ class Decoder:
 
     def _mlp_dense(self, i: int, x: torch.Tensor) -> torch.Tensor:
         lw = self.w.layers[i]
+        if (
+            self.w.activation == "relu"
+            and not self.arch.gated
+            and lw.b_in is not None
+            and x.is_cuda
+        ):
+            h = torch._addmm_activation(lw.b_in, x, lw.w_in.t())  # cuBLASLt bias+ReLU epilogue
+            return (
+                torch.addmm(lw.b_down, h, lw.w_down_t) if lw.b_down is not None else h @ lw.w_down_t
+            )
         a = F.linear(x, lw.w_in, lw.b_in)
         act = _ACT[self.w.activation]
         h = (
@@ -241,8 +281,18 @@ class Decoder:
         )  # fmt: skip
         return sparse_mlp_down(h, lw.w_down_t, idx, bias=lw.b_down, validate=False)
 
-    def _mask(self) -> torch.Tensor:
-        return torch.where(self.ar_t <= self.pos_t, self._zero, self._ninf)  # [T]
+    def _per_step(self) -> None:
+        """Tensors every layer of this step shares, computed once: mask, RoPE rows, window."""
+        self._cur_mask = torch.where(self.ar_t <= self.pos_t, self._zero, self._ninf)  # [T]
+        if self.window:
+            self._slot = self.pos_t - self.base_t  # [1] row of this token in the window
+            self._positions = self.base_t + self.ar_w  # [W] positions of the window rows
+        else:
+            self._positions = self.pos_t
+        if self.cos is not None:
+            # [B, 1, dh]: one row per projected token (the window rows, or this token)
+            self._cos_b = self.cos[self._positions, None]
+            self._sin_b = self.sin[self._positions, None]
 
     def _attend(self, i: int, q: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """One query per head over layer i's cache; q [H, dh] -> [H, dh] (GQA by grouping)."""
@@ -255,7 +305,7 @@ class Decoder:
         lw, H, Hkv, dh = self.w.layers[i], self.H, self.Hkv, self.dh
         qkv = F.linear(x, lw.w_qkv, lw.b_qkv).view(H + 2 * Hkv, dh)
         if self.cos is not None:
-            qk = _rotate(qkv[: H + Hkv], self.cos[self.pos_t], self.sin[self.pos_t])
+            qk = _rotate(qkv[: H + Hkv], self._cos_b[0], self._sin_b[0])
             q, new = qk[:H], torch.stack((qk[H:], qkv[H + Hkv :]))
         else:
             q, new = qkv[:H], qkv[H:].view(2, Hkv, dh)
@@ -266,20 +316,20 @@ class Decoder:
     def _attn_sparse(self, i: int, x: torch.Tensor) -> torch.Tensor:
         lw, dh, k, nkv = self.w.layers[i], self.dh, self.k_heads, self.n_kv_sel
         heads = self.head_idx[i]
+        positions = self._positions
         if self.window:  # union batch: this token plus the window's stored inputs (Knowl 5)
-            slot = self.pos_t - self.base_t
-            self.hwin[i].index_copy_(0, slot, x)
-            xb, positions = self.hwin[i], self.base_t + self.ar_w
+            self.hwin[i].index_copy_(0, self._slot, x)
+            xb = self.hwin[i]
         else:
-            xb, positions = x, self.pos_t
+            xb = x
         qkv = sparse_mlp_up(xb, lw.w_qkv, self.qkv_idx[i], bias=lw.b_qkv, activation="none",
                             rows_per_index=dh, validate=False)  # fmt: skip
-        qkv = qkv.view(xb.shape[0], k + 2 * nkv, dh)
-        q = qkv[:, :k].index_select(0, slot) if self.window else qkv[:, :k]  # [1, k, dh]
-        kk, vv = qkv[:, k : k + nkv], qkv[:, k + nkv :]  # [B, nkv, dh]
-        if self.cos is not None:
-            q = _rotate(q, self.cos[self.pos_t, None], self.sin[self.pos_t, None])
-            kk = _rotate(kk, self.cos[positions, None], self.sin[positions, None])
+        qkv = qkv.view(xb.shape[0], k + 2 * nkv, dh)  # [B, k + 2 nkv, dh]
+        qk, vv = qkv[:, : k + nkv], qkv[:, k + nkv :]
+        if self.cos is not None:  # row b sits at positions[b]; this token's row is at pos
+            qk = _rotate(qk, self._cos_b, self._sin_b)
+        q = qk[:, :k].index_select(0, self._slot) if self.window else qk[:, :k]  # [1, k, dh]
+        kk = qk[:, k:]  # [B, nkv, dh]
         kv_heads = heads if self.window else self._kv_all
         where = (kv_heads[:, None], positions[None, :])
         self.kv[i, 0].index_put_(where, kk.transpose(0, 1))
@@ -308,7 +358,7 @@ class Decoder:
     def _step_body(self) -> torch.Tensor:
         """One greedy decode step on the static buffers (what the CUDA graph records)."""
         x = self._embed(self.tok_t, self.pos_t)  # [1, d]
-        self._cur_mask = self._mask()
+        self._per_step()
         sparse = self.sparse is not None
         attn = self._attn_sparse if sparse else self._attn_dense
         mlp = self._mlp_sparse if sparse else self._mlp_dense
@@ -469,7 +519,7 @@ class Decoder:
         x = torch.randn(1, d, dtype=self.w.dtype, device=self.w.device)
 
         def run_attn():
-            self._cur_mask = self._mask()
+            self._per_step()
             for i in range(L):
                 attn(i, _norm(x, self.w.layers[i].ln_attn, self.w.norm))
 
