@@ -25,6 +25,7 @@ from dejavu_lab.measure import (
     random_head_perplexity,
     residual_norms,
     sparsity_at_rise,
+    token_scores,
     token_trajectories,
     union_of,
     union_sparsity,
@@ -255,6 +256,18 @@ def test_union_sparsity_on_a_model(tiny):
     freq = activation_frequency(sets)
     top = freq.query("block == 'heads' and layer == 0").sort_values("rank")["frequency"]
     assert top.is_monotonic_decreasing
+
+
+def test_one_pass_of_scores_serves_every_criterion():
+    model, _, arch = random_model("tiny-opt")
+    w = windows(4, 16)
+    scores = token_scores(model, w, positions=2, min_pos=8, seed=3)
+    direct = active_sets(model, w, positions=2, min_pos=8, seed=3)  # "auto": ReLU zeros
+    assert torch.equal(scores.active().mlp, direct.mlp)
+    assert torch.equal(scores.active().heads, direct.heads)
+    assert "exact zeros" in direct.criterion["mlp"]
+    top = scores.active("topk", keep=0.25)
+    assert (top.mlp.sum(-1) == arch.d_mlp // 4).all()
 
 
 def test_power_law_fit_recovers_the_exponent():

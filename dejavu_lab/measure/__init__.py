@@ -29,9 +29,11 @@ from .sparsity import (
 )
 from .union import (
     ActiveSets,
+    TokenScores,
     activation_frequency,
     active_sets,
     fit_union_growth,
+    token_scores,
     union_of,
     union_sparsity,
 )
@@ -41,6 +43,7 @@ __all__ = [
     "perplexity_sweep",
     "sparsity_at_rise",
     "ActiveSets",
+    "TokenScores",
     "activation_frequency",
     "activation_sparsity",
     "active_mask",
@@ -56,6 +59,7 @@ __all__ = [
     "needed_count",
     "random_head_perplexity",
     "residual_norms",
+    "token_scores",
     "token_trajectories",
     "union_of",
     "union_sparsity",

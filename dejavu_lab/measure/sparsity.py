@@ -7,9 +7,9 @@ For each token and layer we ask how much of the block is *active*:
   (SwiGLU: SmolLM2, Llama) has none, so active = the fewest neurons holding a share ``mass`` of
   the token's sum of |activation| (criterion ``"mass"``, magnitude sparsity in the CATS/TEAL
   sense), or a fixed top ``keep`` fraction (criterion ``"topk"``).
-- Attention heads, from the per-head output norm ‖W_O^h z^h‖ (``attn.hook_result``): active = the
-  fewest heads holding ``mass`` of the sum of head-output norms (the paper ranks heads by output
-  norm, §4.2).
+- Attention heads, from the per-head output norm ‖W_O^h z^h‖ (``attn.hook_result``): active =
+  the fewest heads holding ``mass`` of the sum of head-output norms (the paper ranks heads by
+  output norm, §4.2).
 
 Sparsity is the share *not* active, 1 − |S| / total, as in the paper.
 """

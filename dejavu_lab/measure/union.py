@@ -9,8 +9,10 @@ The paper reports that on OPT-175B the union grows sub-linearly with B (B = 2…
 share their active neurons and heads, because how often a unit fires follows a heavy-tailed
 (power-law) distribution rather than a uniform one. Here:
 
-- :func:`active_sets` — the active MLP neurons and heads of sampled tokens of many windows
-  (one window = one sequence; criteria as in :mod:`.sparsity`).
+- :func:`token_scores` — neuron magnitudes and head-output norms of sampled tokens of many
+  windows (one window = one sequence), from one forward pass; ``.active(criterion)`` turns
+  them into :class:`ActiveSets` under any criterion of :mod:`.sparsity`
+  (:func:`active_sets` does both).
 - :func:`union_sparsity` — for each batch size, random batches of tokens from B *different*
   windows, their union sparsity per layer, and what B independent uniform draws of the same
   size would give, (1 − p)^B for a per-token density p.
@@ -32,9 +34,11 @@ from .sparsity import active_mask, criterion_label, default_criterion
 
 __all__ = [
     "ActiveSets",
+    "TokenScores",
     "activation_frequency",
     "active_sets",
     "fit_union_growth",
+    "token_scores",
     "union_of",
     "union_sparsity",
 ]
@@ -56,6 +60,101 @@ class ActiveSets:
         return self.mlp if name == "mlp" else self.heads
 
 
+@dataclass
+class TokenScores:
+    """|activation| of every MLP neuron and output norm of every head, for sampled tokens.
+
+    Kept so that one forward pass serves any definition of "active" (:meth:`active`): the
+    sampled tokens are few (a few per sequence), so this is small (tokens × layers × d_mlp).
+    """
+
+    mlp: torch.Tensor  # float [tokens, layers, d_mlp]: |mlp.hook_post|
+    heads: torch.Tensor  # float [tokens, layers, n_heads]: ‖z_h W_O^h‖
+    window: np.ndarray  # int [tokens]: the window each token comes from
+    pos: np.ndarray  # int [tokens]: its position in that window
+    relu: bool  # plain ReLU MLP (exact zeros): the "auto" criterion is "zeros"
+
+    def active(
+        self,
+        criterion: str = "auto",
+        *,
+        mass: float = 0.9,
+        head_mass: float = 0.9,
+        keep: float | None = None,
+    ) -> ActiveSets:
+        """Active sets under a criterion (see :mod:`.sparsity`); heads use ``head_mass``."""
+        crit = ("zeros" if self.relu else "mass") if criterion == "auto" else criterion
+        return ActiveSets(
+            mlp=active_mask(self.mlp, crit, mass=mass, keep=keep),
+            heads=active_mask(self.heads, "mass", mass=head_mass),
+            window=self.window,
+            pos=self.pos,
+            criterion={
+                "mlp": criterion_label(crit, mass, keep),
+                "heads": criterion_label("mass", head_mass) + " (head-output norm)",
+            },
+        )
+
+
+def token_scores(
+    model,
+    windows: torch.Tensor,
+    *,
+    positions: int = 8,
+    min_pos: int = 32,
+    seed: int = 0,
+    arch: Arch | None = None,
+    batch_size: int = 1,
+    progress: bool = False,
+) -> TokenScores:
+    """Neuron and head magnitudes of ``positions`` random tokens (at ≥ ``min_pos``) per window.
+
+    ``windows``: LongTensor [n, window]; each window is one sequence of a batch. Tokens late in
+    a window have context, as a decoding step does, hence ``min_pos``.
+    """
+    arch = arch or get_arch(model)
+    n_win, n_pos = windows.shape
+    if not 0 <= min_pos < n_pos or positions < 1 or positions > n_pos - min_pos:
+        raise ValueError(
+            f"Cannot pick {positions} positions at or after {min_pos} in windows of {n_pos} "
+            "tokens; lower positions or min_pos, or use longer windows."
+        )
+    rng = np.random.default_rng(seed)
+    picks = np.stack(
+        [np.sort(rng.choice(np.arange(min_pos, n_pos), positions, replace=False)) for _ in windows]
+    )  # [n_win, positions]: sampled positions of each window
+    n_tok = n_win * positions
+    mlp = torch.zeros(n_tok, arch.n_layers, arch.d_mlp)
+    heads = torch.zeros(n_tok, arch.n_layers, arch.n_heads)
+    picks_t = torch.from_numpy(picks)
+
+    def make_hooks(cursor):
+        def rows(t: torch.Tensor) -> tuple[slice, torch.Tensor]:
+            sel = picks_t[cursor.start : cursor.start + cursor.batch].to(t.device)  # [b, k]
+            idx = sel.view(*sel.shape, *([1] * (t.dim() - 2))).expand(-1, -1, *t.shape[2:])
+            out = t.gather(1, idx).flatten(0, 1)  # [b * k, ...]
+            return slice(cursor.start * positions, (cursor.start + cursor.batch) * positions), out
+
+        def on_mlp(t: torch.Tensor, name: str) -> None:  # t: [b, p, n]
+            where, a = rows(t)
+            mlp[where, int(name.split(".")[1])] = a.float().abs().cpu()
+
+        def on_heads(t: torch.Tensor, name: str) -> None:  # t: [b, p, h, d]
+            where, r = rows(t)
+            heads[where, int(name.split(".")[1])] = r.float().norm(dim=-1).cpu()
+
+        return {"blocks.*.mlp.hook_post": on_mlp, "blocks.*.attn.hook_result": on_heads}
+
+    stream(model, windows, make_hooks, arch=arch, batch_size=batch_size, progress=progress)
+    return TokenScores(
+        mlp=mlp,
+        heads=heads,
+        window=np.repeat(np.arange(n_win), positions),
+        pos=picks.flatten(),
+        relu=default_criterion(arch) == "zeros",
+    )
+
+
 def active_sets(
     model,
     windows: torch.Tensor,
@@ -71,57 +170,18 @@ def active_sets(
     batch_size: int = 1,
     progress: bool = False,
 ) -> ActiveSets:
-    """Active neurons and heads of ``positions`` random tokens (at ≥ ``min_pos``) per window.
-
-    ``windows``: LongTensor [n, window]; each window is one sequence of a batch. Tokens late in
-    a window have context, as a decoding step does, hence ``min_pos``.
-    """
-    arch = arch or get_arch(model)
-    crit = default_criterion(arch) if criterion == "auto" else criterion
-    n_win, n_pos = windows.shape
-    if not 0 <= min_pos < n_pos or positions < 1 or positions > n_pos - min_pos:
-        raise ValueError(
-            f"Cannot pick {positions} positions at or after {min_pos} in windows of {n_pos} "
-            "tokens; lower positions or min_pos, or use longer windows."
-        )
-    rng = np.random.default_rng(seed)
-    picks = np.stack(
-        [np.sort(rng.choice(np.arange(min_pos, n_pos), positions, replace=False)) for _ in windows]
-    )  # [n_win, positions]: sampled positions of each window
-    n_tok = n_win * positions
-    mlp = torch.zeros(n_tok, arch.n_layers, arch.d_mlp, dtype=torch.bool)
-    heads = torch.zeros(n_tok, arch.n_layers, arch.n_heads, dtype=torch.bool)
-    picks_t = torch.from_numpy(picks)
-
-    def make_hooks(cursor):
-        def rows(t: torch.Tensor) -> tuple[slice, torch.Tensor]:
-            sel = picks_t[cursor.start : cursor.start + cursor.batch].to(t.device)  # [b, k]
-            idx = sel.view(*sel.shape, *([1] * (t.dim() - 2))).expand(-1, -1, *t.shape[2:])
-            out = t.gather(1, idx).flatten(0, 1)  # [b * k, ...]
-            return slice(cursor.start * positions, (cursor.start + cursor.batch) * positions), out
-
-        def on_mlp(t: torch.Tensor, name: str) -> None:  # t: [b, p, n]
-            where, a = rows(t)
-            mlp[where, int(name.split(".")[1])] = active_mask(a, crit, mass=mass, keep=keep).cpu()
-
-        def on_heads(t: torch.Tensor, name: str) -> None:  # t: [b, p, h, d]
-            where, r = rows(t)
-            act = active_mask(r.float().norm(dim=-1), "mass", mass=head_mass)
-            heads[where, int(name.split(".")[1])] = act.cpu()
-
-        return {"blocks.*.mlp.hook_post": on_mlp, "blocks.*.attn.hook_result": on_heads}
-
-    stream(model, windows, make_hooks, arch=arch, batch_size=batch_size, progress=progress)
-    return ActiveSets(
-        mlp=mlp,
-        heads=heads,
-        window=np.repeat(np.arange(n_win), positions),
-        pos=picks.flatten(),
-        criterion={
-            "mlp": criterion_label(crit, mass, keep),
-            "heads": criterion_label("mass", head_mass) + " (head-output norm)",
-        },
+    """Active neurons and heads of sampled tokens: :func:`token_scores` then one criterion."""
+    scores = token_scores(
+        model,
+        windows,
+        positions=positions,
+        min_pos=min_pos,
+        seed=seed,
+        arch=arch,
+        batch_size=batch_size,
+        progress=progress,
     )
+    return scores.active(criterion, mass=mass, head_mass=head_mass, keep=keep)
 
 
 def union_of(mask: torch.Tensor, batches: torch.Tensor) -> torch.Tensor:
