@@ -245,3 +245,14 @@ def test_generate_needs_a_selector():
     model, _, _ = random_model("tiny-opt")
     with pytest.raises(ValueError, match="exactly one of predictors= or static="):
         generate(model, _ids(b=1, p=3), 2, head_sparsity=0.5)
+
+
+def test_lm_eval_missing_is_a_clear_error(monkeypatch):
+    import sys
+
+    from dejavu_lab.sparsify import lm_eval_tasks
+
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # as if not installed
+    model, _, _ = random_model("tiny-opt")
+    with pytest.raises(RuntimeError, match="pip install lm-eval"):
+        lm_eval_tasks(model, None, mlp_sparsity=0.5)
