@@ -22,6 +22,7 @@ graph vs eager). Results: ``results/engine_e2e.json`` (``--name``), with provena
 
     python kernels/bench_engine.py                            # everything (~6 min on an H200)
     python kernels/bench_engine.py --models opt-30b --prompts 512 --hf-new-tokens 16
+    python kernels/bench_engine.py --models facebook/opt-6.7b --prompts 512   # a real checkpoint
     python kernels/bench_engine.py --quick                    # CPU plumbing check, tiny shapes
 """
 
@@ -38,7 +39,7 @@ from dejavu_lab import results
 from dejavu_lab.engine import Decoder, SparseConfig
 from dejavu_lab.engine_bytes import step_bytes
 from dejavu_lab.engine_weights import decoder_weights
-from dejavu_lab.models import random_model
+from dejavu_lab.models import PRESETS, load_model, random_model
 
 MODELS = ["opt-30b", "llama-2-13b", "opt-13b", "opt-6.7b"]  # most important first
 PROMPTS = [128, 256, 512, 1024]
@@ -83,7 +84,12 @@ def copy_ceiling(nbytes: int = 2**31) -> float:
 
 
 def build(preset: str, device: str, dtype=torch.float16):
-    """A random-weight model at a preset shape, materialised on ``device`` without a CPU copy."""
+    """A random-weight model at a preset shape, materialised on ``device`` without a CPU copy;
+    a Hugging Face id or a local folder (``facebook/opt-6.7b``) loads the real checkpoint."""
+    if preset not in PRESETS:
+        m = load_model(preset, dtype=dtype, device=device)
+        m.model.generation_config.pad_token_id = m.tokenizer.pad_token_id or 0
+        return m.model, m.arch
     m = random_model(preset, device="meta", dtype=dtype)
     model, arch = m.model, m.arch
     model.to_empty(device=device)
@@ -198,7 +204,7 @@ def bench_model(preset, prompts, new_tokens, hf_new, hf_prompts, device, ceiling
     model, arch = build(preset, device)
     vocab = model.get_output_embeddings().weight.shape[0]
     d_embed = model.get_output_embeddings().weight.shape[1]
-    ms_, hs_ = SPARSITY[arch.family]
+    ms_, hs_ = SPARSITY[arch.family]  # Llama-family ids (Mistral, Qwen2) use the Llama budgets
     preds = make_predictors(model, arch, device)
     pred_bytes = 0
     if preds is not None:
@@ -290,7 +296,7 @@ def print_table(ceiling: float) -> None:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default=",".join(MODELS), help="comma-separated presets")
+    ap.add_argument("--models", default=",".join(MODELS), help="comma-separated presets or HF ids")
     ap.add_argument("--prompts", default=",".join(map(str, PROMPTS)))
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--hf-new-tokens", type=int, default=32, help="HF is slow: fewer tokens")

@@ -1,0 +1,151 @@
+"""Tables and figures of the end-to-end decoding chapter (Deja Vu §5.1, Knowl 8).
+
+Reads what ``kernels/bench_engine.py`` recorded (``results/engine_e2e.json``) — or runs it live
+on a GPU box — and shapes it: the latency table beside the paper's ratios, where a token's time
+goes (attention, MLP, predictors, lm_head, overhead), and the bytes-per-token prediction
+(:mod:`dejavu_lab.engine_bytes`) beside the measured speedup.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import plotly.express as px
+
+from . import results
+
+__all__ = [
+    "PAPER",
+    "breakdown",
+    "breakdown_figure",
+    "latency_table",
+    "load",
+    "part_floors",
+    "speedup_table",
+]
+
+# Knowl 8 (OPT-175B, 8x A100 80GB, fp16, batch 1, prompts 128-1024): ratios only, as reported.
+PAPER = {"vs FasterTransformer": "1.8-2.0x", "vs Hugging Face": "4.8-6.0x"}
+NAME = "engine_e2e"
+
+
+def load(live: bool | None = None, models: str = "opt-6.7b", prompts: str = "128,512"):
+    """(rows, provenance, live): measure now when a GPU is here (``live=None``), else read the
+    recorded run. A live run writes ``results/engine_e2e_live.json`` via the benchmark script."""
+    import torch
+
+    live = torch.cuda.is_available() if live is None else live
+    name = NAME
+    if live:
+        script = Path(__file__).resolve().parent.parent / "kernels" / "bench_engine.py"
+        name = NAME + "_live"
+        cmd = [sys.executable, str(script), "--models", models, "--prompts", prompts,
+               "--parts-at", prompts.split(",")[-1], "--name", name, "--no-check"]  # fmt: skip
+        subprocess.run(cmd, check=True)
+    frame, prov = results.load(name)
+    return frame, prov, live
+
+
+def _e2e(frame: pd.DataFrame) -> pd.DataFrame:
+    e = frame[frame["kind"] == "e2e"]
+    return e[e["error"].isna()] if "error" in e else e
+
+
+def latency_table(frame: pd.DataFrame, model: str) -> pd.DataFrame:
+    """ms per token by prompt length: HF, dense, sparse, and the ratios, beside Knowl 8."""
+    e = _e2e(frame)
+    e = e[e["model"] == model]
+    t = e.pivot_table(index="prompt", columns="engine", values="ms_per_token")
+    t.index = t.index.astype(int)
+    out = pd.DataFrame(index=t.index)
+    for col, name in (("hf", "HF generate (ms)"), ("dense", "dense engine (ms)"),
+                      ("sparse", "sparse engine (ms)")):  # fmt: skip
+        if col in t:
+            out[name] = t[col]
+    if {"dense", "sparse"} <= set(t):
+        out["sparse vs dense"] = t["dense"] / t["sparse"]
+    if {"hf", "sparse"} <= set(t):
+        out["sparse vs HF"] = t["hf"] / t["sparse"]
+    for k, v in PAPER.items():
+        out[f"paper {k}"] = v
+    return out
+
+
+def breakdown(frame: pd.DataFrame, model: str) -> pd.DataFrame:
+    """Where one token's time goes, dense vs sparse, at the prompt of the recorded breakdown.
+
+    attention, MLP and lm_head are each timed alone over every layer (CUDA graph); predictors
+    is the time they add to the step (sparse minus sparse with fixed sets: on a side stream
+    most of their own time hides); overhead is the rest of the measured step (embedding,
+    residual adds, stream joins, launch gaps between the parts).
+    """
+    parts = frame[(frame["kind"] == "part") & (frame["model"] == model)]
+    prompt = int(parts["prompt"].iloc[0])
+    e = _e2e(frame)
+    e = e[(e["model"] == model) & (e["prompt"] == prompt)].set_index("engine")["ms_per_token"]
+    rows = []
+    for engine in ("dense", "sparse"):
+        p = parts[parts["engine"] == engine].set_index("part")["ms"]
+        got = {k: p.get(k, 0.0) for k in ("attention", "mlp", "lm_head")}
+        if engine == "sparse" and "sparse_fixed_sets" in e:
+            got["predictors"] = max(e["sparse"] - e["sparse_fixed_sets"], 0.0)
+        got["overhead"] = max(e[engine] - sum(got.values()), 0.0)
+        rows += [{"engine": engine, "part": k, "ms": v, "prompt": prompt} for k, v in got.items()]
+    return pd.DataFrame(rows)
+
+
+def part_floors(frame: pd.DataFrame, model: str, ceiling: float) -> pd.DataFrame:
+    """Each part's measured time beside its bytes over the copy ceiling (ms), dense and sparse."""
+    b = breakdown(frame, model)
+    prompt = int(b["prompt"].iloc[0])
+    e = _e2e(frame)
+    e = e[(e["model"] == model) & (e["prompt"] == prompt)].set_index("engine")
+    key = {"attention": ["bytes_attention", "bytes_kv_cache"], "mlp": ["bytes_mlp"],
+           "lm_head": ["bytes_lm_head"], "predictors": ["bytes_predictors"]}  # fmt: skip
+    rows = []
+    for _, r in b.iterrows():
+        if r["part"] not in key:
+            continue
+        nbytes = sum(e.loc[r["engine"], k] for k in key[r["part"]])
+        floor = nbytes / (ceiling * 1e12) * 1e3
+        rows.append({"engine": r["engine"], "part": r["part"], "GB": nbytes / 1e9,
+                     "floor (ms)": floor, "measured (ms)": r["ms"],
+                     "measured / floor": r["ms"] / floor if floor else None})  # fmt: skip
+    return pd.DataFrame(rows).set_index(["engine", "part"])
+
+
+def breakdown_figure(frame: pd.DataFrame, models: list[str]):
+    """Stacked bars: ms per token by part, dense vs sparse, one group per model."""
+    df = pd.concat([breakdown(frame, m).assign(model=m) for m in models])
+    fig = px.bar(df, x="engine", y="ms", color="part", facet_col="model", barmode="stack",
+                 labels={"ms": "ms per token", "engine": ""},
+                 category_orders={"part": ["attention", "mlp", "predictors", "lm_head",
+                                           "overhead"]})  # fmt: skip
+    fig.update_yaxes(matches=None, showticklabels=True)
+    return fig
+
+
+def speedup_table(frame: pd.DataFrame, prompt: int) -> pd.DataFrame:
+    """Per model: bytes per token dense/sparse, the speedup they predict, the speedup measured,
+    and achieved bandwidth as a share of the copy ceiling."""
+    e = _e2e(frame)
+    e = e[e["prompt"] == prompt].set_index(["model", "engine"])
+    rows = []
+    for model in e.index.get_level_values(0).unique():
+        d, s = e.loc[(model, "dense")], e.loc[(model, "sparse")]
+        rows.append({
+            "model": model,
+            "sparsity (MLP, heads)": f"{s['mlp_sparsity']:.0%}, {s['head_sparsity']:.0%}",
+            "dense GB/token": d["bytes_per_token"] / 1e9,
+            "sparse GB/token": s["bytes_per_token"] / 1e9,
+            "predicted speedup": d["bytes_per_token"] / s["bytes_per_token"],
+            "measured speedup": d["ms_per_token"] / s["ms_per_token"],
+            "dense: of ceiling": d["of_ceiling"],
+            "sparse: of ceiling": s["of_ceiling"],
+            "dense / its floor": d["ms_per_token"] / d["floor_ms"],
+            "sparse / its floor": s["ms_per_token"] / s["floor_ms"],
+        })  # fmt: skip
+    return pd.DataFrame(rows).set_index("model")
