@@ -130,6 +130,8 @@ def speedup_figure(mlp: pd.DataFrame, *, d: int = 12288, batch: int = 1):
         fig.add_trace(go.Scatter(x=ks, y=1 / ks, mode="lines", line=dict(dash="dash", color="grey"),
                                  name="ideal 1 / kept", showlegend=col == 1), row=1, col=col)  # fmt: skip
     fig.for_each_annotation(lambda a: a.update(text=a.text.replace("op=", "projection: ")))
+    fig.update_xaxes(tickvals=[0.05, 0.1, 0.2, 0.5, 1.0])
+    fig.update_yaxes(tickvals=[0.5, 1, 2, 5, 10, 20])
     return fig
 
 
@@ -148,4 +150,5 @@ def bandwidth_figure(mlp: pd.DataFrame, ceiling: float, *, d: int = 12288, batch
         fig.add_hline(y=ceiling, line_dash="dot", line_color="black",
                       annotation_text=f"copy ceiling {ceiling:.2f} TB/s")  # fmt: skip
     fig.for_each_annotation(lambda a: a.update(text=a.text.replace("op=", "projection: ")))
+    fig.update_xaxes(tickvals=[0.05, 0.1, 0.2, 0.5, 1.0])
     return fig
