@@ -1,0 +1,117 @@
+"""Which neurons and heads the sparse decoder keeps, per layer (Deja Vu §4.1–4.3, Knowl 2).
+
+A mixin of :class:`dejavu_lab.engine.Decoder`: static index buffers (one row per layer, fixed
+sizes, so a CUDA graph can replay them) filled either by hand (:meth:`KeptSets.set_indices`:
+oracle or random sets) or, inside the decode step, by the top-k of DejaVu's low-rank predictors
+(:mod:`dejavu_lab.predictors`) evaluated on the previous layer's input (lookahead). The two
+predictors of a layer read the same input, so they are evaluated stacked: one RMS norm and one
+GEMV for both ``d -> r`` halves, then each ``r -> n`` — the same function as
+``Predictors.mlp_scores`` / ``head_scores``, in fewer launches.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from .engine_weights import EngineError
+from .sparsify import n_keep
+
+if TYPE_CHECKING:
+    from .engine import SparseConfig
+
+__all__ = ["KeptSets"]
+
+
+class KeptSets:
+    """Kept-set buffers and their update; expects the Decoder's ``w``, ``arch``, ``H``, ``Hkv``,
+    ``window`` and ``predictors`` attributes."""
+
+    def _init_sparse(self, sp: SparseConfig) -> None:
+        a, dev = self.arch, self.w.device
+        self.k_mlp = n_keep(sp.mlp_sparsity, a.d_mlp) if sp.mlp_sparsity > 0 else a.d_mlp
+        self.k_heads = n_keep(sp.head_sparsity, self.H) if sp.head_sparsity > 0 else self.H
+        self.n_kv_sel = self.k_heads if self.window else self.Hkv
+        L = a.n_layers
+        self.mlp_idx = torch.arange(self.k_mlp, device=dev).repeat(L, 1)  # [L, k_mlp]
+        self.head_idx = torch.arange(self.k_heads, device=dev).repeat(L, 1)  # [L, k_heads]
+        self.qkv_idx = torch.zeros(
+            L, self.k_heads + 2 * self.n_kv_sel, dtype=torch.long, device=dev
+        )
+        self._mlp_val = torch.zeros(L, self.k_mlp, device=dev)
+        self._head_val = torch.zeros(L, self.k_heads, device=dev)
+        self.q_full = torch.zeros(self.H, self.dh, dtype=self.w.dtype, device=dev)
+        self._kv_all = torch.arange(self.Hkv, device=dev)
+        self._kv_off = torch.tensor([[self.H], [self.H + self.Hkv]], device=dev)  # K, V blocks
+        for i in range(L):
+            self._fill_qkv(i)
+        if self.predictors is not None:
+            self._fuse_predictors()
+
+    def _fill_qkv(self, i: int) -> None:
+        """Row blocks of W_QKV for layer i: kept q heads, then their (or all) K and V heads."""
+        h, k = self.head_idx[i], self.k_heads
+        self.qkv_idx[i, :k].copy_(h)
+        kv = self.qkv_idx[i, k:].view(2, self.n_kv_sel)
+        torch.add((h if self.window else self._kv_all)[None], self._kv_off, out=kv)
+
+    def set_indices(self, layer: int, *, mlp=None, heads=None) -> None:
+        """Fix the kept neurons / heads of ``layer`` (used when no predictors are given)."""
+        if self.sparse is None:
+            raise EngineError("set_indices needs a sparse decoder (pass sparse=SparseConfig(...)).")
+        for name, idx, buf, n in (("mlp", mlp, self.mlp_idx, self.arch.d_mlp),
+                                  ("heads", heads, self.head_idx, self.H)):  # fmt: skip
+            if idx is None:
+                continue
+            idx = torch.as_tensor(idx, device=buf.device).long().flatten()
+            if idx.numel() != buf.shape[1] or idx.unique().numel() != idx.numel():
+                raise EngineError(
+                    f"{name} needs {buf.shape[1]} distinct indices, got {idx.numel()}."
+                )
+            if int(idx.min()) < 0 or int(idx.max()) >= n:
+                raise EngineError(f"{name} indices must lie in [0, {n - 1}].")
+            buf[layer].copy_(idx)
+        self._fill_qkv(layer)
+
+    def _fuse_predictors(self) -> None:
+        """Stack DejaVu's two low-rank predictors of each layer (same input in lookahead mode):
+        one RMS norm and one GEMV for both ``d -> r`` halves, then each ``r -> n`` (fp32)."""
+        p, self._fused = self.predictors, None
+        try:
+            mlp, heads = list(p.mlp), list(p.heads)
+            downs = [
+                torch.cat((m.down.weight, h.down.weight)).float()
+                for m, h in zip(mlp, heads, strict=True)
+            ]
+        except (AttributeError, TypeError):
+            return  # any other object: call its mlp_scores / head_scores
+        dev = self.w.device
+        self._fused = [
+            (d.to(dev), m.down.weight.shape[0], m.up.weight.float().to(dev),
+             m.up.bias.float().to(dev), h.up.weight.float().to(dev), h.up.bias.float().to(dev))
+            for d, m, h in zip(downs, mlp, heads, strict=True)
+        ]  # fmt: skip
+
+    def _scores(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mlp scores [1, n], head scores [1, H]) of layer i's predictors at x [1, d]."""
+        if self._fused is None:
+            p = self.predictors
+            return p.mlp_scores(i, x), p.head_scores(i, x)
+        down, r, wm, bm, wh, bh = self._fused[i]
+        z = F.rms_norm(x.float(), (x.shape[-1],), eps=1e-6) @ down.t()  # [1, r_mlp + r_head]
+        return F.linear(z[:, :r], wm, bm), F.linear(z[:, r:], wh, bh)
+
+    def _predict(self, i: int, x: torch.Tensor) -> None:
+        """Kept sets of layer i from x (layer i-1's input: lookahead) by top-k of the scores."""
+        ms, hs = self._scores(i, x)
+        if self.k_mlp < self.arch.d_mlp:
+            s = ms.reshape(-1)
+            torch.topk(s.float(), self.k_mlp, sorted=False, out=(self._mlp_val[i], self.mlp_idx[i]))
+        if self.k_heads < self.H:
+            s = hs.reshape(-1)
+            torch.topk(
+                s.float(), self.k_heads, sorted=False, out=(self._head_val[i], self.head_idx[i])
+            )
+            self._fill_qkv(i)
