@@ -56,24 +56,27 @@ TUNE = {
         ]
     ],  # fmt: skip
     ("down", 1): [
-        {"BLOCK_R": r, "BLOCK_D": bd, "num_warps": w, "programs": p, "prefetch": pf, "fused": fu}
-        for r, bd, w, p, pf, fu in [
-            (32, 256, 4, 528, True, True),
-            (32, 256, 4, 528, False, True),
-            (32, 256, 4, 528, True, False),
-            (16, 256, 4, 1056, True, True),
-            (32, 128, 4, 1056, True, True),
-            (64, 256, 8, 528, True, True),
-            (32, 256, 4, 396, False, True),
+        {"BLOCK_R": r, "BLOCK_D": bd, "num_warps": w, "programs": p, "fused": fu}
+        for r, bd, w, p, fu in [
+            (32, 256, 4, 396, True),
+            (32, 256, 4, 528, True),
+            (16, 256, 1, 2112, True),
+            (16, 256, 1, 4224, True),
+            (32, 256, 2, 1056, True),
+            (16, 256, 2, 2112, True),
+            (8, 256, 1, 4224, True),
+            (16, 128, 1, 4224, True),
+            (16, 256, 1, 2112, False),
         ]
     ],  # fmt: skip
     ("down", 16): [
-        {"BLOCK_R": r, "BLOCK_D": bd, "num_warps": w, "programs": p, "num_stages": 4, "fused": fu}
-        for r, bd, w, p, fu in [
-            (64, 128, 4, 528, False),
-            (64, 128, 4, 528, True),
-            (64, 128, 4, 792, False),
-            (32, 256, 4, 528, False),
+        {"BLOCK_R": r, "BLOCK_D": bd, "num_warps": w, "programs": p, "num_stages": st, "fused": fu}
+        for r, bd, w, p, st, fu in [
+            (64, 128, 4, 528, 4, False),
+            (64, 128, 4, 528, 4, True),
+            (32, 128, 4, 1056, 4, False),
+            (64, 64, 4, 1056, 4, False),
+            (32, 128, 2, 1056, 3, False),
         ]
     ],  # fmt: skip
 }

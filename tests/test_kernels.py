@@ -289,7 +289,9 @@ def test_alternative_tilings(dtype, seed):
     h = torch.randn(1, idx.numel(), dtype=dtype)
     bias = torch.randn(d, dtype=dtype)
     for split, extra in [(1, {"dot": True}), (2, {"dot": True}), (3, {"prefetch": True}),
-                         (1, {"prefetch": True}), (3, {"fused": False})]:  # fmt: skip
+                         (1, {"prefetch": True}), (3, {"fused": False}),
+                         (19, {"BLOCK_R": 2, "fused": False}),  # 2 chunks of partials, each path
+                         (19, {"BLOCK_R": 2, "BLOCK_D": 64, "num_warps": 1})]:  # fmt: skip
         out = torch.full((1, d), float("nan"), dtype=dtype)
         cfg = {"BLOCK_R": 16, "BLOCK_D": 32, "num_warps": 4, "split": split, **extra}
         sparse_mlp_down(h, w, idx, bias=bias, out=out, config=cfg)

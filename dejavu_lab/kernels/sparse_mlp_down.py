@@ -78,6 +78,7 @@ def sparse_mlp_down_kernel(
     BLOCK_D: tl.constexpr,  # output columns per program
     UPCAST: tl.constexpr,  # fp32 tl.dot (CPU interpreter, bf16)
     PREFETCH: tl.constexpr,  # FMA path: load the next step's indices one step early
+    CHUNK: tl.constexpr,  # partial sums read per step by the fused reduction
 ):
     pid_d = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -130,10 +131,17 @@ def sparse_mlp_down_kernel(
             tl.debug_barrier()
             arrived = tl.atomic_add(count_ptr + pid_d, 1, sem="acq_rel", scope="gpu")
             if arrived == n_split - 1:
+                # CHUNK splits per load, so the sum waits on n_split / CHUNK latencies
+                offs_c = tl.arange(0, CHUNK)
                 tot = tl.zeros((BLOCK_B, BLOCK_D), tl.float32)
-                for s in range(0, n_split):
-                    q_ptrs = part_ptr + (s * B + offs_b[:, None]).to(tl.int64) * D + offs_d[None, :]
-                    tot += tl.load(q_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+                for s0 in range(0, n_split, CHUNK):
+                    sp = s0 + offs_c
+                    q_ptrs = (part_ptr + (sp[:, None, None] * B + offs_b[None, :, None]).to(tl.int64) * D
+                              + offs_d[None, None, :])  # fmt: skip
+                    q_mask = (sp < n_split)[:, None, None] & mask[None, :, :]
+                    tot += tl.sum(
+                        tl.load(q_ptrs, mask=q_mask, other=0.0, cache_modifier=".cg"), axis=0
+                    )
                 tl.atomic_xchg(count_ptr + pid_d, 0)  # ready for the next launch
                 _finish(tot, b_ptr, out_ptr, offs_b, offs_d, mask, mask_d, stride_ob, HAS_BIAS)
     else:
@@ -158,12 +166,18 @@ def sparse_mlp_down_reduce_kernel(
     D,
     HAS_BIAS: tl.constexpr,
     BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr,  # splits read per step
 ):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
+    offs_c = tl.arange(0, CHUNK)
     acc = tl.zeros((BLOCK,), tl.float32)
-    for s in range(n_split):
-        acc += tl.load(part_ptr + s * N + offs, mask=mask, other=0.0)
+    for s0 in range(0, n_split, CHUNK):
+        sp = s0 + offs_c
+        ptrs = part_ptr + sp[:, None].to(tl.int64) * N + offs[None, :]
+        acc += tl.sum(
+            tl.load(ptrs, mask=(sp < n_split)[:, None] & mask[None, :], other=0.0), axis=0
+        )
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs % D, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -210,6 +224,11 @@ def default_config(batch: int, k: int, d: int, device: torch.device) -> dict:
                "programs": 4 * sms}  # fmt: skip
     cfg["BLOCK_D"] = min(cfg["BLOCK_D"], max(16, next_pow2(d)))
     return cfg
+
+
+def _chunk(n_split: int, cap: int) -> int:
+    """Power of two <= cap covering at most n_split (fewer compiled variants than n_split)."""
+    return max(1, min(next_pow2(n_split), 1 << max(0, int(cap).bit_length() - 1)))
 
 
 def _split(k: int, d: int, cfg: dict) -> tuple[int, int]:
@@ -289,13 +308,14 @@ def sparse_mlp_down(
         G=g, HAS_BIAS=bias is not None, PARTIAL=n_split > 1, FUSED=fused, BLOCK_B=block_b,
         BLOCK_R=cfg["BLOCK_R"], BLOCK_D=cfg["BLOCK_D"], UPCAST=upcast_dot(dtype),
         PREFETCH=bool(cfg.get("prefetch", False)) and block_b == 1,
+        CHUNK=_chunk(n_split, 32 * 32 * cfg["num_warps"] // (block_b * cfg["BLOCK_D"])),
         num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 3),
     )  # fmt: skip
     if n_split > 1 and not fused:
         n = batch * d
-        block = 1024
+        block = 256
         sparse_mlp_down_reduce_kernel[(triton.cdiv(n, block),)](
             part, bias if bias is not None else part, res2, n_split, n, d,
-            HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
+            HAS_BIAS=bias is not None, BLOCK=block, CHUNK=_chunk(n_split, 16), num_warps=4,
         )  # fmt: skip
     return res
