@@ -25,6 +25,7 @@ __all__ = [
     "load",
     "part_floors",
     "speedup_table",
+    "summary",
 ]
 
 # Knowl 8 (OPT-175B, 8x A100 80GB, fp16, batch 1, prompts 128-1024): ratios only, as reported.
@@ -149,3 +150,23 @@ def speedup_table(frame: pd.DataFrame, prompt: int) -> pd.DataFrame:
             "sparse / its floor": s["ms_per_token"] / s["floor_ms"],
         })  # fmt: skip
     return pd.DataFrame(rows).set_index("model")
+
+
+def summary(frame: pd.DataFrame, model: str, prompt: int) -> pd.DataFrame:
+    """Our headline ratios at one model and prompt, beside the paper's (Knowl 8)."""
+    e = _e2e(frame)
+    e = e[(e["model"] == model) & (e["prompt"] == prompt)].set_index("engine")
+    d, s = e.loc["dense"], e.loc["sparse"]
+    rows = {
+        "sparse vs fast dense baseline": (f"{PAPER['vs FasterTransformer']} vs FasterTransformer",
+                                          f"{d['ms_per_token'] / s['ms_per_token']:.2f}x vs our "
+                                          "CUDA-graph dense engine"),
+        "sparse vs Hugging Face": (PAPER["vs Hugging Face"],
+                                   f"{e.loc['hf', 'ms_per_token'] / s['ms_per_token']:.2f}x"
+                                   if "hf" in e.index else "not measured"),
+        "dense baseline vs its bandwidth floor": ("-", f"{d['ms_per_token'] / d['floor_ms']:.2f}x"),
+        "ideal speedup from bytes per token": ("-", f"{d['bytes_per_token'] / s['bytes_per_token']:.2f}x"),
+    }  # fmt: skip
+    return pd.DataFrame(
+        rows, index=["paper (OPT-175B, 8x A100)", f"ours ({model}, prompt {prompt})"]
+    ).T
