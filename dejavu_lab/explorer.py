@@ -47,109 +47,138 @@ def budget_grid(
     mlp_values=(0.0, 0.3, 0.5, 0.7, 0.85),
     head_values=(0.0, 0.3, 0.5),
     dense_first=(0, 2),
-    mode: str = "predicted",
+    modes=("oracle", "predicted"),
     predictors=None,
     static=None,
     progress: bool = True,
 ) -> pd.DataFrame:
-    """Perplexity and predicted speedup at every (MLP, head, dense-first-layers) budget."""
+    """Perplexity and predicted speedup at every (sets, MLP, heads, dense-first) budget.
+
+    ``modes``: how the sets are chosen (:func:`dejavu_lab.sparsify.sparsified`'s ``mode``).
+    Budgets with nothing removed are evaluated once (they are the dense model).
+    """
     vocab = model.get_output_embeddings().weight.shape[0]
     rows = []
-    combos = list(itertools.product(dense_first, head_values, mlp_values))
-    for n_dense, hs, ms in tqdm(combos, desc="budget grid", disable=not progress):
-        ppl = sparse_perplexity(
-            model,
-            windows,
-            progress=False,
-            mlp_sparsity=ms,
-            head_sparsity=hs,
-            dense_layers=range(n_dense),
-            mode=mode,
-            predictors=predictors,
-            static=static,
-            arch=arch,
-        )
+    dense_ppl = None
+    combos = list(itertools.product(modes, dense_first, head_values, mlp_values))
+    for mode, n_dense, hs, ms in tqdm(combos, desc="budget grid", disable=not progress):
+        if ms == 0 and hs == 0 and dense_ppl is not None:
+            ppl = dense_ppl
+        else:
+            ppl = sparse_perplexity(
+                model,
+                windows,
+                progress=False,
+                mlp_sparsity=ms,
+                head_sparsity=hs,
+                dense_layers=range(n_dense),
+                mode=mode,
+                predictors=predictors,
+                static=static,
+                arch=arch,
+            )
+            if ms == 0 and hs == 0:
+                dense_ppl = ppl
+        uses_predictors = predictors if mode == "predicted" else None
         rows.append(
             {
+                "sets": mode,
                 "mlp_sparsity": ms,
                 "head_sparsity": hs,
                 "dense_first": n_dense,
                 "perplexity": ppl,
-                "speedup": _speedup(arch, vocab, ms, hs, n_dense, windows.shape[1], predictors),
+                "speedup": _speedup(
+                    arch, vocab, ms, hs, n_dense, windows.shape[1], uses_predictors
+                ),
             }
         )
     return pd.DataFrame(rows)
 
 
 def grid_figure(grid: pd.DataFrame, dense_ppl: float, title: str, caption: str) -> go.Figure:
-    """Perplexity and speedup against MLP sparsity; a slider picks the head sparsity."""
+    """Perplexity (one line per way of choosing sets) and predicted speedup against MLP
+    sparsity; a slider picks the head sparsity and how many first layers stay dense."""
     fig = make_subplots(
-        rows=1, cols=2, subplot_titles=("perplexity (lower is better)", "predicted speedup")
+        rows=1, cols=2, subplot_titles=("perplexity (log scale)", "predicted speedup")
     )
-    heads = sorted(grid.head_sparsity.unique())
-    denses = sorted(grid.dense_first.unique())
-    colors = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd"]
+    steps_keys = sorted(
+        set(zip(grid.head_sparsity, grid.dense_first, strict=True)), key=lambda k: (k[1], k[0])
+    )
+    sets = list(dict.fromkeys(grid.sets))
+    colors = {"oracle": "#2ca02c", "predicted": "#d62728", "static": "#7f7f7f"}
     traces_per_step = []
-    for hs in heads:
+    for hs, nd in steps_keys:
         ids = []
-        for j, nd in enumerate(denses):
-            g = grid[(grid.head_sparsity == hs) & (grid.dense_first == nd)].sort_values(
-                "mlp_sparsity"
+        first = (hs, nd) == steps_keys[0]
+        cell = grid[(grid.head_sparsity == hs) & (grid.dense_first == nd)]
+        for name in sets:
+            g = cell[cell.sets == name].sort_values("mlp_sparsity")
+            fig.add_trace(
+                go.Scatter(
+                    x=g.mlp_sparsity,
+                    y=g.perplexity,
+                    mode="lines+markers",
+                    name=f"{name} sets",
+                    legendgroup=name,
+                    line=dict(color=colors.get(name)),
+                    visible=first,
+                    hovertemplate=f"{name}: MLP %{{x:.0%}}, heads {hs:.0%}"
+                    "<br>perplexity %{y:.1f}<extra></extra>",
+                ),
+                row=1,
+                col=1,
             )
-            label = "all layers sparse" if nd == 0 else f"first {nd} layers dense"
-            for col, metric in ((1, "perplexity"), (2, "speedup")):
-                fig.add_trace(
-                    go.Scatter(
-                        x=g.mlp_sparsity,
-                        y=g[metric],
-                        mode="lines+markers",
-                        name=label,
-                        legendgroup=label,
-                        showlegend=col == 1,
-                        line=dict(color=colors[j % len(colors)]),
-                        visible=hs == heads[0],
-                        hovertemplate=f"MLP %{{x:.0%}} · heads {hs:.0%}<br>{metric} %{{y:.2f}}",
-                    ),
-                    row=1,
-                    col=col,
-                )
-                ids.append(len(fig.data) - 1)
+            ids.append(len(fig.data) - 1)
+        g = cell[cell.sets == sets[-1]].sort_values("mlp_sparsity")
+        fig.add_trace(
+            go.Scatter(
+                x=g.mlp_sparsity,
+                y=g.speedup,
+                mode="lines+markers",
+                name="bytes-moved speedup",
+                line=dict(color="#1f77b4"),
+                visible=first,
+                hovertemplate="MLP %{x:.0%}<br>%{y:.2f}× over dense<extra></extra>",
+            ),
+            row=1,
+            col=2,
+        )
+        ids.append(len(fig.data) - 1)
         traces_per_step.append(ids)
     n = len(fig.data)
-    fig.add_hline(y=dense_ppl, line_dash="dot", line_color="gray", row=1, col=1)
-    fig.add_annotation(
-        text=f"dense {dense_ppl:.1f}",
-        x=0,
+    fig.add_hline(
         y=dense_ppl,
-        xref="x1",
-        yref="y1",
-        showarrow=False,
-        yshift=10,
-        xanchor="left",
-        font=dict(color="gray"),
+        line_dash="dot",
+        line_color="gray",
+        row=1,
+        col=1,
+        annotation_text=f"dense {dense_ppl:.1f}",
+        annotation_position="top left",
     )
-    steps = []
-    for hs, ids in zip(heads, traces_per_step, strict=True):
-        vis = [i in ids for i in range(n)]
-        steps.append(dict(method="update", label=f"{hs:.0%}", args=[{"visible": vis}]))
+    steps = [
+        dict(
+            method="update",
+            label=f"heads {hs:.0%}" + (f", first {nd} dense" if nd else ""),
+            args=[{"visible": [i in ids for i in range(n)]}],
+        )
+        for (hs, nd), ids in zip(steps_keys, traces_per_step, strict=True)
+    ]
     fig.update_layout(
         title=title,
-        height=460,
-        margin=dict(t=70, b=150),
-        sliders=[
-            dict(active=0, currentvalue=dict(prefix="head sparsity: "), pad=dict(t=50), steps=steps)
-        ],
-        legend=dict(orientation="h", y=1.12, x=0.5, xanchor="center"),
+        height=480,
+        margin=dict(t=80, b=170),
+        sliders=[dict(active=0, currentvalue=dict(prefix="budget: "), pad=dict(t=60), steps=steps)],
+        legend=dict(orientation="h", y=1.14, x=0.5, xanchor="center"),
     )
     fig.update_xaxes(title_text="MLP sparsity (fraction of neurons removed)", tickformat=".0%")
-    fig.update_yaxes(title_text="perplexity", row=1, col=1)
+    fig.update_yaxes(type="log", title_text="perplexity", row=1, col=1)
     fig.update_yaxes(title_text="× over dense (bytes moved)", row=1, col=2)
     fig.add_annotation(
         text=caption,
         xref="paper",
         yref="paper",
         x=0,
-        y=-0.55,
+        y=-0.62,
         showarrow=False,
         font=dict(size=10),
         xanchor="left",

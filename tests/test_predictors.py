@@ -215,3 +215,35 @@ def test_bytes_model():
     assert 1 < s1 < s2 and s3 < s2 and s2 < 1 / 0.15
     with pytest.raises(ValueError, match=r"head_sparsity must be in \[0, 1\)"):
         bytes_per_token(arch, vocab, head_sparsity=-0.5)
+
+
+def test_grid_figure_slider_switches_traces():
+    import pandas as pd
+
+    from dejavu_lab.explorer import grid_figure
+
+    grid = pd.DataFrame(
+        [
+            {
+                "sets": s,
+                "mlp_sparsity": m,
+                "head_sparsity": h,
+                "dense_first": d,
+                "perplexity": 10 + m + h,
+                "speedup": 1 + m,
+            }
+            for s in ("oracle", "predicted")
+            for m in (0.0, 0.5)
+            for h in (0.0, 0.3, 0.5)
+            for d in (0, 2)
+        ]
+    )
+    fig = grid_figure(grid, 10.0, "t", "caption")
+    steps = fig.layout.sliders[0].steps
+    assert len(steps) == 3 * 2 and steps[0].label == "heads 0%"
+    assert steps[-1].label == "heads 50%, first 2 dense"
+    n = len(fig.data)
+    assert n == 6 * 3  # per step: oracle and predicted perplexity, and the speedup
+    shown = [s.args[0]["visible"] for s in steps]
+    assert all(sum(v) == 3 for v in shown)  # each step shows its own three traces
+    assert all(not (a and b) for a, b in zip(shown[0], shown[1], strict=True))
