@@ -217,11 +217,11 @@ def default_config(batch: int, k: int, d: int, device: torch.device) -> dict:
     """Tile shapes from the H200 sweeps in results/sparse_mlp_tuning*.json (d = 12288); they
     are the configs results/sparse_mlp.json was measured with."""
     sms = _sm_count(device.index or 0) if device.type == "cuda" else 2
-    if batch == 1:  # FMA path, 3 programs per SM; index prefetch measured no faster
-        cfg = {"BLOCK_R": 32, "BLOCK_D": 256, "num_warps": 4, "fused": True, "programs": 3 * sms}
-    else:  # tensor-core path, Triton-pipelined loads, 4 programs per SM
-        cfg = {"BLOCK_R": 64, "BLOCK_D": 128, "num_warps": 4, "num_stages": 4, "fused": False,
-               "programs": 4 * sms}  # fmt: skip
+    if batch == 1:  # FMA path, 4 programs per SM; index prefetch measured no faster
+        cfg = {"BLOCK_R": 32, "BLOCK_D": 256, "num_warps": 4, "fused": True, "programs": 4 * sms}
+    else:  # tensor-core path, Triton-pipelined loads, 8 programs per SM
+        cfg = {"BLOCK_R": 64, "BLOCK_D": 64, "num_warps": 4, "num_stages": 4, "fused": False,
+               "programs": 8 * sms}  # fmt: skip
     cfg["BLOCK_D"] = min(cfg["BLOCK_D"], max(16, next_pow2(d)))
     return cfg
 
