@@ -11,6 +11,8 @@ a sample generation and the ideal decoding speedup from :mod:`dejavu_lab.bytes_m
 from __future__ import annotations
 
 import itertools
+import math
+import textwrap
 
 import pandas as pd
 import plotly.graph_objects as go
@@ -96,20 +98,24 @@ def budget_grid(
 
 
 def grid_figure(grid: pd.DataFrame, dense_ppl: float, title: str, caption: str) -> go.Figure:
-    """Perplexity (one line per way of choosing sets) and predicted speedup against MLP
+    """Perplexity (one line per way of choosing sets) above predicted speedup, against MLP
     sparsity; a slider picks the head sparsity and how many first layers stay dense."""
     fig = make_subplots(
-        rows=1, cols=2, subplot_titles=("perplexity (log scale)", "predicted speedup")
+        rows=2,
+        cols=1,
+        shared_xaxes=True,
+        vertical_spacing=0.1,
+        subplot_titles=("perplexity (log scale)", "predicted speedup over dense (bytes moved)"),
     )
-    steps_keys = sorted(
+    keys = sorted(
         set(zip(grid.head_sparsity, grid.dense_first, strict=True)), key=lambda k: (k[1], k[0])
     )
     sets = list(dict.fromkeys(grid.sets))
     colors = {"oracle": "#2ca02c", "predicted": "#d62728", "static": "#7f7f7f"}
     traces_per_step = []
-    for hs, nd in steps_keys:
+    for hs, nd in keys:
         ids = []
-        first = (hs, nd) == steps_keys[0]
+        first = (hs, nd) == keys[0]
         cell = grid[(grid.head_sparsity == hs) & (grid.dense_first == nd)]
         for name in sets:
             g = cell[cell.sets == name].sort_values("mlp_sparsity")
@@ -140,8 +146,8 @@ def grid_figure(grid: pd.DataFrame, dense_ppl: float, title: str, caption: str) 
                 visible=first,
                 hovertemplate="MLP %{x:.0%}<br>%{y:.2f}× over dense<extra></extra>",
             ),
-            row=1,
-            col=2,
+            row=2,
+            col=1,
         )
         ids.append(len(fig.data) - 1)
         traces_per_step.append(ids)
@@ -158,30 +164,47 @@ def grid_figure(grid: pd.DataFrame, dense_ppl: float, title: str, caption: str) 
     steps = [
         dict(
             method="update",
-            label=f"heads {hs:.0%}" + (f", first {nd} dense" if nd else ""),
+            label=f"{hs:.0%}" + (f" + {nd} dense" if nd else ""),
             args=[{"visible": [i in ids for i in range(n)]}],
         )
-        for (hs, nd), ids in zip(steps_keys, traces_per_step, strict=True)
+        for (hs, nd), ids in zip(keys, traces_per_step, strict=True)
     ]
+    top = min(float(grid.perplexity.max()), 1e4) * 1.5  # beyond 10k it is noise, not text
     fig.update_layout(
         title=title,
-        height=480,
-        margin=dict(t=80, b=170),
-        sliders=[dict(active=0, currentvalue=dict(prefix="budget: "), pad=dict(t=60), steps=steps)],
-        legend=dict(orientation="h", y=1.14, x=0.5, xanchor="center"),
+        height=760,
+        margin=dict(t=110, b=190, l=60, r=20),
+        sliders=[
+            dict(
+                active=0,
+                currentvalue=dict(prefix="head sparsity (+ first layers kept dense): "),
+                pad=dict(t=50),
+                font=dict(size=10),
+                steps=steps,
+            )
+        ],
+        legend=dict(orientation="h", y=1.1, x=0.5, xanchor="center"),
     )
-    fig.update_xaxes(title_text="MLP sparsity (fraction of neurons removed)", tickformat=".0%")
-    fig.update_yaxes(type="log", title_text="perplexity", row=1, col=1)
-    fig.update_yaxes(title_text="× over dense (bytes moved)", row=1, col=2)
+    fig.update_xaxes(tickformat=".0%")
+    fig.update_xaxes(title_text="MLP sparsity (fraction of neurons removed)", row=2, col=1)
+    fig.update_yaxes(
+        type="log",
+        title_text="perplexity",
+        row=1,
+        col=1,
+        range=[math.log10(dense_ppl * 0.8), math.log10(top)],
+    )
+    fig.update_yaxes(title_text="× over dense", row=2, col=1)
     fig.add_annotation(
-        text=caption,
+        text="<br>".join(textwrap.wrap(caption, 110)),
         xref="paper",
         yref="paper",
         x=0,
-        y=-0.62,
+        y=-0.42,
         showarrow=False,
-        font=dict(size=10),
+        font=dict(size=9),
         xanchor="left",
+        align="left",
     )
     return fig
 

@@ -240,8 +240,8 @@ def test_grid_figure_slider_switches_traces():
     )
     fig = grid_figure(grid, 10.0, "t", "caption")
     steps = fig.layout.sliders[0].steps
-    assert len(steps) == 3 * 2 and steps[0].label == "heads 0%"
-    assert steps[-1].label == "heads 50%, first 2 dense"
+    assert len(steps) == 3 * 2 and steps[0].label == "0%"
+    assert steps[-1].label == "50% + 2 dense"
     n = len(fig.data)
     assert n == 6 * 3  # per step: oracle and predicted perplexity, and the speedup
     shown = [s.args[0]["visible"] for s in steps]
