@@ -5,13 +5,13 @@ For each token and layer we ask how much of the block is *active*:
 - MLP neurons, from ``mlp.hook_post`` (the activation feeding W2 / down_proj). A ReLU model (OPT)
   has exact zeros: active = non-zero (criterion ``"zeros"``, the paper's measure). A gated model
   (SwiGLU: SmolLM2, Llama) has none, so active = the fewest neurons holding a share ``mass`` of
-  the token's sum of |activation| (criterion ``"mass"``, magnitude sparsity in the CATS/TEAL
+  the token's sum of absolute activations (criterion ``"mass"``, magnitude sparsity in the CATS/TEAL
   sense), or a fixed top ``keep`` fraction (criterion ``"topk"``).
 - Attention heads, from the per-head output norm ‖W_O^h z^h‖ (``attn.hook_result``): active =
   the fewest heads holding ``mass`` of the sum of head-output norms (the paper ranks heads by
   output norm, §4.2).
 
-Sparsity is the share *not* active, 1 − |S| / total, as in the paper.
+Sparsity is the share *not* active, ``1 − |S| / total``, as in the paper.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def contextual_sparsity(
     """Per layer and token: the share of MLP neurons and of heads that are *not* needed.
 
     ``windows``: LongTensor [n, window]. ``criterion`` for neurons: ``"auto"`` (exact zeros for
-    ReLU models, else ``"mass"``), ``"zeros"``, ``"mass"`` (share ``mass`` of |act|) or
+    ReLU models, else ``"mass"``), ``"zeros"``, ``"mass"`` (share ``mass`` of ``|act|``) or
     ``"topk"`` (``keep``); heads always use the ``head_mass`` share of head-output norm.
 
     Returns one row per (layer, block, window, pos) with columns ``layer``, ``block``

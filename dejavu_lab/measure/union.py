@@ -1,9 +1,9 @@
 """Union contextual sparsity across a batch (Deja Vu Appendix C.1, Knowl 12).
 
 A batched sparse kernel must load the union of the active sets of every sequence in the batch,
-so what a batch of B buys is
+so what a batch of B buys is::
 
-    union contextual sparsity = 1 − |∪_b S^(b)| / total.
+    union contextual sparsity = 1 − |∪_b S^(b)| / total
 
 The paper reports that on OPT-175B the union grows sub-linearly with B (B = 2…32): sequences
 share their active neurons and heads, because how often a unit fires follows a heavy-tailed
@@ -16,7 +16,7 @@ share their active neurons and heads, because how often a unit fires follows a h
 - :func:`union_sparsity` — for each batch size, random batches of tokens from B *different*
   windows, their union sparsity per layer, and what B independent uniform draws of the same
   size would give, (1 − p)^B for a per-token density p.
-- :func:`fit_union_growth` — the power law |∪S| ∝ B^α per layer (α < 1: sub-linear).
+- :func:`fit_union_growth` — the power law ``|∪S| ∝ B^α`` per layer (α < 1: sub-linear).
 - :func:`activation_frequency` — how often each unit is active, ranked (the heavy tail).
 """
 
@@ -62,7 +62,7 @@ class ActiveSets:
 
 @dataclass
 class TokenScores:
-    """|activation| of every MLP neuron and output norm of every head, for sampled tokens.
+    """Absolute activation of every MLP neuron and output norm of every head, for sampled tokens.
 
     Kept so that one forward pass serves any definition of "active" (:meth:`active`): the
     sampled tokens are few (a few per sequence), so this is small (tokens × layers × d_mlp).
@@ -185,7 +185,7 @@ def active_sets(
 
 
 def union_of(mask: torch.Tensor, batches: torch.Tensor) -> torch.Tensor:
-    """Union sparsity of token batches: 1 − |∪ S| / total, FloatTensor [draws, layers].
+    """Union sparsity of token batches: ``1 − |∪S| / total``, FloatTensor [draws, layers].
 
     ``mask``: bool [tokens, layers, units]; ``batches``: LongTensor [draws, B] of token indices.
     """
@@ -249,7 +249,7 @@ def union_sparsity(
 
 
 def fit_union_growth(union: pd.DataFrame) -> pd.DataFrame:
-    """Fit |∪S| / total = c · B^α per (block, layer) by least squares in log-log.
+    """Fit ``|∪S| / total = c · B^α`` per (block, layer) by least squares in log-log.
 
     ``union``: the output of :func:`union_sparsity`. Returns ``block``, ``layer``, ``alpha``,
     ``c``, ``r2`` and the same fit to the uniform expectation (``alpha_uniform``). α < 1 is
