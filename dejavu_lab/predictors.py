@@ -300,9 +300,9 @@ def evaluate(
     """Per-layer quality of the predicted sets on held-out ``windows`` [n, window].
 
     The model runs dense; at every layer the predicted top-k set is compared with the oracle's
-    (top-k by true |activation| or head output norm; for ReLU MLPs, only neurons that are > 0
+    (top-k by true ``|activation|`` or head output norm; for ReLU MLPs, only neurons that are > 0
     count as oracle-active). Columns: mode, layer, kind, recall, precision, mass_kept (share of
-    sum |act| in the predicted set), oracle_mass (the same for the oracle set).
+    ``sum |act|`` in the predicted set), oracle_mass (the same for the oracle set).
     """
     arch = arch or get_arch(model)
     preds = predictors if isinstance(predictors, list) else [predictors]
