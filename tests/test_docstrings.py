@@ -1,0 +1,51 @@
+"""Every public function and class of the package shows a short example in its docstring.
+
+The examples themselves run as doctests (``--doctest-modules`` in ``pyproject.toml``), so
+this test only checks that none is missing; a wrong example fails its own doctest.
+"""
+
+import importlib
+import inspect
+import pkgutil
+
+import pytest
+
+import dejavu_lab
+
+
+def _public_modules() -> list[str]:
+    names = ["dejavu_lab"]
+    for info in pkgutil.walk_packages(dejavu_lab.__path__, "dejavu_lab."):
+        if not any(part.startswith("_") for part in info.name.split(".")):
+            names.append(info.name)
+    return names
+
+
+def _public_objects(module_name: str) -> list[tuple[str, object]]:
+    module = importlib.import_module(module_name)
+    return [
+        (name, obj)
+        for name, obj in vars(module).items()
+        if not name.startswith("_")
+        and (inspect.isfunction(obj) or inspect.isclass(obj))
+        and obj.__module__ == module_name
+    ]
+
+
+@pytest.mark.parametrize("module_name", _public_modules())
+def test_every_public_object_has_an_example(module_name):
+    missing = [
+        name for name, obj in _public_objects(module_name) if ">>>" not in (obj.__doc__ or "")
+    ]
+    assert not missing, f"{module_name}: add a short '>>>' example to the docstring of {missing}"
+
+
+def test_examples_are_not_skipped():
+    """An example marked +SKIP is not checked; only GPU-only lines may skip (say so)."""
+    skipped = []
+    for module_name in _public_modules():
+        for name, obj in _public_objects(module_name):
+            for line in (obj.__doc__ or "").splitlines():
+                if "+SKIP" in line and "GPU" not in line:
+                    skipped.append(f"{module_name}.{name}")
+    assert not skipped, f"these examples are skipped without a GPU reason: {sorted(set(skipped))}"
