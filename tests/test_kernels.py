@@ -4,6 +4,10 @@ Fresh random inputs every run (the seed is in each failure message), unsorted di
 indices, 0% to 100% kept, outputs poisoned with NaN so an unwritten element fails, fp16 and
 bf16, batch 1 and union batches. Under the interpreter, Triton 3.9 truncates fp32 -> bf16
 instead of rounding, so bf16 outputs sit about one bf16 ulp from the reference.
+
+On a GPU box the same tests check the compiled kernels on the GPU:
+
+    DEJAVU_TEST_DEVICE=cuda TRITON_INTERPRET=0 pytest tests/test_kernels.py
 """
 
 import os
@@ -24,9 +28,19 @@ from dejavu_lab.kernels import (
 )
 from dejavu_lab.kernels.sparse_mlp_up import sparse_mlp_up_kernel
 
+DEVICE = os.environ.get("DEJAVU_TEST_DEVICE", "cpu")  # where every test tensor is created
 DTYPES = [torch.float16, torch.bfloat16]
 TOL = {torch.float16: 3e-3, torch.bfloat16: 3e-2}  # relative Frobenius error
 KEPT = [0.0, 0.1, 0.5, 1.0]
+
+
+@pytest.fixture(autouse=True)
+def on_device():
+    """Create each test's tensors on DEVICE (torch's default-device context)."""
+    if DEVICE != "cpu" and not torch.cuda.is_available():
+        pytest.skip(f"DEJAVU_TEST_DEVICE={DEVICE} but torch sees no CUDA GPU; unset it on a CPU")
+    with torch.device(DEVICE):
+        yield
 
 
 @pytest.fixture
@@ -53,6 +67,7 @@ def pick(n, frac):
     return torch.randperm(n)[: round(frac * n)].to(torch.int32)
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="on a GPU the compiled kernels run")
 def test_kernels_run_in_the_interpreter():
     assert type(sparse_mlp_up_kernel).__name__ == "InterpretedFunction", (
         "set TRITON_INTERPRET=1 before importing dejavu_lab.kernels (make test does) so the "
@@ -142,6 +157,7 @@ def test_union_batch_32_up_then_down(seed):
     assert_close(y, sparse_mlp_down_ref(h, w2t, idx), dtype, seed)
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="checks the CPU fallback")
 def test_cpu_without_interpreter_runs_the_reference(monkeypatch, seed):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     x = torch.randn(2, 32, dtype=torch.float16)
