@@ -17,12 +17,23 @@ __all__ = ["ARCH_TABLES", "Arch", "UnsupportedArchitectureError", "get_arch", "S
 
 
 class UnsupportedArchitectureError(ValueError):
-    """The model's ``config.model_type`` has no adapter."""
+    """The model's ``config.model_type`` has no adapter.
+
+    >>> from transformers import GPT2Config
+    >>> get_arch(GPT2Config())
+    Traceback (most recent call last):
+    ...
+    dejavu_lab.arch.UnsupportedArchitectureError: Architecture 'gpt2' is not supported; ...
+    """
 
 
 @dataclass(frozen=True)
 class ArchTable:
-    """Where each canonical part lives, as attribute paths (relative to the model or a layer)."""
+    """Where each canonical part lives, as attribute paths (relative to the model or a layer).
+
+    >>> ARCH_TABLES["opt"].mlp_in, ARCH_TABLES["llama"].mlp_in
+    (('fc1',), ('mlp.gate_proj', 'mlp.up_proj'))
+    """
 
     layers: str  # ModuleList of decoder layers, from the CausalLM
     final_norm: str  # the norm before the unembedding, from the CausalLM
@@ -81,7 +92,15 @@ SUPPORTED = tuple(sorted(ARCH_TABLES))
 
 @dataclass(frozen=True)
 class Arch:
-    """A model's shapes plus accessors for its canonical parts. Built by :func:`get_arch`."""
+    """A model's shapes plus accessors for its canonical parts. Built by :func:`get_arch`.
+
+    >>> from dejavu_lab.models import random_model
+    >>> model, _, arch = random_model("tiny-llama")
+    >>> arch.heads_per_kv, [w.out_features for w in arch.mlp_in(model, 0)]  # [gate, up]
+    (2, [192, 192])
+    >>> arch.part(model, 0, "o")
+    Linear(in_features=64, out_features=64, bias=False)
+    """
 
     family: str  # "opt" or "llama" (the table used)
     model_type: str  # config.model_type, e.g. "opt", "llama", "qwen2"

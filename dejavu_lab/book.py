@@ -18,16 +18,38 @@ QUICK_ENV = "DEJAVU_QUICK"  # set to 1 to shrink every chapter (tests do)
 
 
 def is_quick() -> bool:
+    """Whether ``$DEJAVU_QUICK`` asks for quick mode (any value but empty, 0 or false).
+
+    >>> from unittest import mock
+    >>> with mock.patch.dict(os.environ, {QUICK_ENV: "1"}):
+    ...     is_quick()
+    True
+    """
     return os.environ.get(QUICK_ENV, "0") not in ("", "0", "false", "False")
 
 
 def size(full, quick):
-    """``full`` in the book, ``quick`` when ``DEJAVU_QUICK=1`` (the test suite)."""
+    """``full`` in the book, ``quick`` when ``DEJAVU_QUICK=1`` (the test suite).
+
+    >>> from unittest import mock
+    >>> with mock.patch.dict(os.environ, {QUICK_ENV: "1"}):
+    ...     size(full=512, quick=64)
+    64
+    """
     return quick if is_quick() else full
 
 
 def setup() -> None:
-    """Figure defaults: plotly figures that render in the static book, seaborn's theme."""
+    """Figure defaults: plotly figures that render in the static book, seaborn's theme.
+
+    >>> import matplotlib, plotly.io as pio
+    >>> saved = pio.renderers.default, pio.templates.default
+    >>> with matplotlib.rc_context():  # undo seaborn's theme after the example
+    ...     setup()
+    >>> pio.renderers.default, pio.templates.default
+    ('plotly_mimetype+offline_notebook', 'plotly_white')
+    >>> pio.renderers.default, pio.templates.default = saved  # undo the rest
+    """
     import plotly.io as pio
     import seaborn as sns
     from transformers.utils import logging as hf_logging
@@ -43,14 +65,24 @@ def setup() -> None:
 
 
 def hardware() -> str:
-    """What ran this: GPU name or CPU and core count."""
+    """What ran this: GPU name or CPU and core count.
+
+    It names the GPU when one is visible (e.g. ``NVIDIA H200``), the CPU otherwise:
+
+    >>> hardware().startswith("CPU (") != torch.cuda.is_available()
+    True
+    """
     if torch.cuda.is_available():
         return torch.cuda.get_device_name()
     return f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)"
 
 
 def caption(model: str, text: str, n_tokens: int, extra: str = "") -> str:
-    """One line naming the model, the text, the token count and the hardware of a figure."""
+    """One line naming the model, the text, the token count and the hardware of a figure.
+
+    >>> caption("SmolLM2-135M", "Lee news corpus", 75264)
+    'Model: SmolLM2-135M. Text: Lee news corpus, 75,264 tokens. Hardware: ...'
+    """
     line = f"Model: {model}. Text: {text}, {n_tokens:,} tokens. Hardware: {hardware()}."
     return f"{line} {extra}".strip()
 

@@ -21,15 +21,21 @@ CORPORA = ("demo", "wikitext-2", "c4")
 
 
 class CorpusError(ValueError):
-    """A corpus could not be loaded or is too short for what was asked."""
+    """A corpus could not be loaded or is too short for what was asked.
+
+    >>> load_text("wiki")
+    Traceback (most recent call last):
+    ...
+    dejavu_lab.corpus.CorpusError: Unknown corpus 'wiki'; choose one of demo, wikitext-2, c4.
+    """
 
 
 def load_text(name: str = "demo", split: str = "test", max_chars: int | None = None) -> str:
     """Plain text of a corpus; documents separated by blank lines.
 
-    >>> text = load_text("demo")  # doctest: +SKIP
-    >>> text[:40]  # doctest: +SKIP
-    'Hundreds of people have been forced to v'
+    >>> text = load_text("demo")
+    >>> text[:40], len(text.split("\\n\\n"))  # the Lee corpus: 300 news articles
+    ('Hundreds of people have been forced to v', 300)
     """
     if name == "demo":
         raw = assets.fetch("lee_background.cor").read_text(encoding="utf-8")
@@ -76,6 +82,11 @@ def token_windows(
 
     The tail shorter than a window is dropped. Raises :class:`CorpusError` when the text holds
     less than one window.
+
+    >>> from dejavu_lab.models import load_model
+    >>> _, tokenizer, _ = load_model("demo")
+    >>> token_windows(tokenizer, load_text("demo"), window=512).shape  # ~76k tokens
+    torch.Size([147, 512])
     """
     if window < 2:
         raise CorpusError(f"window must be at least 2 tokens, got {window}.")
@@ -99,7 +110,16 @@ def window_nll(
     progress: bool = True,
     desc: str = "perplexity",
 ) -> torch.Tensor:
-    """Mean next-token negative log-likelihood of each window: FloatTensor [n]."""
+    """Mean next-token negative log-likelihood of each window: FloatTensor [n].
+
+    A random model guesses about uniformly, so its NLL is near ln(vocab) = ln 128 = 4.85:
+
+    >>> from dejavu_lab.models import random_model
+    >>> model = random_model("tiny-llama").model
+    >>> windows = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(0))
+    >>> window_nll(model, windows, progress=False)
+    tensor([4.87, 4.88, 4.89, 4.91])
+    """
     if windows.dim() != 2 or windows.shape[0] == 0:
         raise CorpusError(
             f"windows must be a non-empty [n, window] tensor, got shape {tuple(windows.shape)}."
@@ -118,5 +138,14 @@ def window_nll(
 
 
 def perplexity(model, windows: torch.Tensor, batch_size: int = 1, progress: bool = True) -> float:
-    """exp(mean next-token NLL) over all windows (each window predicts its tokens 2..n)."""
+    """exp(mean next-token NLL) over all windows (each window predicts its tokens 2..n).
+
+    A random model is about as perplexed as a uniform guess over its 128-token vocabulary:
+
+    >>> from dejavu_lab.models import random_model
+    >>> model = random_model("tiny-llama").model
+    >>> windows = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(0))
+    >>> round(perplexity(model, windows, progress=False))
+    132
+    """
     return math.exp(window_nll(model, windows, batch_size, progress).mean().item())

@@ -67,7 +67,13 @@ HookFn = Callable[[torch.Tensor, str], torch.Tensor | None]
 
 
 def hook_names(arch: Arch, points: Iterable[str] = HOOK_POINTS) -> list[str]:
-    """All canonical names of a model, layer by layer."""
+    """All canonical names of a model, layer by layer.
+
+    >>> from dejavu_lab.models import random_model
+    >>> names = hook_names(random_model("tiny-opt").arch)
+    >>> len(names), names[:2]  # 2 layers x 9 points
+    (18, ['blocks.0.hook_resid_pre', 'blocks.0.attn.hook_z'])
+    """
     return [f"blocks.{i}.{p}" for i in range(arch.n_layers) for p in points]
 
 
@@ -101,6 +107,14 @@ def hooks(
     """Attach callbacks at canonical hook points for the duration of a ``with`` block.
 
     ``fwd_hooks`` maps a name or a glob (``"blocks.*.mlp.hook_post"``) to ``fn(tensor, name)``.
+
+    >>> from dejavu_lab.models import random_model
+    >>> model = random_model("tiny-opt").model
+    >>> seen = []
+    >>> with hooks(model, {"blocks.*.mlp.hook_post": lambda t, name: seen.append(name)}):
+    ...     _ = model(torch.tensor([[1, 2, 3]]))
+    >>> seen  # the glob matched both layers
+    ['blocks.0.mlp.hook_post', 'blocks.1.mlp.hook_post']
     """
     arch = arch or get_arch(model)
     items = fwd_hooks.items() if isinstance(fwd_hooks, dict) else fwd_hooks
@@ -130,7 +144,17 @@ def hooks(
 def run_with_hooks(
     model, input_ids: torch.Tensor, fwd_hooks, arch: Arch | None = None, **forward_kwargs
 ) -> torch.Tensor:
-    """One forward pass with callbacks attached; returns the logits [b, p, vocab]."""
+    """One forward pass with callbacks attached; returns the logits [b, p, vocab].
+
+    A callback at a writable point that returns a tensor replaces the activation:
+
+    >>> from dejavu_lab.models import random_model
+    >>> model = random_model("tiny-llama").model
+    >>> ids = torch.tensor([[1, 2, 3]])
+    >>> no_mlp = run_with_hooks(model, ids, {"blocks.*.mlp.hook_post": lambda t, n: 0 * t})
+    >>> no_mlp.shape, torch.allclose(no_mlp, model(ids).logits)
+    (torch.Size([1, 3, 128]), False)
+    """
     with torch.no_grad(), hooks(model, fwd_hooks, arch):
         return model(input_ids=input_ids, **forward_kwargs).logits
 

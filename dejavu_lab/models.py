@@ -41,10 +41,23 @@ DEMO_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised to fp32)"
 
 
 class ModelNotFoundError(OSError):
-    """The model spec names nothing we can load."""
+    """The model spec names nothing we can load.
+
+    >>> load_model("")
+    Traceback (most recent call last):
+    ...
+    dejavu_lab.models.ModelNotFoundError: Model spec must be a non-empty string, got ''.
+    """
 
 
 class LoadedModel(NamedTuple):
+    """What :func:`load_model` and :func:`random_model` return; unpacks as a 3-tuple.
+
+    >>> model, tokenizer, arch = random_model("tiny-opt")
+    >>> type(model).__name__, tokenizer, arch.family
+    ('OPTForCausalLM', None, 'opt')
+    """
+
     model: PreTrainedModel
     tokenizer: Any  # None for random-init models
     arch: Arch
@@ -52,7 +65,12 @@ class LoadedModel(NamedTuple):
 
 @dataclass(frozen=True)
 class Shape:
-    """A hand-written model shape (the paper's Table / the models' published configs)."""
+    """A hand-written model shape (the paper's Table / the models' published configs).
+
+    >>> cfg = PRESETS["llama-3-8b"].config()
+    >>> type(cfg).__name__, cfg.num_key_value_heads, cfg.vocab_size
+    ('LlamaConfig', 8, 128256)
+    """
 
     family: str  # "opt" or "llama"
     d_model: int  # hidden size
@@ -159,9 +177,12 @@ def load_model(
     ``attn_implementation="eager"`` (the default) makes attention patterns observable by
     :mod:`dejavu_lab.hooks`; pass ``"sdpa"`` for speed when patterns are not needed.
 
-    >>> model, tokenizer, arch = load_model("demo")  # doctest: +SKIP
-    >>> arch.n_layers, arch.d_mlp  # doctest: +SKIP
+    >>> model, tokenizer, arch = load_model("demo")
+    >>> arch.n_layers, arch.d_mlp
     (30, 1536)
+    >>> ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
+    >>> tokenizer.decode(model.generate(ids, max_new_tokens=2, do_sample=False)[0])
+    'The capital of France is Paris.'
     """
     if not isinstance(spec, str) or not spec:
         raise ModelNotFoundError(f"Model spec must be a non-empty string, got {spec!r}.")

@@ -43,11 +43,23 @@ REQUIRED_PROVENANCE = ("gpu", "torch", "triton", "cuda", "git_sha", "date", "com
 
 
 class ResultsError(RuntimeError):
-    """A results file is missing, unreadable or lacks its provenance."""
+    """A results file is missing, unreadable or lacks its provenance.
+
+    >>> load("no_such_benchmark")
+    Traceback (most recent call last):
+    ...
+    dejavu_lab.results.ResultsError: no results file at .../no_such_benchmark.json; run the ...
+    """
 
 
 def results_dir() -> Path:
-    """The folder holding ``*.json`` results: ``$DEJAVU_LAB_RESULTS`` or the repo's ``results/``."""
+    """The folder holding ``*.json`` results: ``$DEJAVU_LAB_RESULTS`` or the repo's ``results/``.
+
+    >>> from unittest import mock
+    >>> with mock.patch.dict(os.environ, {ENV_DIR: "/data/gpu-runs"}):
+    ...     str(results_dir())
+    '/data/gpu-runs'
+    """
     env = os.environ.get(ENV_DIR)
     if env:
         return Path(env).expanduser()
@@ -75,7 +87,12 @@ def _git_sha() -> str:
 
 
 def provenance(command: str) -> dict[str, Any]:
-    """Where and with what a measurement was made (GPU, library versions, git sha, date)."""
+    """Where and with what a measurement was made (GPU, library versions, git sha, date).
+
+    >>> info = provenance("python kernels/bench_sparse_mlp.py")
+    >>> set(REQUIRED_PROVENANCE) <= set(info), info["command"]
+    (True, 'python kernels/bench_sparse_mlp.py')
+    """
     info: dict[str, Any] = {
         "gpu": "none (CPU)",
         "torch": None,
@@ -149,6 +166,13 @@ def save(name: str, rows: list[dict], *, command: str, extra: dict | None = None
 
     ``extra`` adds keys to the provenance (e.g. the measured copy ceiling); it may not replace
     the required keys.
+
+    >>> import tempfile
+    >>> from unittest import mock
+    >>> with mock.patch.dict(os.environ, {ENV_DIR: tempfile.mkdtemp()}):
+    ...     path = save("my_bench", [{"batch": 1, "ms": 0.42}], command="python my_bench.py")
+    >>> path.name, load(path)[1]["command"]
+    ('my_bench.json', 'python my_bench.py')
     """
     if not name or "/" in name or os.sep in name or name.endswith(".json"):
         raise ValueError(f"results name {name!r} must be a bare name such as 'sparse_mlp'.")
@@ -177,7 +201,12 @@ def save(name: str, rows: list[dict], *, command: str, extra: dict | None = None
 
 
 def load(name_or_path: str | os.PathLike):
-    """Read a results file: ``(pandas.DataFrame of rows, provenance dict)``; never modifies it."""
+    """Read a results file: ``(pandas.DataFrame of rows, provenance dict)``; never modifies it.
+
+    >>> frame, prov = load("sparse_mlp")  # recorded on a GPU, kept in the repo's results/
+    >>> sorted(frame["provider"].unique()), prov["gpu"]
+    (['dense', 'torch', 'triton'], 'NVIDIA H200')
+    """
     import pandas as pd
 
     path = _path(name_or_path)
@@ -202,13 +231,21 @@ def load(name_or_path: str | os.PathLike):
 
 
 def list_results() -> list[str]:
-    """Names of the recorded results (``load`` takes any of them)."""
+    """Names of the recorded results (``load`` takes any of them).
+
+    >>> list_results()
+    ['demo_perplexity', 'engine_e2e', 'sparse_attention', 'sparse_mlp', ...]
+    """
     folder = results_dir()
     return sorted(p.stem for p in folder.glob("*.json")) if folder.is_dir() else []
 
 
 def describe(prov: dict) -> str:
-    """One line for a figure caption: 'NVIDIA H200, 2026-11-30 (torch 2.11.0, triton 3.6.0)'."""
+    """One line for a figure caption: 'NVIDIA H200, 2026-11-30 (torch 2.11.0, triton 3.6.0)'.
+
+    >>> describe(load("sparse_mlp")[1])
+    'NVIDIA H200, 2026-11-30 (torch 2.11.0+cu130, triton 3.6.0)'
+    """
     date = str(prov.get("date", "unknown date"))[:10]
     return f"{prov.get('gpu', 'unknown GPU')}, {date} (torch {prov.get('torch')}, triton {prov.get('triton')})"
 
