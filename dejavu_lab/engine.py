@@ -43,7 +43,16 @@ __all__ = ["Decoder", "EngineError", "SparseConfig"]
 
 @dataclass(frozen=True)
 class SparseConfig:
-    """What the sparse path keeps per token (sparsity = fraction removed, as in the paper)."""
+    """What the sparse path keeps per token (sparsity = fraction removed, as in the paper).
+
+    >>> from dejavu_lab.models import random_model
+    >>> m = random_model("tiny-opt", dtype=torch.float16).model  # 256 neurons, 4 heads
+    >>> dec = Decoder(m, max_seq_len=16, sparse=SparseConfig(mlp_sparsity=0.75, head_sparsity=0.5))
+    >>> dec.k_mlp, dec.k_heads, dec.window  # kept per token; deferred-KV window
+    (64, 2, 16)
+    >>> dec.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3).shape  # the sparse kernels
+    torch.Size([1, 6])
+    """
 
     mlp_sparsity: float = 0.0  # MLP neurons removed (OPT-175B in §5.1: 0.85)
     head_sparsity: float = 0.0  # query heads removed (§5.1: 0.5)
@@ -82,6 +91,14 @@ class Decoder(KeptSets):
     ``head_scores(layer, x)`` returning [1, n] scores (``dejavu_lab.predictors.Predictors``,
     lookahead mode); without it the kept sets are the ones given to :meth:`set_indices`
     (default: the first k units).
+
+    >>> from dejavu_lab.models import random_model
+    >>> m = random_model("tiny-opt").model
+    >>> dec, ids = Decoder(m, max_seq_len=16), torch.tensor([[5, 6, 7]])
+    >>> torch.allclose(dec.prefill(ids), m(ids).logits[:, -1], atol=1e-4)  # last prompt position
+    True
+    >>> dec.generate(ids, 5).tolist() == m.generate(ids, max_new_tokens=5, do_sample=False).tolist()
+    True
     """
 
     def __init__(self, model, *, max_seq_len: int, sparse: SparseConfig | None = None,

@@ -35,7 +35,12 @@ NAME = "engine_e2e"
 
 def load(live: bool | None = None, models: str = "opt-6.7b", prompts: str = "128,512"):
     """(rows, provenance, live): measure now when a GPU is here (``live=None``), else read the
-    recorded run. A live run writes ``results/engine_e2e_live.json`` via the benchmark script."""
+    recorded run. A live run writes ``results/engine_e2e_live.json`` via the benchmark script.
+
+    >>> frame, prov, live = load(live=False)  # the recorded run, whatever machine this is
+    >>> live, "gpu" in prov, sorted(set(frame["kind"]))
+    (False, True, ['check', 'e2e', 'part'])
+    """
     import torch
 
     live = torch.cuda.is_available() if live is None else live
@@ -56,7 +61,13 @@ def _e2e(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def latency_table(frame: pd.DataFrame, model: str) -> pd.DataFrame:
-    """ms per token by prompt length: HF, dense, sparse, and the ratios, beside Knowl 8."""
+    """ms per token by prompt length: HF, dense, sparse, and the ratios, beside Knowl 8.
+
+    >>> t = latency_table(load(live=False)[0], "opt-6.7b")
+    >>> t.index.name, list(t.columns)
+    ('prompt', ['HF generate (ms)', 'dense engine (ms)', 'sparse engine (ms)', 'sparse vs dense',
+                'sparse vs HF', 'paper vs FasterTransformer', 'paper vs Hugging Face'])
+    """
     e = _e2e(frame)
     e = e[e["model"] == model]
     t = e.pivot_table(index="prompt", columns="engine", values="ms_per_token")
@@ -82,6 +93,10 @@ def breakdown(frame: pd.DataFrame, model: str) -> pd.DataFrame:
     is the time they add to the step (sparse minus sparse with fixed sets: on a side stream
     most of their own time hides); overhead is the rest of the measured step (embedding,
     residual adds, stream joins, launch gaps between the parts).
+
+    >>> b = breakdown(load(live=False)[0], "opt-6.7b")
+    >>> list(b.columns), b[b.engine == "sparse"].part.tolist()
+    (['engine', 'part', 'ms', 'prompt'], ['attention', 'mlp', 'lm_head', 'predictors', 'overhead'])
     """
     parts = frame[(frame["kind"] == "part") & (frame["model"] == model)]
     prompt = int(parts["prompt"].iloc[0])
@@ -99,7 +114,13 @@ def breakdown(frame: pd.DataFrame, model: str) -> pd.DataFrame:
 
 
 def part_floors(frame: pd.DataFrame, model: str, ceiling: float) -> pd.DataFrame:
-    """Each part's measured time beside its bytes over the copy ceiling (ms), dense and sparse."""
+    """Each part's measured time beside its bytes over the copy ceiling (ms), dense and sparse.
+
+    >>> frame, prov, _ = load(live=False)
+    >>> t = part_floors(frame, "opt-6.7b", prov["copy_tbps"])  # the run's measured TB/s
+    >>> list(t.index.names), list(t.columns)
+    (['engine', 'part'], ['GB', 'floor (ms)', 'measured (ms)', 'measured / floor'])
+    """
     b = breakdown(frame, model)
     prompt = int(b["prompt"].iloc[0])
     e = _e2e(frame)
@@ -119,7 +140,12 @@ def part_floors(frame: pd.DataFrame, model: str, ceiling: float) -> pd.DataFrame
 
 
 def breakdown_figure(frame: pd.DataFrame, models: list[str]):
-    """Stacked bars: ms per token by part, dense vs sparse, one group per model."""
+    """Stacked bars: ms per token by part, dense vs sparse, one group per model.
+
+    >>> fig = breakdown_figure(load(live=False)[0], ["opt-6.7b"])
+    >>> [bar.name for bar in fig.data]  # one trace per part, stacked
+    ['attention', 'mlp', 'predictors', 'lm_head', 'overhead']
+    """
     df = pd.concat([breakdown(frame, m).assign(model=m) for m in models])
     fig = px.bar(df, x="engine", y="ms", color="part", facet_col="model", barmode="stack",
                  labels={"ms": "ms per token", "engine": ""},
@@ -131,7 +157,13 @@ def breakdown_figure(frame: pd.DataFrame, models: list[str]):
 
 def speedup_table(frame: pd.DataFrame, prompt: int) -> pd.DataFrame:
     """Per model: bytes per token dense/sparse, the speedup they predict, the speedup measured,
-    and achieved bandwidth as a share of the copy ceiling."""
+    and achieved bandwidth as a share of the copy ceiling.
+
+    >>> t = speedup_table(load(live=False)[0], prompt=512)
+    >>> t.index.name, list(t.columns[:5])
+    ('model', ['sparsity (MLP, heads)', 'dense GB/token', 'sparse GB/token', 'predicted speedup',
+               'measured speedup'])
+    """
     e = _e2e(frame)
     e = e[e["prompt"] == prompt].set_index(["model", "engine"])
     rows = []
@@ -153,7 +185,12 @@ def speedup_table(frame: pd.DataFrame, prompt: int) -> pd.DataFrame:
 
 
 def summary(frame: pd.DataFrame, model: str, prompt: int) -> pd.DataFrame:
-    """Our headline ratios at one model and prompt, beside the paper's (Knowl 8)."""
+    """Our headline ratios at one model and prompt, beside the paper's (Knowl 8).
+
+    >>> s = summary(load(live=False)[0], "opt-6.7b", 512)
+    >>> s.loc["sparse vs Hugging Face"].tolist()
+    ['4.8-6.0x', '...x']
+    """
     e = _e2e(frame)
     e = e[(e["model"] == model) & (e["prompt"] == prompt)].set_index("engine")
     d, s = e.loc["dense"], e.loc["sparse"]

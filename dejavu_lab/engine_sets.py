@@ -27,7 +27,16 @@ __all__ = ["KeptSets"]
 
 class KeptSets:
     """Kept-set buffers and their update; expects the Decoder's ``w``, ``arch``, ``H``, ``Hkv``,
-    ``window`` and ``predictors`` attributes."""
+    ``window`` and ``predictors`` attributes.
+
+    >>> from dejavu_lab.engine import Decoder, SparseConfig
+    >>> from dejavu_lab.models import random_model
+    >>> m = random_model("tiny-opt", dtype=torch.float16).model  # 4 heads, 256 neurons
+    >>> dec = Decoder(m, max_seq_len=16, sparse=SparseConfig(mlp_sparsity=0.75, head_sparsity=0.5))
+    >>> dec.set_indices(0, mlp=range(64, 128), heads=[1, 3])  # an oracle's or a random choice
+    >>> dec.head_idx[0].tolist(), dec.qkv_idx[0].tolist()  # kept q heads, then their K, V blocks
+    ([1, 3], [1, 3, 5, 7, 9, 11])
+    """
 
     def _init_sparse(self, sp: SparseConfig) -> None:
         a, dev = self.arch, self.w.device

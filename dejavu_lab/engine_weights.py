@@ -28,12 +28,29 @@ ENGINE_TYPES = ("opt", "llama", "mistral", "qwen2")  # Arch tables whose blocks 
 
 
 class EngineError(ValueError):
-    """The engine cannot run this model or this request; the message says what to do."""
+    """The engine cannot run this model or this request; the message says what to do.
+
+    >>> from dejavu_lab.engine import Decoder
+    >>> from dejavu_lab.models import random_model
+    >>> Decoder(random_model("tiny-opt").model, max_seq_len=4096)
+    Traceback (most recent call last):
+    ...
+    dejavu_lab.engine_weights.EngineError: max_seq_len=4096 exceeds the model's 2048 positions.
+    """
 
 
 @dataclass
 class LayerWeights:
-    """One block. Shapes: d = d_model, H/Hkv = query/KV heads, dh = d_head, n = MLP neurons."""
+    """One block. Shapes: d = d_model, H/Hkv = query/KV heads, dh = d_head, n = MLP neurons.
+
+    >>> from dejavu_lab.models import random_model
+    >>> m = random_model("tiny-opt").model  # d = 64, 4 heads of 16, 256 neurons
+    >>> lw = decoder_weights(m).layers[0]
+    >>> tuple(lw.w_qkv.shape), tuple(lw.w_down_t.shape)
+    ((192, 64), (256, 64))
+    >>> torch.equal(lw.w_down_t, m.model.decoder.layers[0].fc2.weight.T)  # one row per neuron
+    True
+    """
 
     ln_attn: tuple  # (weight [d], bias [d] or None, eps)
     ln_mlp: tuple
@@ -49,7 +66,15 @@ class LayerWeights:
 
 @dataclass
 class DecoderWeights:
-    """Everything a decode step reads, plus the model's shape (from its :class:`Arch`)."""
+    """Everything a decode step reads, plus the model's shape (from its :class:`Arch`).
+
+    >>> from dejavu_lab.models import random_model
+    >>> w = decoder_weights(random_model("tiny-opt").model)
+    >>> w.norm, w.activation, w.max_positions, w.dtype
+    ('layer', 'relu', 2048, torch.float32)
+    >>> w.nbytes("lm_head")  # vocab 128 x d 64 x 4 bytes
+    32768
+    """
 
     arch: Arch
     layers: list[LayerWeights]
@@ -118,7 +143,14 @@ def _activation(arch: Arch) -> str:
 
 
 def decoder_weights(model: nn.Module, arch: Arch | None = None) -> DecoderWeights:
-    """Rearrange ``model``'s weights for :class:`dejavu_lab.engine.Decoder` (see module doc)."""
+    """Rearrange ``model``'s weights for :class:`dejavu_lab.engine.Decoder` (see module doc).
+
+    >>> from dejavu_lab.models import random_model
+    >>> w = decoder_weights(random_model("tiny-llama").model)  # 4 query heads, 2 KV heads of 16
+    >>> lw = w.layers[0]
+    >>> tuple(lw.w_qkv.shape), tuple(lw.w_in.shape)  # (4 + 2 + 2) x 16 rows; gate then up rows
+    ((128, 64), (384, 64))
+    """
     arch = arch or get_arch(model)
     if arch.model_type not in ENGINE_TYPES:
         raise EngineError(

@@ -10,6 +10,17 @@ One kernel per module, each with a checking wrapper, a plain-PyTorch ``*_ref`` a
 All take a union batch of 1-32 tokens that share one index set (Knowl 12). :mod:`.bench` is the
 timing harness of ``kernels/bench_*.py`` (recorded in ``results/``); :mod:`.report` draws those
 results for the chapter ``notebooks/60_sparse_kernels.md``.
+
+A sparse MLP is the up kernel then the down kernel over one index set; keeping every neuron
+gives the dense MLP:
+
+>>> import torch
+>>> _ = torch.manual_seed(0)
+>>> x, w1, w2t = (torch.randn(*s, dtype=torch.float16) / 4 for s in ((16,), (64, 16), (64, 16)))
+>>> every = torch.arange(64)
+>>> y = sparse_mlp_down(sparse_mlp_up(x, w1, every), w2t, every)
+>>> torch.allclose(y, torch.relu(x @ w1.T) @ w2t, atol=1e-2)
+True
 """
 
 from .sparse_attention import sparse_attention, sparse_attention_ref

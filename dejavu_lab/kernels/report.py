@@ -31,6 +31,12 @@ def load(*, live: bool | None = None, dims=(12288,), kept=(0.5, 0.2, 0.1, 0.05),
 
     ``live`` defaults to "a CUDA GPU is present"; live runs measure ``dims`` x ``kept`` x
     ``batches`` for both projections and OPT-175B attention at 50% of heads.
+
+    >>> mlp, attn, prov, live = load(live=False)  # the recorded run, whatever machine this is
+    >>> live, "gpu" in prov, list(mlp.columns[:5])
+    (False, True, ['op', 'd', 'hidden', 'kept', 'k'])
+    >>> sorted(set(attn.provider))
+    ['dense', 'torch', 'triton']
     """
     live = torch.cuda.is_available() if live is None else live
     if not live:
@@ -61,7 +67,12 @@ def load(*, live: bool | None = None, dims=(12288,), kept=(0.5, 0.2, 0.1, 0.05),
 
 
 def decode_bytes_table(dims=(4096, 8192, 12288), tbps: float = 4.27) -> pd.DataFrame:
-    """Bytes one decoded token reads per MLP (fc1 + fc2, fp16) and the time at ``tbps``."""
+    """Bytes one decoded token reads per MLP (fc1 + fc2, fp16) and the time at ``tbps``.
+
+    >>> t = decode_bytes_table()  # OPT-6.7B, -30B and -175B widths
+    >>> t.loc[12288].round(1).tolist()  # MB, FLOPs per byte, us per layer at 4.27 TB/s
+    [2415.9, 1.0, 565.8]
+    """
     rows = []
     for d in dims:
         weights = 2 * (4 * d * d) * 2  # two [4d, d] matrices, 2 bytes each
@@ -75,7 +86,14 @@ def decode_bytes_table(dims=(4096, 8192, 12288), tbps: float = 4.27) -> pd.DataF
 
 
 def transactions_table(d: int = 12288, line: int = 128, esize: int = 2) -> pd.DataFrame:
-    """128-byte memory transactions to read one selected neuron's fc2 weights, by layout."""
+    """128-byte memory transactions to read one selected neuron's fc2 weights, by layout.
+
+    >>> transactions_table()  # OPT-175B, d = 12288, fp16
+                                       transactions  bytes fetched  bytes used
+    layout
+    W2 (nn.Linear, [d, 4d]): a column         12288        1572864       24576
+    W2^T ([4d, d]): a row                       192          24576       24576
+    """
     row_major = -(-d * esize // line)  # W2^T: the neuron's d weights are one contiguous row
     column = d  # W2 as nn.Linear stores it: one weight per row of d, each in its own line
     return pd.DataFrame(
@@ -89,7 +107,12 @@ def transactions_table(d: int = 12288, line: int = 128, esize: int = 2) -> pd.Da
 
 
 def frac_table(mlp: pd.DataFrame, col: str = "frac_ideal_graph") -> pd.DataFrame:
-    """Our speedup over dense as a fraction of the ideal 1/kept, by (op, batch) x (d, kept)."""
+    """Our speedup over dense as a fraction of the ideal 1/kept, by (op, batch) x (d, kept).
+
+    >>> t = frac_table(load(live=False)[0])
+    >>> list(t.index.names), list(t.columns.names)
+    (['op', 'batch'], ['d', 'kept'])
+    """
     ours = mlp[mlp.provider == "triton"]
     return ours.pivot_table(index=["op", "batch"], columns=["d", "kept"], values=col).round(2)
 
@@ -99,6 +122,10 @@ def overhead_fit(mlp: pd.DataFrame) -> pd.DataFrame:
 
     The fixed part (launch, first loads, tail) does not shrink with the kept fraction, so it
     caps the fraction of ideal at small budgets: cap = t_ideal / (t_ideal + fixed).
+
+    >>> fit = overhead_fit(load(live=False)[0])
+    >>> list(fit.columns)
+    ['op', 'd', 'batch', 'kept', 'streaming TB/s', 'fixed us', 'cap (fraction of ideal)', 'measured']
     """
     rows = []
     for (op, d, b), g in mlp[mlp.provider == "triton"].groupby(["op", "d", "batch"]):
@@ -115,7 +142,12 @@ def overhead_fit(mlp: pd.DataFrame) -> pd.DataFrame:
 
 
 def speedup_figure(mlp: pd.DataFrame, *, d: int = 12288, batch: int = 1):
-    """Speedup over dense (graph replay) vs kept fraction, ours and torch, with the ideal."""
+    """Speedup over dense (graph replay) vs kept fraction, ours and torch, with the ideal.
+
+    >>> fig = speedup_figure(load(live=False)[0])
+    >>> fig.layout.title.text
+    'Sparse MLP projections, d = 12288, batch 1 (CUDA-graph replay)'
+    """
     import plotly.express as px
     import plotly.graph_objects as go
 
@@ -136,7 +168,13 @@ def speedup_figure(mlp: pd.DataFrame, *, d: int = 12288, batch: int = 1):
 
 
 def bandwidth_figure(mlp: pd.DataFrame, ceiling: float, *, d: int = 12288, batch: int = 1):
-    """Achieved TB/s over the bytes that must move, against the measured copy ceiling."""
+    """Achieved TB/s over the bytes that must move, against the measured copy ceiling.
+
+    >>> mlp, _, prov, _ = load(live=False)
+    >>> fig = bandwidth_figure(mlp, prov["copy_tbps"])
+    >>> fig.layout.annotations[-1].text  # the recorded ceiling, drawn as a dotted line
+    'copy ceiling ... TB/s'
+    """
     import plotly.express as px
 
     sub = mlp[(mlp.d == d) & (mlp.batch == batch)].copy()

@@ -189,7 +189,16 @@ def sparse_attention_ref(
     x, w_qkv, w_o_t, k_cache, v_cache, seqlens, heads, *, n_heads, b_qkv=None, b_o=None,
     scale=None,
 ):  # fmt: skip
-    """Plain-PyTorch reference (fp32 math); updates the caches of the needed KV heads in place."""
+    """Plain-PyTorch reference (fp32 math); updates the caches of the needed KV heads in place.
+
+    >>> H, dh, T, f16 = 4, 16, 8, torch.float16  # 4 heads of 16, d = 64, cache of 8 positions
+    >>> x, w_qkv, w_o_t = (torch.randn(n, 64, dtype=f16) for n in (1, 3 * 64, 64))
+    >>> kc, vc = torch.zeros(2, 1, H, T, dh, dtype=f16)  # [B, n_kv, T, d_head] each
+    >>> seqlens, heads = torch.tensor([5]), torch.tensor([0, 2])
+    >>> _ = sparse_attention_ref(x, w_qkv, w_o_t, kc, vc, seqlens, heads, n_heads=H)
+    >>> kc[0].any(-1).nonzero().tolist()  # (head, position) written: kept heads, position 4
+    [[0, 4], [2, 4]]
+    """
     batch, d = x.shape
     n_kv, dh = k_cache.shape[1], k_cache.shape[3]
     group = n_heads // n_kv
@@ -243,6 +252,17 @@ def sparse_attention(
     seqlens: [B] int lengths including the new token; heads: [h] distinct query heads.
     ``kv_heads`` (the sorted needed KV heads) avoids a host sync for GQA models under CUDA
     graphs; for multi-head attention it equals ``heads``. ``config`` tunes the projections.
+
+    >>> _ = torch.manual_seed(0)
+    >>> H, dh, T, f16 = 4, 16, 8, torch.float16  # 4 heads of 16, d = 64, cache of 8 positions
+    >>> x = torch.randn(1, 64, dtype=f16)
+    >>> w_qkv, w_o_t = torch.randn(3 * 64, 64, dtype=f16) / 8, torch.randn(64, 64, dtype=f16) / 8
+    >>> kc, vc = torch.randn(2, 1, H, T, dh, dtype=f16)  # [B, n_kv, T, d_head] each
+    >>> seqlens, heads = torch.tensor([5]), torch.tensor([0, 2])  # 5 tokens with the new one
+    >>> y = sparse_attention(x, w_qkv, w_o_t, kc.clone(), vc.clone(), seqlens, heads, n_heads=H)
+    >>> ref = sparse_attention_ref(x, w_qkv, w_o_t, kc, vc, seqlens, heads, n_heads=H)
+    >>> y.shape, torch.allclose(y, ref, atol=1e-2)
+    (torch.Size([1, 64]), True)
     """
     check_float("x", x)
     dtype, device = x.dtype, x.device

@@ -184,7 +184,12 @@ def sparse_mlp_down_reduce_kernel(
 
 
 def sparse_mlp_down_ref(h, weight_t, idx, *, bias=None, rows_per_index=1):
-    """Plain-PyTorch reference (fp32 math): ``h @ weight_t[idx] + bias``."""
+    """Plain-PyTorch reference (fp32 math): ``h @ weight_t[idx] + bias``.
+
+    >>> w2t = torch.eye(4, dtype=torch.float16)  # 4 neurons, d = 4
+    >>> sparse_mlp_down_ref(torch.tensor([2.0, 3.0], dtype=torch.float16), w2t, torch.tensor([1, 3]))
+    tensor([0., 2., 0., 3.], dtype=torch.float16)
+    """
     from .sparse_mlp_up import _expand
 
     rows = _expand(idx, rows_per_index)
@@ -215,7 +220,12 @@ def _sm_count(device_index: int) -> int:
 
 def default_config(batch: int, k: int, d: int, device: torch.device) -> dict:
     """Tile shapes from the H200 sweeps in results/sparse_mlp_tuning*.json (d = 12288); they
-    are the configs results/sparse_mlp.json was measured with."""
+    are the configs results/sparse_mlp.json was measured with.
+
+    >>> cfg = default_config(1, 4096, 12288, torch.device("cpu"))
+    >>> cfg["BLOCK_R"], cfg["BLOCK_D"], cfg["fused"]
+    (32, 256, True)
+    """
     sms = _sm_count(device.index or 0) if device.type == "cuda" else 2
     if batch == 1:  # FMA path, 4 programs per SM; index prefetch measured no faster
         cfg = {"BLOCK_R": 32, "BLOCK_D": 256, "num_warps": 4, "fused": True, "programs": 4 * sms}
@@ -260,6 +270,14 @@ def sparse_mlp_down(
     are split across programs, the last program of each column tile sums the fp32 partials
     (arrival counters kept per device): launches on concurrent streams of one device should
     pass ``config={"fused": False}``, which reduces in a second kernel instead.
+
+    >>> _ = torch.manual_seed(0)
+    >>> h = torch.randn(3, dtype=torch.float16)  # activations of the 3 kept neurons
+    >>> w2t = torch.randn(64, 16, dtype=torch.float16)  # fc2.weight.T: 64 neurons, d = 16
+    >>> idx = torch.tensor([3, 10, 42])
+    >>> y = sparse_mlp_down(h, w2t, idx)  # the Triton kernel on CPU under TRITON_INTERPRET=1
+    >>> y.shape, torch.allclose(y, sparse_mlp_down_ref(h, w2t, idx), atol=1e-2)
+    (torch.Size([16]), True)
     """
     check_float("h", h)
     dtype, device = h.dtype, h.device

@@ -174,7 +174,12 @@ def _expand(idx: torch.Tensor, g: int) -> torch.Tensor:
 def sparse_mlp_up_ref(
     x, weight, idx, *, bias=None, activation="relu", up_weight=None, up_bias=None, rows_per_index=1
 ):
-    """Plain-PyTorch reference (fp32 math): act(x @ W[idx].T + b[idx]) [* (x @ Wu[idx].T + bu)]."""
+    """Plain-PyTorch reference (fp32 math): act(x @ W[idx].T + b[idx]) [* (x @ Wu[idx].T + bu)].
+
+    >>> w = torch.arange(12, dtype=torch.float16).view(4, 3) - 5  # 4 neurons, d = 3
+    >>> sparse_mlp_up_ref(torch.ones(3, dtype=torch.float16), w, torch.tensor([0, 3]))
+    tensor([ 0., 15.], dtype=torch.float16)
+    """
     rows = _expand(idx, rows_per_index)
     xf = x.float()
     h = xf @ weight[rows].float().T
@@ -196,7 +201,13 @@ def sparse_mlp_up_ref(
 
 def default_config(batch: int, k: int, d: int) -> dict:
     """Tile shapes from the H200 sweeps in results/sparse_mlp_tuning.json (d = 12288); any
-    valid choice computes the same thing, these only decide the speed."""
+    valid choice computes the same thing, these only decide the speed.
+
+    >>> default_config(1, 4096, 12288)  # batch 1: one row per program, FMA path
+    {'BLOCK_N': 1, 'BLOCK_D': 2048, 'num_warps': 8, 'prefetch': True}
+    >>> default_config(16, 4096, 12288)["BLOCK_N"]  # union batch: tensor-core tiles
+    32
+    """
     if batch == 1:  # one selected row per program, two tiles in flight per thread
         block_d = min(2048, max(16, next_pow2(d)))
         return {"BLOCK_N": 1, "BLOCK_D": block_d, "num_warps": 8 if block_d >= 2048 else 4,
@@ -228,6 +239,14 @@ def sparse_mlp_up(
     (blocks of ``rows_per_index`` rows); returns [k * rows_per_index] or [B, k * rows_per_index]
     in ``idx`` order. ``validate`` (default: unless capturing a CUDA graph) checks index range and
     uniqueness, which reads them back to the host: pass ``validate=False`` in timed loops.
+
+    >>> _ = torch.manual_seed(0)
+    >>> x = torch.randn(2, 16, dtype=torch.float16)  # a union batch of 2 tokens, d = 16
+    >>> w = torch.randn(64, 16, dtype=torch.float16)  # fc1: 64 neurons
+    >>> idx = torch.tensor([3, 10, 42])
+    >>> y = sparse_mlp_up(x, w, idx)  # the Triton kernel on CPU under TRITON_INTERPRET=1
+    >>> y.shape, torch.allclose(y, sparse_mlp_up_ref(x, w, idx), atol=1e-2)
+    (torch.Size([2, 3]), True)
     """
     check_float("x", x)
     dtype, device = x.dtype, x.device
