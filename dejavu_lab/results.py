@@ -38,7 +38,7 @@ __all__ = [
 ]
 
 ENV_DIR = "DEJAVU_LAB_RESULTS"  # overrides where results live (default: <repo>/results)
-ENV_SHA = "DEJAVU_LAB_GIT_SHA"  # git sha to record where the tree has no .git (GPU copies)
+ENV_SHA = "DEJAVU_LAB_GIT_SHA"  # git sha to record for a copied tree (its .git may be stale)
 REQUIRED_PROVENANCE = ("gpu", "torch", "triton", "cuda", "git_sha", "date", "command", "host")
 
 
@@ -67,6 +67,8 @@ def results_dir() -> Path:
 
 
 def _git_sha() -> str:
+    if os.environ.get(ENV_SHA):  # a copy of the tree (a GPU box) says which commit it is
+        return os.environ[ENV_SHA]
     root = Path(__file__).resolve().parent.parent
     try:
         sha = subprocess.run(
@@ -83,7 +85,7 @@ def _git_sha() -> str:
             return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
         pass
-    return os.environ.get(ENV_SHA, "unknown")
+    return "unknown"
 
 
 def provenance(command: str) -> dict[str, Any]:
@@ -243,8 +245,8 @@ def list_results() -> list[str]:
 def describe(prov: dict) -> str:
     """One line for a figure caption: 'NVIDIA H200, 2026-11-30 (torch 2.11.0, triton 3.6.0)'.
 
-    >>> describe(load("sparse_mlp")[1])
-    'NVIDIA H200, 2026-11-30 (torch 2.11.0+cu130, triton 3.6.0)'
+    >>> describe(load("sparse_mlp")[1])  # the date and versions change with each re-run
+    'NVIDIA H200, 20...-...-... (torch ..., triton ...)'
     """
     date = str(prov.get("date", "unknown date"))[:10]
     return f"{prov.get('gpu', 'unknown GPU')}, {date} (torch {prov.get('torch')}, triton {prov.get('triton')})"
