@@ -16,6 +16,12 @@ Triton gather-GEMV at 2.9× over dense at 90% sparsity where this model says 10�
 Which key/value heads are needed under grouped-query attention: with ``k`` of ``h`` query heads
 kept and ``g = h / kv`` query heads per KV head, a KV head is skipped only when none of its group
 is kept; for a uniformly random choice that happens with probability C(h−g, k) / C(h, k).
+
+This module counts the ideal bytes a sparse step must read, as the paper does;
+:mod:`dejavu_lab.engine_bytes` counts what our engine (:class:`dejavu_lab.engine.Decoder`)
+actually reads, predictors included — the same for a dense step, more for a sparse one: its
+attention core reads every head's KV cache, under GQA it reads every K/V head's weights, and
+it reads the predictors in fp32 with their biases.
 """
 
 from __future__ import annotations
@@ -31,7 +37,12 @@ __all__ = ["ByteCount", "bytes_per_token", "predicted_speedup", "kv_heads_needed
 
 @dataclass(frozen=True)
 class ByteCount:
-    """Bytes read per generated token, by part."""
+    """Bytes read per generated token, by part.
+
+    >>> b = ByteCount(attn_weights=4, kv_cache=1, mlp_weights=8, predictors=0, unembed=2)
+    >>> b.total, b.as_dict()["total"]
+    (15, 15)
+    """
 
     attn_weights: float  # W_Q, W_K, W_V, W_O slices of the kept heads
     kv_cache: float  # keys and values of the context for the needed KV heads
@@ -48,7 +59,13 @@ class ByteCount:
 
 
 def kv_heads_needed(n_heads: int, n_kv_heads: int, kept: int) -> float:
-    """Expected KV heads with at least one kept query head (uniformly random choice)."""
+    """Expected KV heads with at least one kept query head (uniformly random choice).
+
+    >>> round(kv_heads_needed(32, 8, 8), 2)  # Llama-3-8B shape, 8 of 32 query heads kept
+    5.64
+    >>> kv_heads_needed(32, 8, 32)  # dense: every KV head
+    8.0
+    """
     g = n_heads // n_kv_heads
     if kept >= n_heads:
         return float(n_kv_heads)
@@ -72,6 +89,14 @@ def bytes_per_token(
 
     ``context``: tokens already in the KV cache. ``dtype_bytes``: 2 for fp16/bf16 weights.
     ``mlp_rank``/``head_rank``: ranks of the predictors (0: no predictors, e.g. the oracle).
+
+    >>> from dejavu_lab.arch import get_arch
+    >>> from dejavu_lab.models import PRESETS
+    >>> opt175b = get_arch(PRESETS["opt-175b"].config())  # the shape only, no weights
+    >>> round(bytes_per_token(opt175b, 50272).total / 1e9)  # GB per token, dense fp16
+    352
+    >>> round(bytes_per_token(opt175b, 50272, mlp_sparsity=0.9).total / 1e9)
+    143
     """
     ms = budgets(mlp_sparsity, arch.n_layers, "mlp_sparsity")
     hs = budgets(head_sparsity, arch.n_layers, "head_sparsity")
@@ -95,7 +120,14 @@ def bytes_per_token(
 
 
 def predicted_speedup(arch: Arch, vocab: int, **budget) -> float:
-    """Ideal speedup of one decoding step: dense bytes / sparse bytes (same ``context``)."""
+    """Ideal speedup of one decoding step: dense bytes / sparse bytes (same ``context``).
+
+    >>> from dejavu_lab.arch import get_arch
+    >>> from dejavu_lab.models import PRESETS
+    >>> opt175b = get_arch(PRESETS["opt-175b"].config())
+    >>> round(predicted_speedup(opt175b, 50272, mlp_sparsity=0.75, head_sparsity=0.75), 2)
+    3.96
+    """
     keys = ("context", "dtype_bytes")
     dense = bytes_per_token(arch, vocab, **{k: v for k, v in budget.items() if k in keys})
     return dense.total / bytes_per_token(arch, vocab, **budget).total

@@ -22,16 +22,38 @@ from pathlib import Path
 __all__ = ["main", "parser"]
 
 
-def _budget(text: str):
-    """A sparsity: one number or comma-separated per-layer numbers (checked later)."""
-    parts = [p for p in text.split(",") if p.strip()]
-    try:
-        values = [float(p) for p in parts]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a number in [0, 1) or a comma-separated list, got {text!r}"
-        ) from None
-    return values[0] if len(values) == 1 else values
+class _Parser(argparse.ArgumentParser):
+    """An argument error is one line ``dejavu-lab: error: ...`` and exit status 2, as any other."""
+
+    def error(self, message: str):
+        self.exit(2, f"dejavu-lab: error: {message}\n")
+
+
+def _budget(what: str, per_layer: bool = True):
+    """An argparse ``type=`` for the sparsity ``what``, checked while parsing (no model loaded).
+
+    A number in [0, 1) or, with ``per_layer``, comma-separated numbers each in [0, 1); whether
+    their count matches the model's layers is checked once the model has loaded.
+    """
+
+    def parse(text: str):
+        parts = [p for p in text.split(",") if p.strip()] if per_layer else [text]
+        try:
+            values = [float(p) for p in parts]
+        except ValueError:
+            values = []
+        if not values:
+            extra = " or a comma-separated list" if per_layer else ""
+            raise argparse.ArgumentTypeError(f"expected a number in [0, 1){extra}, got {text!r}.")
+        from .sparsify import budgets
+
+        try:
+            budgets(values, len(values), what)  # each in [0, 1), one sentence if not
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return values[0] if len(values) == 1 else values
+
+    return parse
 
 
 def _layers(text: str) -> list[int]:
@@ -52,13 +74,25 @@ def _common(p: argparse.ArgumentParser, corpus: bool = True) -> None:
 
 
 def _sparsity_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--mlp-sparsity", type=_budget, default=0.0, help="fraction of neurons removed")
-    p.add_argument("--head-sparsity", type=_budget, default=0.0, help="fraction of heads removed")
+    p.add_argument(
+        "--mlp-sparsity", type=_budget("mlp_sparsity"), default=0.0, help="neurons removed"
+    )
+    p.add_argument(
+        "--head-sparsity", type=_budget("head_sparsity"), default=0.0, help="heads removed"
+    )
     p.add_argument("--dense-layers", type=_layers, default=[], help="e.g. 0,1 (left dense)")
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    """The ``dejavu-lab`` argument parser; budgets are checked here, before any model loads.
+
+    >>> args = parser().parse_args("eval --predictors p.safetensors --mlp-sparsity 0.8".split())
+    >>> args.command, args.mlp_sparsity, args.head_sparsity
+    ('eval', 0.8, 0.3)
+    >>> parser().parse_args("perplexity --head-sparsity 0.5,0.25".split()).head_sparsity
+    [0.5, 0.25]
+    """
+    ap = _Parser(
         prog="dejavu-lab", description="Contextual sparsity (Deja Vu, ICML 2023) on HF models."
     )
     sub = ap.add_subparsers(dest="command", required=True)
@@ -75,7 +109,12 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("collect", help="stream per-layer predictor training data to disk")
     _common(p)
     p.add_argument("--max-tokens", type=int, default=8192, help="cap on collected tokens")
-    p.add_argument("--mlp-label-sparsity", type=float, default=0.5, help="gated MLP labels")
+    p.add_argument(
+        "--mlp-label-sparsity",
+        type=_budget("mlp_label_sparsity", per_layer=False),
+        default=0.5,
+        help="gated MLP labels",
+    )
     p.add_argument("--out", type=Path, default=None, help="folder (default: the cache)")
 
     p = sub.add_parser("train-predictors", help="train DejaVu predictors (collects if needed)")
@@ -91,8 +130,8 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="per-layer recall/precision/mass of trained predictors")
     _common(p)
     p.add_argument("--predictors", type=Path, nargs="+", required=True)
-    p.add_argument("--mlp-sparsity", type=float, default=0.5)
-    p.add_argument("--head-sparsity", type=float, default=0.3)
+    p.add_argument("--mlp-sparsity", type=_budget("mlp_sparsity", per_layer=False), default=0.5)
+    p.add_argument("--head-sparsity", type=_budget("head_sparsity", per_layer=False), default=0.3)
     p.add_argument("--windows", type=int, default=2, help="held-out windows to evaluate on")
     p.add_argument("--skip-windows", type=int, default=16, help="skip the training windows")
     p.add_argument("--per-layer", action="store_true", help="print every layer's row")
@@ -126,6 +165,12 @@ def _windows(args, tokenizer, n: int | None, skip: int = 0):
 
 
 def cmd_perplexity(args) -> None:
+    """``dejavu-lab perplexity``: print the perplexity on the corpus, dense or sparsified.
+
+    >>> cmd_perplexity(parser().parse_args(
+    ...     "perplexity --window 8 --max-windows 1 --mlp-sparsity 0.5 --no-progress".split()))
+    200.2
+    """
     from .sparsify import sparse_perplexity, static_sets
 
     model, tok, arch = _load(args)
@@ -152,6 +197,16 @@ def cmd_perplexity(args) -> None:
 
 
 def cmd_collect(args) -> None:
+    """``dejavu-lab collect``: collect predictor training data and print its folder.
+
+    >>> import os, tempfile
+    >>> out = tempfile.mkdtemp()
+    >>> cmd_collect(parser().parse_args(
+    ...     f"collect --window 8 --max-tokens 16 --out {out} --no-progress".split()))
+    /...
+    >>> sorted(os.listdir(out))
+    ['chunk_00000.safetensors', 'chunk_00001.safetensors', 'manifest.json']
+    """
     from .collect import CollectConfig, collect
 
     model, tok, arch = _load(args)
@@ -166,6 +221,18 @@ def cmd_collect(args) -> None:
 
 
 def cmd_train(args) -> None:
+    """``dejavu-lab train-predictors``: train, save and print each mode's file and recall.
+
+    >>> import tempfile, torch
+    >>> from dejavu_lab.collect import CollectConfig, collect
+    >>> from dejavu_lab.models import random_model
+    >>> tmp = tempfile.mkdtemp()
+    >>> _ = collect(random_model("tiny-llama").model, None, CollectConfig(window=8, max_tokens=32),
+    ...             f"{tmp}/col", windows=torch.randint(0, 128, (4, 8)), progress=False)
+    >>> cmd_train(parser().parse_args(["train-predictors", "--model", "random:tiny-llama",
+    ...     "--collection", f"{tmp}/col", "--mode", "same", "--out", f"{tmp}/p.safetensors"]))
+    same: /.../p.safetensors  mean validation recall: MLP ..., heads ...
+    """
     from .collect import CollectConfig, collect, open_collection
     from .predictors import PredictorConfig, default_path, train_predictors
 
@@ -213,6 +280,20 @@ def _fp(model, arch):
 
 
 def cmd_eval(args) -> None:
+    """``dejavu-lab eval``: print the mean recall, precision and mass kept per mode and kind.
+
+    >>> import tempfile
+    >>> from dejavu_lab.collect import fingerprint
+    >>> from dejavu_lab.models import load_model
+    >>> from dejavu_lab.predictors import PredictorConfig, Predictors
+    >>> p = Predictors(fingerprint(load_model("demo").model), PredictorConfig()).save(
+    ...     f"{tempfile.mkdtemp()}/p.safetensors")  # untrained: shows the table only
+    >>> cmd_eval(parser().parse_args(f"eval --predictors {p} --window 8 --windows 1".split()))
+                     recall  precision  mass_kept  oracle_mass
+    mode      kind
+    lookahead heads  ...
+              mlp    ...
+    """
     from .predictors import evaluate, load_predictors
 
     model, tok, arch = _load(args)
@@ -243,7 +324,20 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    """Run ``dejavu-lab`` with ``argv`` (default: the command line); return the exit status.
+
+    A bad budget fails while parsing, before any model loads: one line on stderr, status 2.
+
+    >>> import contextlib, sys
+    >>> with contextlib.redirect_stderr(sys.stdout):
+    ...     main(["eval", "--predictors", "p.safetensors", "--mlp-sparsity", "1.0"])
+    dejavu-lab: error: argument --mlp-sparsity: mlp_sparsity must be in [0, 1) (the fraction ...
+    2
+    """
+    try:
+        args = parser().parse_args(argv)
+    except SystemExit as e:  # --help (0) or a bad argument (2): argparse has printed why
+        return e.code or 0
     from transformers.utils import logging as hf_logging
 
     from .assets import AssetError

@@ -54,12 +54,25 @@ FORMAT = 1  # bump when the chunk layout changes
 
 
 class CollectionError(ValueError):
-    """A collection directory is missing, incomplete or from another model/config."""
+    """A collection directory is missing, incomplete or from another model/config.
+
+    Also raised for a config that cannot be collected:
+
+    >>> CollectConfig(window=512, max_tokens=100)
+    Traceback (most recent call last):
+    ...
+    dejavu_lab.collect.CollectionError: need window >= 2, max_tokens >= window and ...
+    """
 
 
 @dataclass(frozen=True)
 class CollectConfig:
-    """What to collect. Every field enters the cache key."""
+    """What to collect. Every field enters the cache key.
+
+    >>> cfg = CollectConfig(window=64, max_tokens=256)
+    >>> cfg.max_tokens // cfg.window, cfg.key()  # windows collected, cache key
+    (4, '892ff98b47')
+    """
 
     corpus: str = "demo"  # dejavu_lab.corpus.load_text name
     window: int = 512  # tokens per window (DejaVu: sequences of length ≥ 500)
@@ -82,7 +95,15 @@ class CollectConfig:
 
 
 def fingerprint(model, arch: Arch | None = None) -> dict:
-    """Architecture, shapes and a hash of a few weights: enough to tell two models apart."""
+    """Architecture, shapes and a hash of a few weights: enough to tell two models apart.
+
+    >>> from dejavu_lab.models import random_model
+    >>> fp = fingerprint(random_model("tiny-llama").model)
+    >>> fp["model_type"], fp["n_layers"], fp["d_mlp"], fp["gated"]
+    ('llama', 2, 192, True)
+    >>> fingerprint(random_model("tiny-llama", seed=1).model) == fp  # other weights
+    False
+    """
     arch = arch or get_arch(model)
     h = hashlib.sha256()
     parts = [
@@ -106,11 +127,21 @@ def fingerprint(model, arch: Arch | None = None) -> dict:
 
 
 def fingerprint_id(fp: dict) -> str:
+    """A short readable name for a :func:`fingerprint`, used in cache folder and file names.
+
+    >>> from dejavu_lab.models import random_model
+    >>> fingerprint_id(fingerprint(random_model("tiny-llama").model))
+    'llama-L2-d64-...'
+    """
     return f"{fp['model_type']}-L{fp['n_layers']}-d{fp['d_model']}-{fp['weights_sha256'][:8]}"
 
 
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:
-    """Bool [T, n] -> uint8 [T, ceil(n/8)] (little-endian bits)."""
+    """Bool [T, n] -> uint8 [T, ceil(n/8)] (little-endian bits).
+
+    >>> pack_bits(torch.tensor([[True, False, True, False, False, False, False, False, True]]))
+    tensor([[5, 1]], dtype=torch.uint8)
+    """
     t, n = mask.shape
     pad = (-n) % 8
     m = torch.nn.functional.pad(mask.to(torch.uint8), (0, pad)).view(t, -1, 8)
@@ -119,7 +150,14 @@ def pack_bits(mask: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
-    """uint8 [T, ceil(n/8)] -> bool [T, n]."""
+    """uint8 [T, ceil(n/8)] -> bool [T, n].
+
+    >>> unpack_bits(torch.tensor([[5, 1]], dtype=torch.uint8), 9).int()
+    tensor([[1, 0, 1, 0, 0, 0, 0, 0, 1]], dtype=torch.int32)
+    >>> mask = torch.rand(3, 10) > 0.5
+    >>> torch.equal(unpack_bits(pack_bits(mask), 10), mask)
+    True
+    """
     shifts = torch.arange(8, dtype=torch.uint8)
     bits = (packed[..., None] >> shifts) & 1
     return bits.flatten(-2)[..., :n].bool()
@@ -127,7 +165,16 @@ def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
 
 @dataclass
 class Collection:
-    """A finished collection on disk; :meth:`layer` loads one layer's arrays."""
+    """A finished collection on disk; :meth:`layer` loads one layer's arrays.
+
+    >>> import tempfile
+    >>> from dejavu_lab.models import random_model
+    >>> m = random_model("tiny-llama")
+    >>> col = collect(m.model, None, CollectConfig(window=8, max_tokens=16), tempfile.mkdtemp(),
+    ...               windows=torch.randint(0, 128, (2, 8)), progress=False)
+    >>> {k: tuple(v.shape) for k, v in col.layer(0).items()}  # 16 tokens of layer 0
+    {'pre': (16, 64), 'mid': (16, 64), 'mlp': (16, 192), 'head': (16, 4)}
+    """
 
     path: Path
     manifest: dict
@@ -160,6 +207,14 @@ class Collection:
 
 
 def default_dir(fp: dict, config: CollectConfig) -> Path:
+    """The cache folder :func:`collect` uses when given no ``out_dir`` (nothing is created).
+
+    >>> from dejavu_lab.models import random_model
+    >>> fp = fingerprint(random_model("tiny-llama").model)
+    >>> path = default_dir(fp, CollectConfig())  # under dejavu_lab.assets.cache_dir()
+    >>> path.parent.name, path.name
+    ('activations', 'llama-L2-d64-...-afb230d3c5')
+    """
     from .assets import cache_dir
 
     return cache_dir() / "activations" / f"{fingerprint_id(fp)}-{config.key()}"
@@ -181,6 +236,16 @@ def collect(
     ``windows`` [n, window] (token ids) replaces the corpus, e.g. for random-init test models;
     ``config.max_tokens`` and ``skip_windows`` still apply. The default ``out_dir`` is a folder
     under :func:`dejavu_lab.assets.cache_dir` keyed by the model fingerprint and the config.
+
+    >>> import tempfile
+    >>> from dejavu_lab.models import random_model
+    >>> m = random_model("tiny-llama")  # no tokenizer: pass token windows [n, window]
+    >>> col = collect(m.model, None, CollectConfig(window=8, max_tokens=16), tempfile.mkdtemp(),
+    ...               windows=torch.randint(0, 128, (3, 8)), progress=False)
+    >>> col.n_tokens, len(col.chunks)  # max_tokens keeps 2 of the 3 windows, one chunk each
+    (16, 2)
+    >>> col.layer(1, keys=("mlp",))["mlp"].sum(-1)[:4]  # gated: top half of 192 neurons
+    tensor([96, 96, 96, 96])
     """
     arch = arch or get_arch(model)
     fp = fingerprint(model, arch)
@@ -255,7 +320,16 @@ def collect(
 
 
 def open_collection(path: str | os.PathLike) -> Collection:
-    """A finished collection folder (written by :func:`collect`)."""
+    """A finished collection folder (written by :func:`collect`).
+
+    >>> import tempfile
+    >>> from dejavu_lab.models import random_model
+    >>> out = tempfile.mkdtemp()
+    >>> _ = collect(random_model("tiny-llama").model, None, CollectConfig(window=8, max_tokens=16),
+    ...             out, windows=torch.randint(0, 128, (2, 8)), progress=False)
+    >>> open_collection(out).n_tokens
+    16
+    """
     path = Path(path)
     mpath = path / "manifest.json"
     if not mpath.exists():

@@ -42,6 +42,14 @@ class DeferredKVCache(DynamicCache):
 
     ``keep_fn(layer) -> bool [b, q, n_heads]`` gives the current step's selected query heads; a
     key/value head is needed by a token when any query head of its group is selected.
+
+    >>> from dejavu_lab.models import random_model
+    >>> m = random_model("tiny-llama")  # 4 query heads in 2 groups (2 KV heads)
+    >>> keep = torch.tensor([True, True, False, False])  # only group 0 selected
+    >>> cache = DeferredKVCache(m.model, m.arch, lambda layer: keep.expand(1, 3, 4))
+    >>> k, v = cache.update(torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 16), 0)  # 3 tokens
+    >>> k[0, 0].isnan().any().item(), k[0, 1].isnan().all().item(), cache.skipped
+    (False, True, 3)
     """
 
     def __init__(self, model, arch: Arch, keep_fn, deferred: bool = True):
@@ -111,7 +119,16 @@ class DeferredKVCache(DynamicCache):
 
 @dataclass
 class Generation:
-    """What :func:`generate` returns."""
+    """What :func:`generate` returns.
+
+    >>> from dejavu_lab.models import random_model
+    >>> from dejavu_lab.sparsify import static_sets
+    >>> m = random_model("tiny-llama")
+    >>> static = static_sets(m.model, torch.randint(0, 128, (2, 8)), progress=False)
+    >>> g = generate(m.model, torch.tensor([[1, 2, 3, 4]]), 4, head_sparsity=0.5, static=static)
+    >>> g.tokens.shape, g.logits.shape, g.head_keep[0].shape  # 4 prompt + 4 new tokens
+    (torch.Size([1, 8]), torch.Size([1, 4, 128]), torch.Size([1, 7, 4]))
+    """
 
     tokens: torch.Tensor  # [b, prompt + new] prompt then generated ids
     logits: torch.Tensor  # [b, new, vocab] the logits each new token was chosen from
@@ -138,6 +155,19 @@ def generate(
 
     ``deferred=False`` computes every head's K/V for every token (a dense KV cache) — the
     outputs are the same, which is the point of Knowl 5.
+
+    >>> from dejavu_lab.collect import fingerprint
+    >>> from dejavu_lab.models import random_model
+    >>> from dejavu_lab.predictors import PredictorConfig, Predictors
+    >>> m, prompt = random_model("tiny-llama"), torch.tensor([[1, 2, 3, 4]])
+    >>> _ = torch.manual_seed(0)
+    >>> pred = Predictors(fingerprint(m.model), PredictorConfig())  # untrained is enough here
+    >>> runs = [generate(m.model, prompt, 4, head_sparsity=0.5, predictors=pred, deferred=d)
+    ...         for d in (True, False)]
+    >>> runs[0].skipped, runs[0].recomputed  # KV entries skipped, of which later recomputed
+    (6, 4)
+    >>> torch.equal(runs[0].tokens, runs[1].tokens)  # same tokens as with a dense KV cache
+    True
     """
     arch = arch or get_arch(model)
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:

@@ -58,12 +58,23 @@ MODES = ("same", "lookahead")
 
 
 class PredictorError(ValueError):
-    """A predictor file is damaged, or belongs to another model."""
+    """A predictor file is damaged, or belongs to another model; or a bad predictor config.
+
+    >>> PredictorConfig(mode="magic")
+    Traceback (most recent call last):
+    ...
+    dejavu_lab.predictors.PredictorError: mode must be 'same' or 'lookahead', got 'magic'.
+    """
 
 
 @dataclass(frozen=True)
 class PredictorConfig:
-    """How to build and train the predictors. Every field enters the cache key."""
+    """How to build and train the predictors. Every field enters the cache key.
+
+    >>> cfg = PredictorConfig(mode="same", mlp_rank=8)
+    >>> cfg.head_rank, cfg.mlp_sparsity, cfg.key()
+    (32, 0.5, '...')
+    """
 
     mode: str = "lookahead"  # "same" (layer input) or "lookahead" (previous layer's input)
     mlp_rank: int = 64  # r of the MLP predictor d → r → n (DejaVu: 1000 at d = 12288)
@@ -89,7 +100,14 @@ class PredictorConfig:
 
 
 class LowRank(nn.Module):
-    """RMS-normalise, then d → r → n (no nonlinearity in between, as DejaVu)."""
+    """RMS-normalise, then d → r → n (no nonlinearity in between, as DejaVu).
+
+    >>> net = LowRank(64, 8, 192)  # d = 64, rank 8, 192 neurons
+    >>> net(torch.randn(5, 64)).shape
+    torch.Size([5, 192])
+    >>> net.n_params(), net.flops()  # 64·8 + 8·192 + 192 bias; 2 FLOPs per weight
+    (2240, 4096)
+    """
 
     def __init__(self, d: int, r: int, n: int):
         super().__init__()
@@ -109,7 +127,16 @@ class LowRank(nn.Module):
 
 
 class Predictors(nn.Module):
-    """One MLP and one head predictor per layer, for one model (``fingerprint``) and mode."""
+    """One MLP and one head predictor per layer, for one model (``fingerprint``) and mode.
+
+    >>> from dejavu_lab.collect import fingerprint
+    >>> from dejavu_lab.models import random_model
+    >>> pred = Predictors(fingerprint(random_model("tiny-llama").model), PredictorConfig())
+    >>> len(pred.mlp), pred.mode
+    (2, 'lookahead')
+    >>> pred.head_scores(0, torch.randn(3, 64)).shape  # 3 tokens, 4 heads
+    torch.Size([3, 4])
+    """
 
     def __init__(self, fp: dict, config: PredictorConfig, history: list | None = None):
         super().__init__()
@@ -157,7 +184,21 @@ class Predictors(nn.Module):
 
 
 def load_predictors(path: str | os.PathLike, model=None, arch: Arch | None = None) -> Predictors:
-    """Load predictors saved by :meth:`Predictors.save`; with ``model``, check they match it."""
+    """Load predictors saved by :meth:`Predictors.save`; with ``model``, check they match it.
+
+    >>> import tempfile
+    >>> from dejavu_lab.collect import fingerprint
+    >>> from dejavu_lab.models import random_model
+    >>> m = random_model("tiny-llama")
+    >>> path = Predictors(fingerprint(m.model), PredictorConfig(mlp_rank=8)).save(
+    ...     f"{tempfile.mkdtemp()}/p.safetensors")
+    >>> load_predictors(path, m.model).config.mlp_rank
+    8
+    >>> load_predictors(path, random_model("tiny-llama", seed=1).model)
+    Traceback (most recent call last):
+    ...
+    dejavu_lab.predictors.PredictorError: These predictors were trained for another model ...
+    """
     path = Path(path)
     if not path.exists():
         raise PredictorError(
@@ -237,7 +278,18 @@ def _fit(
 def train_predictors(
     collection: Collection, config: PredictorConfig = PredictorConfig(), *, progress: bool = True
 ) -> Predictors:
-    """Train every layer's MLP and head predictor on a collection (:func:`collect.collect`)."""
+    """Train every layer's MLP and head predictor on a collection (:func:`collect.collect`).
+
+    >>> import tempfile
+    >>> from dejavu_lab.collect import CollectConfig, collect
+    >>> from dejavu_lab.models import random_model
+    >>> m = random_model("tiny-llama")
+    >>> col = collect(m.model, None, CollectConfig(window=8, max_tokens=32), tempfile.mkdtemp(),
+    ...               windows=torch.randint(0, 128, (4, 8)), progress=False)
+    >>> pred = train_predictors(col, PredictorConfig(mlp_rank=8, epochs=2), progress=False)
+    >>> [(h["layer"], h["kind"], h["epochs"]) for h in pred.history]
+    [(0, 'mlp', 2), (0, 'heads', 2), (1, 'mlp', 2), (1, 'heads', 2)]
+    """
     fp = collection.manifest["fingerprint"]
     threads = torch.get_num_threads()
     # these networks are small: one thread avoids OpenMP barrier stalls on busy machines
@@ -303,6 +355,18 @@ def evaluate(
     (top-k by true ``|activation|`` or head output norm; for ReLU MLPs, only neurons that are > 0
     count as oracle-active). Columns: mode, layer, kind, recall, precision, mass_kept (share of
     ``sum |act|`` in the predicted set), oracle_mass (the same for the oracle set).
+
+    >>> from dejavu_lab.collect import fingerprint
+    >>> from dejavu_lab.models import random_model
+    >>> m = random_model("tiny-llama")
+    >>> pred = Predictors(fingerprint(m.model), PredictorConfig())  # untrained, for the shape
+    >>> df = evaluate(m.model, torch.randint(0, 128, (2, 8)), pred, progress=False)
+    >>> df[["mode", "layer", "kind", "sparsity"]]
+            mode  layer   kind  sparsity
+    0  lookahead      0  heads       0.3
+    1  lookahead      1  heads       0.3
+    2  lookahead      0    mlp       0.5
+    3  lookahead      1    mlp       0.5
     """
     arch = arch or get_arch(model)
     preds = predictors if isinstance(predictors, list) else [predictors]
@@ -376,7 +440,17 @@ def evaluate(
 
 
 def cost(predictors: Predictors, arch: Arch) -> pd.DataFrame:
-    """Parameters and FLOPs per token of each predictor beside the block it gates (dense)."""
+    """Parameters and FLOPs per token of each predictor beside the block it gates (dense).
+
+    >>> from dejavu_lab.collect import fingerprint
+    >>> from dejavu_lab.models import random_model
+    >>> m = random_model("tiny-llama")
+    >>> pred = Predictors(fingerprint(m.model), PredictorConfig(mlp_rank=8, head_rank=4))
+    >>> cost(pred, m.arch)[["layer", "kind", "predictor_params", "block_params"]].head(2)
+       layer   kind  predictor_params  block_params
+    0      0    mlp              2240         36864
+    1      0  heads               276         12288
+    """
     d, n, h, kv, dh = arch.d_model, arch.d_mlp, arch.n_heads, arch.n_kv_heads, arch.d_head
     mlp_block = d * n * (3 if arch.gated else 2)
     attn_block = 2 * d * h * dh + 2 * d * kv * dh
@@ -406,6 +480,14 @@ def cost(predictors: Predictors, arch: Arch) -> pd.DataFrame:
 
 
 def default_path(fp: dict, collect_config, config: PredictorConfig) -> Path:
+    """The cache file :func:`get_or_train` uses for these configs (nothing is created).
+
+    >>> from dejavu_lab.collect import CollectConfig, fingerprint
+    >>> from dejavu_lab.models import random_model
+    >>> fp = fingerprint(random_model("tiny-llama").model)
+    >>> default_path(fp, CollectConfig(), PredictorConfig(mode="same")).name
+    'llama-L2-d64-...-same.safetensors'
+    """
     from .assets import cache_dir
 
     name = f"{fingerprint_id(fp)}-{collect_config.key()}-{config.key()}-{config.mode}.safetensors"
@@ -426,6 +508,17 @@ def get_or_train(
     The cache key is the model fingerprint plus both configs, under
     :func:`dejavu_lab.assets.cache_dir`; ``info["seconds"]`` on the result says what this
     call spent (0 when it loaded).
+
+    >>> import os, tempfile
+    >>> from unittest import mock
+    >>> from dejavu_lab.collect import CollectConfig
+    >>> from dejavu_lab.models import load_model
+    >>> model, tok, _ = load_model("demo")
+    >>> cfgs = PredictorConfig(epochs=1, mlp_rank=8), CollectConfig(window=8, max_tokens=8)
+    >>> with mock.patch.dict(os.environ, DEJAVU_LAB_CACHE=tempfile.mkdtemp()):  # not ~/.cache
+    ...     runs = [get_or_train(model, tok, *cfgs, progress=False) for _ in range(2)]
+    >>> [p.info["trained_now"] for p in runs]  # trained once, then loaded
+    [True, False]
     """
     from .collect import CollectConfig, collect
 
