@@ -58,6 +58,15 @@ def budget_grid(
 
     ``modes``: how the sets are chosen (:func:`dejavu_lab.sparsify.sparsified`'s ``mode``).
     Budgets with nothing removed are evaluated once (they are the dense model).
+
+    >>> from dejavu_lab.models import random_model
+    >>> model, _, arch = random_model("tiny-llama")
+    >>> grid = budget_grid(model, arch, torch.randint(0, 128, (2, 16)), mlp_values=(0.0, 0.5),
+    ...                    head_values=(0.0,), dense_first=(0,), modes=("oracle",), progress=False)
+    >>> grid[["sets", "mlp_sparsity", "perplexity", "speedup"]].round(1)
+         sets  mlp_sparsity  perplexity  speedup
+    0  oracle           0.0       128.4      1.0
+    1  oracle           0.5       128.5      1.5
     """
     vocab = model.get_output_embeddings().weight.shape[0]
     rows = []
@@ -99,7 +108,15 @@ def budget_grid(
 
 def grid_figure(grid: pd.DataFrame, dense_ppl: float, title: str, caption: str) -> go.Figure:
     """Perplexity (one line per way of choosing sets) above predicted speedup, against MLP
-    sparsity; a slider picks the head sparsity and how many first layers stay dense."""
+    sparsity; a slider picks the head sparsity and how many first layers stay dense.
+
+    >>> grid = pd.DataFrame({"sets": "oracle", "mlp_sparsity": [0.0, 0.5, 0.0, 0.5],
+    ...                      "head_sparsity": [0.0, 0.0, 0.3, 0.3], "dense_first": 0,
+    ...                      "perplexity": [10.0, 11.0, 12.0, 14.0], "speedup": [1, 1.5, 1.2, 1.8]})
+    >>> fig = grid_figure(grid, 10.0, "Budgets", "A hand-made grid.")
+    >>> [step.label for step in fig.layout.sliders[0].steps], len(fig.data)
+    (['0%', '30%'], 4)
+    """
     fig = make_subplots(
         rows=2,
         cols=1,
@@ -210,7 +227,21 @@ def grid_figure(grid: pd.DataFrame, dense_ppl: float, title: str, caption: str) 
 
 
 def sample(model, tokenizer, prompt: str, n_tokens: int = 20, **budget) -> str:
-    """Greedy continuation of ``prompt`` under a budget (deferred KV when heads are sparse)."""
+    """Greedy continuation of ``prompt`` under a budget (deferred KV when heads are sparse).
+
+    ``budget``: keyword arguments of :func:`dejavu_lab.deferred_kv.generate`, which needs
+    ``predictors=`` or ``static=``.
+
+    >>> from dejavu_lab.models import load_model
+    >>> from dejavu_lab.sparsify import static_sets
+    >>> model, tok, _ = load_model("demo")
+    >>> calib = tok("Berlin is the capital of Germany.", return_tensors="pt").input_ids
+    >>> static = static_sets(model, calib, progress=False)  # the same units for every token
+    >>> sample(model, tok, "The capital of France is", 2, mlp_sparsity=0.3, static=static)
+    ' Paris.'
+    >>> sample(model, tok, "The capital of France is", 2, head_sparsity=0.3, static=static)
+    ' 1'
+    """
     from .deferred_kv import generate
 
     ids = tokenizer(prompt, return_tensors="pt").input_ids
@@ -219,7 +250,18 @@ def sample(model, tokenizer, prompt: str, n_tokens: int = 20, **budget) -> str:
 
 
 def live_explorer(model, tokenizer, arch, windows, predictors, static=None, prompt="The"):
-    """ipywidgets: sliders for the budgets, a button that recomputes perplexity and a sample."""
+    """ipywidgets: sliders for the budgets, a button that recomputes perplexity and a sample.
+
+    >>> from dejavu_lab.collect import fingerprint
+    >>> from dejavu_lab.models import load_model, random_model
+    >>> from dejavu_lab.predictors import PredictorConfig, Predictors
+    >>> tok = load_model("demo").tokenizer
+    >>> model, _, arch = random_model("tiny-llama", vocab_size=len(tok))  # the demo's vocabulary
+    >>> pred = Predictors(fingerprint(model, arch), PredictorConfig())  # untrained
+    >>> ui = live_explorer(model, tok, arch, torch.randint(0, len(tok), (1, 16)), pred)
+    >>> [slider.description for slider in ui.children[0].children], ui.children[2].value[:17]
+    (['MLP sparsity', 'head sparsity'], '<b>perplexity</b>')
+    """
     import html
 
     import ipywidgets as w

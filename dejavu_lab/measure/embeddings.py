@@ -39,6 +39,13 @@ def layer_cosine(
     ``windows``: LongTensor [n, window]. Returns one row per (layer, gap, window, pos) with
     columns ``layer`` (l, the earlier state), ``gap``, ``window``, ``pos``, ``cosine``; layers run
     0..L-n (X_L is the output of the last block).
+
+    >>> from dejavu_lab.models import load_model
+    >>> model, tok, _ = load_model("demo")
+    >>> ids = tok("The quick brown fox jumps over the lazy dog.", return_tensors="pt").input_ids
+    >>> med = layer_cosine(model, ids, gaps=(1,)).groupby("layer").cosine.median()
+    >>> round(float(med[0]), 1), round(float(med[2:].median()), 2)  # embedding; then slow
+    (0.0, 0.97)
     """
     arch = arch or get_arch(model)
     if not gaps or min(gaps) < 0:
@@ -89,6 +96,14 @@ def residual_norms(
     Returns one row per (layer, block, window, pos) with columns ``layer``, ``block``
     (``"attn"`` or ``"mlp"``), ``window``, ``pos``, ``norm_x``, ``norm_fx``, ``ratio``.
     For post-LN models (OPT-350m) X of the MLP is the attention norm's output, as the MLP sees it.
+
+    >>> from dejavu_lab.models import random_model
+    >>> model, _, _ = random_model("tiny-opt")
+    >>> norms = residual_norms(model, torch.randint(0, 128, (2, 8)))
+    >>> len(norms)  # 2 layers x 2 sub-blocks x 16 tokens
+    64
+    >>> norms.columns.tolist()
+    ['layer', 'block', 'window', 'pos', 'norm_x', 'norm_fx', 'ratio']
     """
     arch = arch or get_arch(model)
     chunks: list[dict[str, np.ndarray]] = []

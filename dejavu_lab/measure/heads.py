@@ -53,6 +53,14 @@ def head_stats(
     little). Columns: ``layer``, ``head``, ``window``, ``pos``, ``entropy`` (H / log #keys),
     ``sink`` (weight on the window's first token), ``peak`` (largest weight), ``norm``
     (‖W_O^h z^h‖) and ``rel_norm`` (norm / mean head norm of that layer and token).
+
+    >>> from dejavu_lab.models import random_model
+    >>> model, _, _ = random_model("tiny-llama")
+    >>> stats = head_stats(model, torch.randint(0, 128, (1, 20)))  # queries 15..19 see 16+ keys
+    >>> len(stats)  # 2 layers x 4 heads x 5 queries
+    40
+    >>> stats.columns.tolist()
+    ['layer', 'head', 'window', 'pos', 'entropy', 'sink', 'peak', 'norm', 'rel_norm']
     """
     arch = arch or get_arch(model)
     chunks: list[dict[str, np.ndarray]] = []
@@ -117,6 +125,15 @@ def classify_heads(
     ``uniform-mixing`` when the mean normalised entropy is at least ``uniform_threshold``
     (attention spread over at least ~√n of n tokens), else ``heavy-hitter``. Both thresholds
     are ours (the paper gives none); the chapter shows the distributions they cut.
+
+    >>> stats = pd.DataFrame({"layer": 0, "head": [0, 1, 2], "entropy": [0.2, 0.9, 0.3],
+    ...                       "sink": [0.8, 0.1, 0.1], "peak": [0.8, 0.2, 0.7],
+    ...                       "norm": [0.1, 0.5, 2.0], "rel_norm": [0.1, 0.6, 2.3]})
+    >>> classify_heads(stats)[["head", "kind"]]
+       head            kind
+    0     0            sink
+    1     1  uniform-mixing
+    2     2    heavy-hitter
     """
     per = stats.groupby(["layer", "head"], as_index=False)[
         ["entropy", "sink", "peak", "norm", "rel_norm"]
@@ -154,6 +171,14 @@ def mean_shift_step(
     pattern. Returns one row per position with ``pos``, ``token``, ``pc1``, ``pc2`` (x_j),
     ``mean_pc1``, ``mean_pc2`` (m(x_j) as a query), ``entropy`` and ``weight`` (attention from
     ``query``, default the last position, to this token; NaN after ``query``).
+
+    >>> from dejavu_lab.models import random_model
+    >>> model, _, _ = random_model("tiny-llama")
+    >>> step = mean_shift_step(model, torch.randint(0, 128, (1, 8)), layer=0, head=1)
+    >>> step.columns.tolist()
+    ['pos', 'token', 'pc1', 'pc2', 'mean_pc1', 'mean_pc2', 'entropy', 'weight']
+    >>> round(float(step.weight.sum()), 4)  # the last token's attention sums to 1
+    1.0
     """
     arch = arch or get_arch(model)
     if ids.dim() != 2 or ids.shape[0] != 1:
@@ -203,6 +228,12 @@ def token_trajectories(
     to the next show where tokens move. Also returns ``spread``: the mean distance of a token's
     state to the centroid of its layer (mean-shift pulls tokens together when it shrinks).
     Columns: ``pos``, ``token``, ``layer``, ``pc1``, ``pc2``, ``spread``.
+
+    >>> from dejavu_lab.models import random_model
+    >>> model, _, _ = random_model("tiny-llama")  # 2 layers: layer 2 is the output
+    >>> traj = token_trajectories(model, torch.randint(0, 128, (1, 8)), layers=[0, 1, 2])
+    >>> traj.shape, traj.layer.unique().tolist()
+    ((24, 6), [0, 1, 2])
     """
     arch = arch or get_arch(model)
     names = {
@@ -249,6 +280,14 @@ def random_head_perplexity(
 
     The control for pruning by output norm: same budget, no information. Dropping a head
     zeroes its z (``attn.hook_z``) so it writes nothing through W_O (a bias, if any, stays).
+
+    >>> from dejavu_lab.models import random_model
+    >>> model, _, _ = random_model("tiny-llama")
+    >>> ids = torch.randint(0, 128, (2, 16))
+    >>> random_head_perplexity(model, ids, 0.0) == perplexity(model, ids, progress=False)
+    True
+    >>> round(random_head_perplexity(model, ids, 0.5))  # random weights: about the vocabulary
+    128
     """
     arch = arch or get_arch(model)
     check_fraction("head_sparsity", head_sparsity)

@@ -47,6 +47,15 @@ def perplexity_sweep(
     pass other windows for an honest baseline). ``random`` drops random heads (``heads`` only),
     averaged over ``seeds``. Returns ``target``, ``mode``, ``sparsity``, ``mlp_sparsity``,
     ``head_sparsity``, ``ppl``, ``dense_ppl``, ``rise`` (ppl / dense − 1).
+
+    >>> from dejavu_lab.models import load_model
+    >>> model, tok, _ = load_model("demo")
+    >>> ids = tok("The quick brown fox jumps over the lazy dog.", return_tensors="pt").input_ids
+    >>> sweep = perplexity_sweep(model, ids, mlp=[0.8])  # oracle keeps far more quality
+    >>> sweep[["target", "mode", "sparsity", "rise"]].round(1)
+      target    mode  sparsity  rise
+    0    mlp  oracle       0.8   0.4
+    1    mlp  static       0.8  40.2
     """
     arch = arch or get_arch(model)
     bad = [m for m in modes if m not in SWEEP_MODES]
@@ -115,6 +124,13 @@ def sparsity_at_rise(sweep: pd.DataFrame, rises: Sequence[float] = (0.01, 0.10))
     ``sweep``: the output of :func:`perplexity_sweep`; sparsity 0 counts as rise 0. Where the
     curve never crosses a threshold the answer is the largest sparsity measured and
     ``bracketed`` is False (read it as "at least").
+
+    >>> sweep = pd.DataFrame({"target": "mlp", "mode": "oracle", "sparsity": [0.5, 0.8],
+    ...                       "rise": [0.0, 0.2]})
+    >>> sparsity_at_rise(sweep)
+      target    mode  rise  sparsity  bracketed
+    0    mlp  oracle  0.01     0.515       True
+    1    mlp  oracle  0.10     0.650       True
     """
     rows = []
     for (target, mode), g in sweep.groupby(["target", "mode"], sort=False):

@@ -39,12 +39,25 @@ CRITERIA = ("zeros", "mass", "topk")
 
 
 def default_criterion(arch: Arch) -> str:
-    """``"zeros"`` for plain ReLU MLPs (OPT), ``"mass"`` for everything else (SwiGLU, GELU)."""
+    """``"zeros"`` for plain ReLU MLPs (OPT), ``"mass"`` for everything else (SwiGLU, GELU).
+
+    >>> from dejavu_lab.models import PRESETS
+    >>> default_criterion(get_arch(PRESETS["opt-125m"].config()))
+    'zeros'
+    >>> default_criterion(get_arch(PRESETS["llama-2-7b"].config()))
+    'mass'
+    """
     return "zeros" if (not arch.gated and arch.activation == "relu") else "mass"
 
 
 def criterion_label(criterion: str, mass: float = 0.9, keep: float | None = None) -> str:
-    """How "active" was decided, in words, for tables and figure captions."""
+    """How "active" was decided, in words, for tables and figure captions.
+
+    >>> criterion_label("zeros")
+    'active = non-zero (ReLU exact zeros)'
+    >>> criterion_label("mass", mass=0.8)
+    'active = fewest units holding 80% of |activation| mass'
+    """
     if criterion == "zeros":
         return "active = non-zero (ReLU exact zeros)"
     if criterion == "mass":
@@ -79,6 +92,12 @@ def active_mask(
     """Boolean [..., n]: which units are active for each row of ``scores`` [..., n].
 
     ``scores`` are activations (signs are ignored) or non-negative head-output norms.
+
+    >>> a = torch.tensor([[4.0, -3.0, 2.0, 1.0]])
+    >>> active_mask(a, "mass", mass=0.7)  # 4 + 3 hold 70% of the mass 10
+    tensor([[ True,  True, False, False]])
+    >>> active_mask(a, "topk", keep=0.25)
+    tensor([[ True, False, False, False]])
     """
     if criterion not in CRITERIA:
         raise ValueError(f"criterion must be one of {', '.join(CRITERIA)}, got {criterion!r}.")
@@ -135,6 +154,12 @@ def contextual_sparsity(
 
     Returns one row per (layer, block, window, pos) with columns ``layer``, ``block``
     (``"mlp"`` or ``"heads"``), ``window``, ``pos``, ``sparsity``, ``criterion`` (in words).
+
+    >>> from dejavu_lab.models import random_model
+    >>> model, _, _ = random_model("tiny-opt")  # ReLU: exact zeros
+    >>> df = contextual_sparsity(model, torch.randint(0, 128, (2, 8)))
+    >>> df.groupby("block").sparsity.mean().round(1).to_dict()  # ReLU zeros about half
+    {'heads': 0.0, 'mlp': 0.5}
     """
     arch = arch or get_arch(model)
     crit = default_criterion(arch) if criterion == "auto" else criterion

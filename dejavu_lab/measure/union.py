@@ -46,7 +46,15 @@ __all__ = [
 
 @dataclass
 class ActiveSets:
-    """Active units of sampled tokens, each token from one window (sequence)."""
+    """Active units of sampled tokens, each token from one window (sequence).
+
+    >>> mlp = torch.tensor([[[True, False, True, False]], [[True, True, False, False]]])
+    >>> sets = ActiveSets(mlp=mlp, heads=torch.ones(2, 1, 2, dtype=torch.bool),
+    ...                   window=np.array([0, 1]), pos=np.array([5, 7]),
+    ...                   criterion={"mlp": "by hand", "heads": "by hand"})
+    >>> sets.block("mlp").shape, sets.block("mlp").float().mean().item()
+    (torch.Size([2, 1, 4]), 0.5)
+    """
 
     mlp: torch.Tensor  # bool [tokens, layers, d_mlp]: active MLP neurons
     heads: torch.Tensor  # bool [tokens, layers, n_heads]: active heads
@@ -66,6 +74,14 @@ class TokenScores:
 
     Kept so that one forward pass serves any definition of "active" (:meth:`active`): the
     sampled tokens are few (a few per sequence), so this is small (tokens × layers × d_mlp).
+
+    >>> scores = TokenScores(mlp=torch.tensor([[[0.0, 2.0, 0.5, 0.0]]]),
+    ...                      heads=torch.tensor([[[3.0, 1.0]]]), window=np.array([0]),
+    ...                      pos=np.array([5]), relu=True)
+    >>> scores.active().mlp  # ReLU: active = non-zero
+    tensor([[[False,  True,  True, False]]])
+    >>> scores.active("topk", keep=0.25).mlp
+    tensor([[[False,  True, False, False]]])
     """
 
     mlp: torch.Tensor  # float [tokens, layers, d_mlp]: |mlp.hook_post|
@@ -111,6 +127,14 @@ def token_scores(
 
     ``windows``: LongTensor [n, window]; each window is one sequence of a batch. Tokens late in
     a window have context, as a decoding step does, hence ``min_pos``.
+
+    >>> from dejavu_lab.models import random_model
+    >>> model, _, _ = random_model("tiny-opt")
+    >>> scores = token_scores(model, torch.randint(0, 128, (8, 16)), positions=2, min_pos=8)
+    >>> scores.mlp.shape, scores.heads.shape  # 8 windows x 2 tokens, 2 layers, units
+    (torch.Size([16, 2, 256]), torch.Size([16, 2, 4]))
+    >>> scores.window[:4].tolist()
+    [0, 0, 1, 1]
     """
     arch = arch or get_arch(model)
     n_win, n_pos = windows.shape
@@ -170,7 +194,14 @@ def active_sets(
     batch_size: int = 1,
     progress: bool = False,
 ) -> ActiveSets:
-    """Active neurons and heads of sampled tokens: :func:`token_scores` then one criterion."""
+    """Active neurons and heads of sampled tokens: :func:`token_scores` then one criterion.
+
+    >>> from dejavu_lab.models import random_model
+    >>> model, _, _ = random_model("tiny-opt")
+    >>> sets = active_sets(model, torch.randint(0, 128, (8, 16)), positions=2, min_pos=8)
+    >>> sets.criterion["mlp"], round(sets.mlp.float().mean().item(), 1)
+    ('active = non-zero (ReLU exact zeros)', 0.5)
+    """
     scores = token_scores(
         model,
         windows,
@@ -188,6 +219,11 @@ def union_of(mask: torch.Tensor, batches: torch.Tensor) -> torch.Tensor:
     """Union sparsity of token batches: ``1 − |∪S| / total``, FloatTensor [draws, layers].
 
     ``mask``: bool [tokens, layers, units]; ``batches``: LongTensor [draws, B] of token indices.
+
+    >>> mask = torch.tensor([[[True, False, True, False]], [[True, True, False, False]]])
+    >>> union_of(mask, torch.tensor([[0, 0], [0, 1]]))  # token 0 alone; tokens 0 and 1
+    tensor([[0.5000],
+            [0.2500]])
     """
     union = mask[batches].any(dim=1)  # [draws, layers, units]
     return 1 - union.float().mean(-1)
@@ -221,6 +257,17 @@ def union_sparsity(
     Returns one row per (block, layer, batch_size, draw) with ``union_sparsity`` and
     ``uniform``: the expectation (1 − p)^B if each token instead drew its active units
     uniformly at random, p being the layer's mean per-token density.
+
+    >>> from dejavu_lab.models import random_model
+    >>> model, _, _ = random_model("tiny-opt")
+    >>> sets = active_sets(model, torch.randint(0, 128, (8, 16)), positions=2, min_pos=8)
+    >>> union = union_sparsity(sets, (1, 2, 4), n_draws=8).query("block == 'mlp'")
+    >>> union.groupby("batch_size")[["union_sparsity", "uniform"]].mean().round(2)
+                union_sparsity  uniform
+    batch_size
+    1                     0.50     0.50
+    2                     0.30     0.25
+    4                     0.11     0.06
     """
     rng = np.random.default_rng(seed)
     frames = []
@@ -254,6 +301,13 @@ def fit_union_growth(union: pd.DataFrame) -> pd.DataFrame:
     ``union``: the output of :func:`union_sparsity`. Returns ``block``, ``layer``, ``alpha``,
     ``c``, ``r2`` and the same fit to the uniform expectation (``alpha_uniform``). α < 1 is
     sub-linear growth; an α well below the uniform one means sequences share active units.
+
+    >>> b = np.array([1, 2, 4, 8])
+    >>> union = pd.DataFrame({"block": "mlp", "layer": 0, "batch_size": b,
+    ...                       "union_sparsity": 1 - 0.1 * b**0.5, "uniform": 0.9**b})
+    >>> fit_union_growth(union)[["alpha", "c", "alpha_uniform"]].round(2)
+       alpha    c  alpha_uniform
+    0    0.5  0.1           0.84
     """
     mean = union.groupby(["block", "layer", "batch_size"], as_index=False)[
         ["union_sparsity", "uniform"]
@@ -278,6 +332,16 @@ def activation_frequency(sets: ActiveSets) -> pd.DataFrame:
     """How often each unit is active over the sampled tokens, ranked per layer (1 = most).
 
     Columns: ``block``, ``layer``, ``unit``, ``frequency``, ``rank``.
+
+    >>> mlp = torch.tensor([[[True, False, True, False]], [[True, True, False, False]]])
+    >>> sets = ActiveSets(mlp=mlp, heads=torch.ones(2, 1, 2, dtype=torch.bool),
+    ...                   window=np.array([0, 1]), pos=np.array([5, 7]), criterion={})
+    >>> activation_frequency(sets).head(4)
+      block  layer  unit  frequency  rank
+    0   mlp      0     0        1.0     1
+    1   mlp      0     1        0.5     2
+    2   mlp      0     2        0.5     3
+    3   mlp      0     3        0.0     4
     """
     frames = []
     for block in ("mlp", "heads"):
