@@ -40,6 +40,8 @@ from .hooks import hooks
 from .sparsify import budgets, head_gram, head_output_norms, n_keep, topk_mask
 
 __all__ = [
+    "default_dir",
+    "fingerprint_id",
     "CollectConfig",
     "CollectionError",
     "Collection",

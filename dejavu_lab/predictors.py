@@ -43,6 +43,8 @@ from .hooks import hooks
 from .sparsify import budgets, head_gram, head_output_norms, n_keep, topk_mask
 
 __all__ = [
+    "default_path",
+    "get_or_train",
     "MODES",
     "LowRank",
     "PredictorConfig",

@@ -37,6 +37,7 @@ from .corpus import CorpusError, perplexity
 from .hooks import hooks
 
 __all__ = [
+    "head_gram",
     "MODES",
     "PAPER_KNOWL9",
     "PAPER_TASKS",

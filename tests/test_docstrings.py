@@ -7,6 +7,8 @@ this test only checks that none is missing; a wrong example fails its own doctes
 import importlib
 import inspect
 import pkgutil
+import re
+from pathlib import Path
 
 import pytest
 
@@ -51,3 +53,27 @@ def test_examples_are_not_skipped():
                 if "+SKIP" in line and "GPU" not in before + line:
                     skipped.append(f"{module_name}.{name}")
     assert not skipped, f"these examples are skipped without a GPU reason: {sorted(set(skipped))}"
+
+
+def _api_page() -> dict[str, set[str] | None]:
+    """Each automodule on book/api.md: its explicit member list, or None for a bare ':members:'."""
+    text = (Path(__file__).parents[1] / "book" / "api.md").read_text()
+    pages = {}
+    for block in re.split(r"\.\. automodule:: ", text)[1:]:
+        name, _, rest = block.partition("\n")
+        members = re.match(r"\s*:members:(.*)", rest)
+        listed = members.group(1).strip() if members else ""
+        pages[name.strip()] = {m.strip() for m in listed.split(",")} if listed else None
+    return pages
+
+
+@pytest.mark.parametrize("module_name", [m for m in _public_modules() if m != "dejavu_lab"])
+def test_the_api_page_documents_every_public_object(module_name):
+    pages = _api_page()
+    assert module_name in pages, f"add '.. automodule:: {module_name}' to book/api.md"
+    module = importlib.import_module(module_name)
+    listed = pages[module_name]
+    if listed is None:  # a bare :members: documents the module's __all__ (or every public name)
+        listed = set(getattr(module, "__all__", [n for n, _ in _public_objects(module_name)]))
+    missing = sorted({name for name, _ in _public_objects(module_name)} - listed)
+    assert not missing, f"book/api.md does not document {module_name}: {missing}"
