@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from .engine_sets import KeptSets
 from .engine_weights import DecoderWeights, EngineError, decoder_weights
-from .kernels import sparse_mlp_down, sparse_mlp_up
+from .kernels import sparse_attention_core, sparse_mlp_down, sparse_mlp_up
 from .sparsify import budgets
 
 __all__ = ["Decoder", "EngineError", "SparseConfig"]
@@ -213,6 +213,7 @@ class Decoder(KeptSets):
     def _per_step(self) -> None:
         """Tensors every layer of this step shares, computed once: mask, RoPE rows, window."""
         self._cur_mask = torch.where(self.ar_t <= self.pos_t, self._zero, self._ninf)  # [T]
+        self._seqlen = self.pos_t + 1  # [1] tokens in the cache with this one
         if self.window:
             self._slot = self.pos_t - self.base_t  # [1] row of this token in the window
             self._positions = self.base_t + self.ar_w  # [W] positions of the window rows
@@ -245,28 +246,28 @@ class Decoder(KeptSets):
     def _attn_sparse(self, i: int, x: torch.Tensor) -> torch.Tensor:
         lw, dh, k, nkv = self.w.layers[i], self.dh, self.k_heads, self.n_kv_sel
         heads = self.head_idx[i]
-        positions = self._positions
         if self.window:  # union batch: this token plus the window's stored inputs (Knowl 5)
             self.hwin[i].index_copy_(0, self._slot, x)
             xb = self.hwin[i]
         else:
             xb = x
         qkv = sparse_mlp_up(xb, lw.w_qkv, self.qkv_idx[i], bias=lw.b_qkv, activation="none",
-                            rows_per_index=dh, validate=False)  # fmt: skip
-        qkv = qkv.view(xb.shape[0], k + 2 * nkv, dh)  # [B, k + 2 nkv, dh]
-        qk, vv = qkv[:, : k + nkv], qkv[:, k + nkv :]
+                            rows_per_index=dh, validate=False)  # [B, (k + 2 nkv) dh]  # fmt: skip
+        blocks = qkv.view(xb.shape[0], k + 2 * nkv, dh)
         if self.cos is not None:  # row b sits at positions[b]; this token's row is at pos
-            qk = _rotate(qk, self._cos_b, self._sin_b)
-        q = qk[:, :k].index_select(0, self._slot) if self.window else qk[:, :k]  # [1, k, dh]
-        kk = qk[:, k:]  # [B, nkv, dh]
-        kv_heads = heads if self.window else self._kv_all
-        where = (kv_heads[:, None], positions[None, :])
-        self.kv[i, 0].index_put_(where, kk.transpose(0, 1))
-        self.kv[i, 1].index_put_(where, vv.transpose(0, 1))
-        self.q_full.index_copy_(0, heads, q[0])
-        o = self._attend(i, self.q_full, self._cur_mask).index_select(0, heads)
-        return sparse_mlp_down(o.view(1, k * dh), lw.w_o_t, heads, bias=lw.b_o,
-                               rows_per_index=dh, validate=False)  # fmt: skip
+            blocks[:, : k + nkv] = _rotate(blocks[:, : k + nkv], self._cos_b, self._sin_b)
+        if self.window:  # the kept heads' K/V over the whole window, then this token's row
+            where = (heads[:, None], self._positions[None, :])
+            self.kv[i, 0].index_put_(where, blocks[:, k : k + nkv].transpose(0, 1))
+            self.kv[i, 1].index_put_(where, blocks[:, k + nkv :].transpose(0, 1))
+            qkv = qkv.index_select(0, self._slot)  # [1, (k + 2 nkv) dh]
+        # appends this token's K/V (again, in the window case) and attends, kept heads only
+        o = sparse_attention_core(
+            qkv, self.kv[i, 0][None], self.kv[i, 1][None], self._seqlen, heads, n_heads=self.H,
+            kv_heads=None if self.window else self._kv_all, scale=self.scale,
+        )  # [1, k dh]  # fmt: skip
+        return sparse_mlp_down(o, lw.w_o_t, heads, bias=lw.b_o, rows_per_index=dh,
+                               validate=False)  # fmt: skip
 
     def _flush(self) -> None:
         """Dense K/V of every head for the window's tokens, then open a new window (Knowl 5)."""

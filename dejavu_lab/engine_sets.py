@@ -51,7 +51,6 @@ class KeptSets:
         )
         self._mlp_val = torch.zeros(L, self.k_mlp, device=dev)
         self._head_val = torch.zeros(L, self.k_heads, device=dev)
-        self.q_full = torch.zeros(self.H, self.dh, dtype=self.w.dtype, device=dev)
         self._kv_all = torch.arange(self.Hkv, device=dev)
         self._kv_off = torch.tensor([[self.H], [self.H + self.Hkv]], device=dev)  # K, V blocks
         for i in range(L):

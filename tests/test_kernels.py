@@ -20,6 +20,8 @@ import torch
 
 from dejavu_lab.kernels import (
     sparse_attention,
+    sparse_attention_core,
+    sparse_attention_core_ref,
     sparse_attention_ref,
     sparse_mlp_down,
     sparse_mlp_down_ref,
@@ -200,6 +202,30 @@ def test_sparse_attention(dtype, heads_kv, batch, kept, seed):
     tol = dict(rtol=TOL[dtype], atol=TOL[dtype], equal_nan=True)
     torch.testing.assert_close(kc, k_cache, **tol, msg=lambda m: f"{m}; seed={seed}")
     torch.testing.assert_close(vc, v_cache, **tol, msg=lambda m: f"{m}; seed={seed}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads_kv", [(4, 4), (8, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("all_kv", [False, True], ids=["needed-kv", "every-kv"])
+def test_sparse_attention_core(dtype, heads_kv, all_kv, seed):
+    """The attention step alone, as the engine calls it (its own projection; every KV head's
+    K/V appended when it computed them all)."""
+    n_heads, n_kv = heads_kv
+    dh, t_max, batch = 16, 24, 2
+    heads = pick(n_heads, 0.5)
+    kv_heads = torch.arange(n_kv) if all_kv else None
+    n_s = n_kv if all_kv else (heads.numel() if n_heads == n_kv else (heads // 4).unique().numel())
+    qkv = torch.randn(batch, (heads.numel() + 2 * n_s) * dh, dtype=dtype)
+    seqlens = torch.tensor([t_max, 7], dtype=torch.int32)
+    k_cache = torch.randn(batch, n_kv, t_max, dh, dtype=dtype)
+    v_cache = torch.randn(batch, n_kv, t_max, dh, dtype=dtype)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    kw = dict(n_heads=n_heads, kv_heads=kv_heads)
+    out = sparse_attention_core(qkv, kc, vc, seqlens, heads, config={"kv_splits": 3}, **kw)
+    ref = sparse_attention_core_ref(qkv, k_cache, v_cache, seqlens, heads, **kw)
+    assert_close(out, ref, dtype, seed)
+    torch.testing.assert_close(kc, k_cache, msg=lambda m: f"{m}; seed={seed}")
+    torch.testing.assert_close(vc, v_cache, msg=lambda m: f"{m}; seed={seed}")
 
 
 # ------------------------------------------------------------------------------ bad inputs

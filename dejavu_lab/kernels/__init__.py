@@ -23,13 +23,20 @@ gives the dense MLP:
 True
 """
 
-from .sparse_attention import sparse_attention, sparse_attention_ref
+from .sparse_attention import (
+    sparse_attention,
+    sparse_attention_core,
+    sparse_attention_core_ref,
+    sparse_attention_ref,
+)
 from .sparse_mlp_down import sparse_mlp_down, sparse_mlp_down_ref
 from .sparse_mlp_up import ACTIVATIONS, sparse_mlp_up, sparse_mlp_up_ref
 
 __all__ = [
     "ACTIVATIONS",
     "sparse_attention",
+    "sparse_attention_core",
+    "sparse_attention_core_ref",
     "sparse_attention_ref",
     "sparse_mlp_down",
     "sparse_mlp_down_ref",

@@ -38,7 +38,13 @@ from ._common import (
 from .sparse_mlp_down import sparse_mlp_down
 from .sparse_mlp_up import sparse_mlp_up
 
-__all__ = ["sparse_attention", "sparse_attention_kernel", "sparse_attention_ref"]
+__all__ = [
+    "sparse_attention",
+    "sparse_attention_core",
+    "sparse_attention_core_ref",
+    "sparse_attention_kernel",
+    "sparse_attention_ref",
+]
 
 
 @triton.jit
@@ -68,6 +74,7 @@ def sparse_attention_kernel(
     DH: tl.constexpr,
     BLOCK_T: tl.constexpr,
     PARTIAL: tl.constexpr,  # several splits of the context (flash-decoding); combine after
+    DIRECT: tl.constexpr,  # GROUP == 1 and kv_heads == heads: program s serves query slot s
 ):
     b = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
@@ -77,7 +84,10 @@ def sparse_attention_kernel(
     offs_dh = tl.arange(0, DH)
     offs_g = tl.arange(0, BLOCK_G)
     mask_g = offs_g < GROUP
-    slot = tl.load(q_slot_ptr + kvh * GROUP + offs_g, mask=mask_g, other=-1)
+    if DIRECT:
+        slot = tl.zeros((BLOCK_G,), tl.int32) + s
+    else:
+        slot = tl.load(q_slot_ptr + kvh * GROUP + offs_g, mask=mask_g, other=-1)
     sel = slot >= 0
     row = qkv_ptr + b * stride_qkv
     q_ptrs = row + slot[:, None].to(tl.int64) * DH + offs_dh[None, :]
@@ -141,6 +151,7 @@ def sparse_attention_combine_kernel(
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
     DH: tl.constexpr,
+    DIRECT: tl.constexpr,
 ):
     """Merge the splits' online-softmax states: o = sum_i 2^(m_i - M) acc_i / sum_i 2^(m_i - M) l_i."""
     b = tl.program_id(0).to(tl.int64)
@@ -148,7 +159,10 @@ def sparse_attention_combine_kernel(
     kvh = tl.load(kv_heads_ptr + s).to(tl.int64)
     offs_dh = tl.arange(0, DH)
     offs_g = tl.arange(0, BLOCK_G)
-    slot = tl.load(q_slot_ptr + kvh * GROUP + offs_g, mask=offs_g < GROUP, other=-1)
+    if DIRECT:
+        slot = tl.zeros((BLOCK_G,), tl.int32) + s
+    else:
+        slot = tl.load(q_slot_ptr + kvh * GROUP + offs_g, mask=offs_g < GROUP, other=-1)
     first = part_ptr + (b * n_kv + s) * n_split * (BLOCK_G * (DH + 2))
     big_m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
     for i in range(n_split):
@@ -318,16 +332,105 @@ def sparse_attention(
         res2.copy_(b_o.expand(batch, d) if b_o is not None else torch.zeros_like(res2))
         return res
     cfg = config or {}
+    direct = kv_heads is None and n_heads == n_kv
     kvh, qkv_idx, q_slot = _plan(heads, n_heads, n_kv, kv_heads)
+    if direct:
+        kvh, q_slot = None, None  # program s serves query head heads[s]: no slot table
     qkv = sparse_mlp_up(xb, w_qkv, qkv_idx, bias=b_qkv, activation="none", rows_per_index=dh,
                         validate=False, config=cfg.get("up"))  # fmt: skip
-    n_q = heads.numel()
-    o = torch.empty((batch, n_q * dh), dtype=dtype, device=device)
+    o = sparse_attention_core(qkv, k_cache, v_cache, seqlens, heads, n_heads=n_heads,
+                              kv_heads=kvh, q_slot=q_slot, scale=scale, config=cfg)  # fmt: skip
+    sparse_mlp_down(o, w_o_t, heads, bias=b_o, rows_per_index=dh, out=res2, validate=False,
+                    config=cfg.get("down"))  # fmt: skip
+    return res
+
+
+def sparse_attention_core_ref(qkv, k_cache, v_cache, seqlens, heads, *, n_heads, kv_heads=None,
+                              scale=None):  # fmt: skip
+    """Plain-PyTorch reference of :func:`sparse_attention_core` (fp32 math); updates the caches.
+
+    >>> H, dh, f16 = 4, 16, torch.float16
+    >>> heads = torch.tensor([2, 0])  # q blocks of heads 2, 0; then their K blocks, V blocks
+    >>> qkv = torch.randn(1, 6 * dh, dtype=f16)
+    >>> kc, vc = torch.zeros(2, 1, H, 8, dh, dtype=f16)  # [B, n_kv, T, d_head] each
+    >>> o = sparse_attention_core_ref(qkv, kc, vc, torch.tensor([1]), heads, n_heads=H)
+    >>> o.shape, torch.equal(o[0, :dh], qkv[0, 4 * dh : 5 * dh])  # one key: o = its value
+    (torch.Size([1, 32]), True)
+    """
+    batch, n_kv, dh = qkv.shape[0], k_cache.shape[1], k_cache.shape[3]
     group = n_heads // n_kv
+    scale = 1.0 / math.sqrt(dh) if scale is None else scale
+    heads_l = heads.long()
+    kvh = (
+        (heads_l if group == 1 else torch.unique(heads_l // group))
+        if kv_heads is None
+        else kv_heads.long()
+    )
+    n_q, n_s = heads_l.numel(), kvh.numel()
+    blocks = qkv.float().view(batch, n_q + 2 * n_s, dh)
+    out = torch.zeros(batch, n_q, dh, dtype=torch.float32, device=qkv.device)
+    for bi in range(batch):
+        pos = int(seqlens[bi]) - 1
+        k_cache[bi, kvh, pos] = blocks[bi, n_q : n_q + n_s].to(k_cache.dtype)
+        v_cache[bi, kvh, pos] = blocks[bi, n_q + n_s :].to(v_cache.dtype)
+        kk = k_cache[bi, heads_l // group, : pos + 1].float()  # [n_q, pos + 1, dh]
+        vv = v_cache[bi, heads_l // group, : pos + 1].float()
+        p = torch.softmax((kk @ blocks[bi, :n_q, :, None])[..., 0] * scale, dim=-1)
+        out[bi] = (p[:, None, :] @ vv)[:, 0]
+    return out.view(batch, n_q * dh).to(qkv.dtype)
+
+
+def sparse_attention_core(
+    qkv: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seqlens: torch.Tensor,
+    heads: torch.Tensor,
+    *,
+    n_heads: int,
+    kv_heads: torch.Tensor | None = None,
+    q_slot: torch.Tensor | None = None,
+    scale: float | None = None,
+    out: torch.Tensor | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """Step 2 of :func:`sparse_attention` alone, for a caller that projects (and rotates) itself.
+
+    qkv: [B, (h + 2 n_s) d_head], contiguous rows: the selected query heads' blocks in ``heads``
+    order, then the K blocks and the V blocks of the ``n_s`` needed KV heads (``kv_heads``; by
+    default ``heads`` when ``n_heads == n_kv``, else the sorted groups of ``heads``). Appends
+    each row's K/V at ``seqlens - 1`` and attends over positions ``< seqlens``; returns the
+    attention output [B, h d_head] in ``heads`` order (what ``W_O^T``'s selected rows multiply).
+    No input checks (the engine calls it inside a CUDA graph); ``sparse_attention`` checks.
+
+    >>> _ = torch.manual_seed(0)
+    >>> H, dh, f16 = 4, 16, torch.float16
+    >>> heads, qkv = torch.tensor([3, 1]), torch.randn(1, 6 * dh, dtype=f16)
+    >>> kc, vc = torch.randn(2, 1, H, 8, dh, dtype=f16)
+    >>> o = sparse_attention_core(qkv, kc.clone(), vc.clone(), torch.tensor([5]), heads, n_heads=H)
+    >>> ref = sparse_attention_core_ref(qkv, kc, vc, torch.tensor([5]), heads, n_heads=H)
+    >>> o.shape, torch.allclose(o, ref, atol=1e-2)
+    (torch.Size([1, 32]), True)
+    """
+    batch, n_kv, t_max, dh = k_cache.shape
+    dtype, device = qkv.dtype, qkv.device
+    n_q = heads.numel()
+    res = out if out is not None else torch.empty((batch, n_q * dh), dtype=dtype, device=device)
+    if not use_triton(device):
+        res.copy_(sparse_attention_core_ref(qkv, k_cache, v_cache, seqlens, heads,
+                                            n_heads=n_heads, kv_heads=kv_heads, scale=scale))  # fmt: skip
+        return res
+    cfg = config or {}
+    group = n_heads // n_kv
+    direct = group == 1 and kv_heads is None
+    if direct:
+        kv_heads, q_slot = heads, heads  # q_slot is not read
+    elif q_slot is None:
+        kv_heads, _, q_slot = _plan(heads, n_heads, n_kv, kv_heads)
     block_g = next_pow2(group)
     scale = 1.0 / math.sqrt(dh) if scale is None else scale
     block_t = cfg.get("BLOCK_T", max(16, 64 // block_g))
-    n_kv_sel = kvh.numel()
+    n_kv_sel = kv_heads.numel()
     # flash-decoding: split the context so that about 4 programs per SM stream the cache
     steps = triton.cdiv(max(t_max - 1, 1), block_t)
     want = cfg.get("kv_splits") or triton.cdiv(
@@ -341,19 +444,17 @@ def sparse_attention(
             (batch * n_kv_sel * n_split, block_g, dh + 2), dtype=torch.float32, device=device
         )
         if n_split > 1
-        else o
+        else res
     )
     sparse_attention_kernel[(batch, n_kv_sel, n_split)](
-        qkv, k_cache, v_cache, seqlens, kvh, q_slot, o, n_q, n_kv_sel, qkv.stride(0),
-        *k_cache.stride()[:3], *v_cache.stride()[:3], o.stride(0), scale * math.log2(math.e),
+        qkv, k_cache, v_cache, seqlens, kv_heads, q_slot, res, n_q, n_kv_sel, qkv.stride(0),
+        *k_cache.stride()[:3], *v_cache.stride()[:3], res.stride(0), scale * math.log2(math.e),
         chunk, part, GROUP=group, BLOCK_G=block_g, DH=dh, BLOCK_T=block_t, PARTIAL=n_split > 1,
-        num_warps=cfg.get("num_warps", 4),
+        DIRECT=direct, num_warps=cfg.get("num_warps", 4),
     )  # fmt: skip
     if n_split > 1:
         sparse_attention_combine_kernel[(batch, n_kv_sel)](
-            part, kvh, q_slot, o, n_kv_sel, n_split, o.stride(0),
-            GROUP=group, BLOCK_G=block_g, DH=dh, num_warps=4,
+            part, kv_heads, q_slot, res, n_kv_sel, n_split, res.stride(0),
+            GROUP=group, BLOCK_G=block_g, DH=dh, DIRECT=direct, num_warps=4,
         )  # fmt: skip
-    sparse_mlp_down(o, w_o_t, heads, bias=b_o, rows_per_index=dh, out=res2, validate=False,
-                    config=cfg.get("down"))  # fmt: skip
     return res
