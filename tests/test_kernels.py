@@ -19,6 +19,8 @@ import pytest
 import torch
 
 from dejavu_lab.kernels import (
+    row_norm,
+    row_norm_ref,
     sparse_attention,
     sparse_attention_core,
     sparse_attention_core_ref,
@@ -226,6 +228,30 @@ def test_sparse_attention_core(dtype, heads_kv, all_kv, seed):
     assert_close(out, ref, dtype, seed)
     torch.testing.assert_close(kc, k_cache, msg=lambda m: f"{m}; seed={seed}")
     torch.testing.assert_close(vc, v_cache, msg=lambda m: f"{m}; seed={seed}")
+
+
+# ------------------------------------------------------------------------------ row norm
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float32])
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("shape", [(1, 7168), (3, 100), (2, 2, 64)], ids=["row", "rows", "3d"])
+def test_row_norm(dtype, kind, shape, seed):
+    x = (torch.randn(shape) * 3 + 1).to(dtype)
+    w = torch.rand(shape[-1]).to(dtype)
+    b = torch.randn(shape[-1]).to(dtype) if kind == "layer" else None
+    out = torch.full(shape, float("nan"), dtype=dtype)
+    assert row_norm(x, w, b, eps=1e-6, kind=kind, out=out) is out
+    ref = row_norm_ref(x.float(), w.float(), None if b is None else b.float(), eps=1e-6, kind=kind)
+    assert_close(out, ref, dtype if dtype != torch.float32 else torch.float16, seed)
+
+
+def test_row_norm_rejects_bad_inputs():
+    x, w = torch.randn(2, 8), torch.ones(8)
+    with pytest.raises(ValueError, match="kind='batch'"):
+        row_norm(x, w, kind="batch")
+    with pytest.raises(ValueError, match=r"weight has shape \(7,\); expected \(8,\)"):
+        row_norm(x, w[:7])
+    with pytest.raises(ValueError, match="contiguous last dimension"):
+        row_norm(x.T, torch.ones(2))
 
 
 # ------------------------------------------------------------------------------ bad inputs

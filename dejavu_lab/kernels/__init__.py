@@ -23,6 +23,7 @@ gives the dense MLP:
 True
 """
 
+from .row_norm import row_norm, row_norm_ref
 from .sparse_attention import (
     sparse_attention,
     sparse_attention_core,
@@ -34,6 +35,8 @@ from .sparse_mlp_up import ACTIVATIONS, sparse_mlp_up, sparse_mlp_up_ref
 
 __all__ = [
     "ACTIVATIONS",
+    "row_norm",
+    "row_norm_ref",
     "sparse_attention",
     "sparse_attention_core",
     "sparse_attention_core_ref",
