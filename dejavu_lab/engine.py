@@ -2,12 +2,13 @@
 
 Built from a Hugging Face OPT or Llama-family model's weights (:mod:`dejavu_lab.engine_weights`
 lays them out once: fused QKV, ``W_O`` and ``W2`` transposed). Dense and sparse decoding share
-the embedding, norms, residual stream, KV cache, attention core and ``lm_head``; only the block
-internals differ:
+the embedding, the norms (:func:`dejavu_lab.kernels.row_norm`), residual stream, KV cache and
+``lm_head``; only the block internals differ:
 
-- dense: cuBLAS GEMVs over every row;
+- dense: cuBLAS GEMVs over every row, attention over every head in PyTorch;
 - sparse: the Triton gather-GEMVs of :mod:`dejavu_lab.kernels` over the kept neurons (MLP) and
-  the kept heads' rows of ``W_QKV`` / ``W_O^T`` (attention).
+  the kept heads' rows of ``W_QKV`` / ``W_O^T``, and the attention kernel
+  (:func:`dejavu_lab.kernels.sparse_attention_core`) over the kept heads' cache only.
 
 The kept sets of layer ``l + 1`` are chosen by DejaVu's low-rank predictors from layer ``l``'s
 input (lookahead, Knowl 2) — on a second CUDA stream, so they leave the critical path — or set
