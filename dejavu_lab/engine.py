@@ -36,7 +36,13 @@ import torch.nn.functional as F
 
 from .engine_sets import KeptSets
 from .engine_weights import DecoderWeights, EngineError, decoder_weights
-from .kernels import row_norm, sparse_attention_core, sparse_mlp_down, sparse_mlp_up
+from .kernels import (
+    kv_window_write,
+    row_norm,
+    sparse_attention_core,
+    sparse_mlp_down,
+    sparse_mlp_up,
+)
 from .sparsify import budgets
 
 __all__ = ["Decoder", "EngineError", "SparseConfig"]
@@ -256,9 +262,7 @@ class Decoder(KeptSets):
         if self.cos is not None:  # row b sits at positions[b]; this token's row is at pos
             blocks[:, : k + nkv] = _rotate(blocks[:, : k + nkv], self._cos_b, self._sin_b)
         if self.window:  # the kept heads' K/V over the whole window, then this token's row
-            where = (heads[:, None], self._positions[None, :])
-            self.kv[i, 0].index_put_(where, blocks[:, k : k + nkv].transpose(0, 1))
-            self.kv[i, 1].index_put_(where, blocks[:, k + nkv :].transpose(0, 1))
+            kv_window_write(qkv, self.kv[i, 0], self.kv[i, 1], heads, self.base_t, n_q=k)
             qkv = qkv.index_select(0, self._slot)  # [1, (k + 2 nkv) dh]
         # appends this token's K/V (again, in the window case) and attends, kept heads only
         o = sparse_attention_core(

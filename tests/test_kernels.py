@@ -19,6 +19,8 @@ import pytest
 import torch
 
 from dejavu_lab.kernels import (
+    kv_window_write,
+    kv_window_write_ref,
     row_norm,
     row_norm_ref,
     sparse_attention,
@@ -228,6 +230,21 @@ def test_sparse_attention_core(dtype, heads_kv, all_kv, seed):
     assert_close(out, ref, dtype, seed)
     torch.testing.assert_close(kc, k_cache, msg=lambda m: f"{m}; seed={seed}")
     torch.testing.assert_close(vc, v_cache, msg=lambda m: f"{m}; seed={seed}")
+
+
+# ------------------------------------------------------------------------------ KV window
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5])
+def test_kv_window_write(dtype, rows, seed):
+    n_kv, t_max, dh, n_q = 6, 20, 16, 3
+    heads = pick(n_kv, 0.5)
+    qkv = torch.randn(rows, (n_q + 2 * heads.numel()) * dh, dtype=dtype)
+    base = torch.tensor([t_max - rows - 2])
+    kc, vc = torch.randn(2, n_kv, t_max, dh, dtype=dtype)
+    k_ref, v_ref = kc.clone(), vc.clone()
+    kv_window_write(qkv, kc, vc, heads, base, n_q=n_q)
+    kv_window_write_ref(qkv, k_ref, v_ref, heads, base, n_q=n_q)
+    assert torch.equal(kc, k_ref) and torch.equal(vc, v_ref), f"seed={seed}"
 
 
 # ------------------------------------------------------------------------------ row norm

@@ -23,6 +23,7 @@ gives the dense MLP:
 True
 """
 
+from .kv_window import kv_window_write, kv_window_write_ref
 from .row_norm import row_norm, row_norm_ref
 from .sparse_attention import (
     sparse_attention,
@@ -35,6 +36,8 @@ from .sparse_mlp_up import ACTIVATIONS, sparse_mlp_up, sparse_mlp_up_ref
 
 __all__ = [
     "ACTIVATIONS",
+    "kv_window_write",
+    "kv_window_write_ref",
     "row_norm",
     "row_norm_ref",
     "sparse_attention",
