@@ -187,16 +187,21 @@ def _programs(device: torch.device) -> int:
     return 4 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _plan(heads, n_heads, n_kv, kv_heads):
-    """(kv_heads, qkv block indices, q_slot) for the selected query heads."""
-    group = n_heads // n_kv
-    if kv_heads is None:
-        kv_heads = heads if group == 1 else torch.unique(heads // group)
-    kv_heads = kv_heads.to(heads.dtype)
-    qkv_idx = torch.cat([heads, kv_heads + n_heads, kv_heads + n_heads + n_kv])
+def _kv_heads(heads, n_heads, n_kv, kv_heads):
+    """The needed KV heads; None when each selected query head is its own KV head (multi-head
+    attention, unless the caller names them): then program s serves query head heads[s]."""
+    if kv_heads is not None:
+        return kv_heads.to(heads.dtype)
+    if n_heads == n_kv:
+        return None
+    return torch.unique(heads // (n_heads // n_kv)).to(heads.dtype)
+
+
+def _q_slot(heads, n_heads):
+    """[n_heads] int32: the column block of each query head in qkv, -1 where not selected."""
     q_slot = torch.full((n_heads,), -1, dtype=torch.int32, device=heads.device)
     q_slot[heads.long()] = torch.arange(heads.numel(), dtype=torch.int32, device=heads.device)
-    return kv_heads, qkv_idx, q_slot
+    return q_slot
 
 
 def sparse_attention_ref(
@@ -332,14 +337,13 @@ def sparse_attention(
         res2.copy_(b_o.expand(batch, d) if b_o is not None else torch.zeros_like(res2))
         return res
     cfg = config or {}
-    direct = kv_heads is None and n_heads == n_kv
-    kvh, qkv_idx, q_slot = _plan(heads, n_heads, n_kv, kv_heads)
-    if direct:
-        kvh, q_slot = None, None  # program s serves query head heads[s]: no slot table
+    kvh = _kv_heads(heads, n_heads, n_kv, kv_heads)
+    kv_blocks = heads if kvh is None else kvh
+    qkv_idx = torch.cat([heads, kv_blocks + n_heads, kv_blocks + n_heads + n_kv])
     qkv = sparse_mlp_up(xb, w_qkv, qkv_idx, bias=b_qkv, activation="none", rows_per_index=dh,
                         validate=False, config=cfg.get("up"))  # fmt: skip
     o = sparse_attention_core(qkv, k_cache, v_cache, seqlens, heads, n_heads=n_heads,
-                              kv_heads=kvh, q_slot=q_slot, scale=scale, config=cfg)  # fmt: skip
+                              kv_heads=kvh, scale=scale, config=cfg)  # fmt: skip
     sparse_mlp_down(o, w_o_t, heads, bias=b_o, rows_per_index=dh, out=res2, validate=False,
                     config=cfg.get("down"))  # fmt: skip
     return res
@@ -361,11 +365,8 @@ def sparse_attention_core_ref(qkv, k_cache, v_cache, seqlens, heads, *, n_heads,
     group = n_heads // n_kv
     scale = 1.0 / math.sqrt(dh) if scale is None else scale
     heads_l = heads.long()
-    kvh = (
-        (heads_l if group == 1 else torch.unique(heads_l // group))
-        if kv_heads is None
-        else kv_heads.long()
-    )
+    kvh = _kv_heads(heads_l, n_heads, n_kv, kv_heads)
+    kvh = heads_l if kvh is None else kvh
     n_q, n_s = heads_l.numel(), kvh.numel()
     blocks = qkv.float().view(batch, n_q + 2 * n_s, dh)
     out = torch.zeros(batch, n_q, dh, dtype=torch.float32, device=qkv.device)
@@ -389,7 +390,6 @@ def sparse_attention_core(
     *,
     n_heads: int,
     kv_heads: torch.Tensor | None = None,
-    q_slot: torch.Tensor | None = None,
     scale: float | None = None,
     out: torch.Tensor | None = None,
     config: dict | None = None,
@@ -422,11 +422,12 @@ def sparse_attention_core(
         return res
     cfg = config or {}
     group = n_heads // n_kv
-    direct = group == 1 and kv_heads is None
+    kv_heads = _kv_heads(heads, n_heads, n_kv, kv_heads)
+    direct = kv_heads is None
     if direct:
         kv_heads, q_slot = heads, heads  # q_slot is not read
-    elif q_slot is None:
-        kv_heads, _, q_slot = _plan(heads, n_heads, n_kv, kv_heads)
+    else:
+        q_slot = _q_slot(heads, n_heads)
     block_g = next_pow2(group)
     scale = 1.0 / math.sqrt(dh) if scale is None else scale
     block_t = cfg.get("BLOCK_T", max(16, 64 // block_g))
