@@ -216,18 +216,18 @@ class Decoder(KeptSets):
         return sparse_mlp_down(h, lw.w_down_t, idx, bias=lw.b_down, validate=False)
 
     def _per_step(self) -> None:
-        """Tensors every layer of this step shares, computed once: mask, RoPE rows, window."""
-        self._cur_mask = torch.where(self.ar_t <= self.pos_t, self._zero, self._ninf)  # [T]
-        self._seqlen = self.pos_t + 1  # [1] tokens in the cache with this one
+        """Tensors every layer of this step shares, computed once: mask or length, RoPE rows."""
+        if self.sparse is None:  # the dense attention masks the static cache
+            self._cur_mask = torch.where(self.ar_t <= self.pos_t, self._zero, self._ninf)  # [T]
+        else:  # the sparse attention kernel reads positions < seqlen
+            self._seqlen = self.pos_t + 1  # [1] tokens in the cache with this one
         if self.window:
             self._slot = self.pos_t - self.base_t  # [1] row of this token in the window
-            self._positions = self.base_t + self.ar_w  # [W] positions of the window rows
-        else:
-            self._positions = self.pos_t
         if self.cos is not None:
             # [B, 1, dh]: one row per projected token (the window rows, or this token)
-            self._cos_b = self.cos[self._positions, None]
-            self._sin_b = self.sin[self._positions, None]
+            positions = self.base_t + self.ar_w if self.window else self.pos_t
+            self._cos_b = self.cos[positions, None]
+            self._sin_b = self.sin[positions, None]
 
     def _attend(self, i: int, q: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """One query per head over layer i's cache; q [H, dh] -> [H, dh] (GQA by grouping)."""
