@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from math import comb
 
 from .arch import Arch
-from .sparsify import budgets, n_keep
+from .budgets import budgets, n_keep
 
 __all__ = ["ByteCount", "bytes_per_token", "predicted_speedup", "kv_heads_needed"]
 

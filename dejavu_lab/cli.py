@@ -45,7 +45,7 @@ def _budget(what: str, per_layer: bool = True):
         if not values:
             extra = " or a comma-separated list" if per_layer else ""
             raise argparse.ArgumentTypeError(f"expected a number in [0, 1){extra}, got {text!r}.")
-        from .sparsify import budgets
+        from .budgets import budgets
 
         try:
             budgets(values, len(values), what)  # each in [0, 1), one sentence if not

@@ -35,9 +35,9 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from .arch import Arch, get_arch
+from .budgets import budgets, head_gram, head_output_norms, n_keep, topk_mask
 from .corpus import CorpusError, load_text, token_windows
 from .hooks import hooks
-from .sparsify import budgets, head_gram, head_output_norms, n_keep, topk_mask
 
 __all__ = [
     "default_dir",

@@ -24,15 +24,10 @@ import torch
 from transformers import DynamicCache
 
 from .arch import Arch, get_arch
+from .budgets import budgets, n_keep, topk_mask
 from .hooks import hooks
-from .sparsify import (
-    StaticSets,
-    _predictor_input,
-    budgets,
-    n_keep,
-    sparsified,
-    topk_mask,
-)
+from .sparsify import StaticSets, sparsified
+from .sparsify.dejavu import _predictor_input
 
 __all__ = ["DeferredKVCache", "Generation", "generate"]
 

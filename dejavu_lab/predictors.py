@@ -38,9 +38,9 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .arch import Arch, get_arch
+from .budgets import budgets, head_gram, head_output_norms, n_keep, topk_mask
 from .collect import Collection, fingerprint, fingerprint_id
 from .hooks import hooks
-from .sparsify import budgets, head_gram, head_output_norms, n_keep, topk_mask
 
 __all__ = [
     "default_path",

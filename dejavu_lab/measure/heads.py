@@ -23,9 +23,9 @@ import pandas as pd
 import torch
 
 from ..arch import Arch, get_arch
+from ..budgets import n_keep
 from ..corpus import perplexity
 from ..hooks import hooks, run_with_cache
-from ..sparsify import n_keep
 from ._run import check_fraction, stream, token_frame
 
 __all__ = [

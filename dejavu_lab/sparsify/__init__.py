@@ -1,0 +1,60 @@
+"""Run a Hugging Face model with contextual sparsity applied (Deja Vu §4, Knowl 1, 5, 9).
+
+One context manager, :func:`sparsified`, applies any registered method; each method is one
+module that registers a builder of hook callbacks (:func:`~dejavu_lab.sparsify.core.register`),
+so adding a method is adding one file:
+
+- :mod:`~dejavu_lab.sparsify.oracle` — the ideal per-token sets (§3.1's upper bound);
+- :mod:`~dejavu_lab.sparsify.static` — one set per layer for every token (the paper's baseline);
+- :mod:`~dejavu_lab.sparsify.dejavu` — the sets DejaVu's predictors choose (§4.1–4.3);
+
+Sparsity is always the fraction REMOVED (the paper's "85% MLP sparsity" keeps 15% of neurons),
+a float or a per-layer list in [0, 1) (:mod:`dejavu_lab.budgets`). Masks are applied through
+the writable hook points of :mod:`dejavu_lab.hooks`, so the model's own forward runs unchanged.
+This measures *quality*: the dense work still happens on CPU; what a sparse step would read is
+counted by :mod:`~dejavu_lab.sparsify.layer_bytes`, the speed side lives in
+:mod:`dejavu_lab.bytes_model`, the kernels and the engine.
+
+Deferred KV (Knowl 5) for token-by-token generation is in :mod:`dejavu_lab.deferred_kv`.
+"""
+
+from ..budgets import budgets, head_gram, head_output_norms, n_keep, topk_mask
+from . import dejavu, oracle, static  # noqa: F401  (each registers its method)
+from .core import (
+    METHODS,
+    MODES,
+    PAPER_KNOWL9,
+    PAPER_TASKS,
+    SITES,
+    SparseResult,
+    lm_eval_tasks,
+    register,
+    sparse_eval,
+    sparse_perplexity,
+    sparsified,
+)
+from .layer_bytes import Kept, bytes_per_token_fraction
+from .static import StaticSets, static_sets
+
+__all__ = [
+    "METHODS",
+    "MODES",
+    "PAPER_KNOWL9",
+    "PAPER_TASKS",
+    "SITES",
+    "Kept",
+    "SparseResult",
+    "StaticSets",
+    "budgets",
+    "bytes_per_token_fraction",
+    "head_gram",
+    "head_output_norms",
+    "lm_eval_tasks",
+    "n_keep",
+    "register",
+    "sparse_eval",
+    "sparse_perplexity",
+    "sparsified",
+    "static_sets",
+    "topk_mask",
+]

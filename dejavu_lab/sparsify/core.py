@@ -1,0 +1,586 @@
+"""The shared machinery: one context manager that runs any registered sparsity method.
+
+:func:`sparsified` validates the budget, builds a :class:`SparseContext` and asks the method's
+builder (registered with :func:`register`, one module per method) for hook callbacks; the
+callbacks replace activations at the writable hook points of :mod:`dejavu_lab.hooks`, so the
+model's own forward runs unchanged. Two kinds of builders share helpers here:
+
+- unit masks (oracle, static, DejaVu predictors): keep a subset of MLP neurons
+  (``mlp.hook_post``) and of query heads (``attn.hook_z``) per token — :func:`unit_mask_hooks`;
+- input thresholds (TEAL, WINA, CATS): zero the entries of a linear layer's input below a
+  per-column threshold at one of the :data:`SITES` — :func:`threshold_hooks`.
+
+This measures *quality*: the dense work still happens on CPU; what a sparse step reads is
+counted by :mod:`dejavu_lab.sparsify.layer_bytes`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..arch import Arch, get_arch
+from ..budgets import budgets
+from ..corpus import CorpusError, perplexity
+from ..hooks import hooks
+from .layer_bytes import Kept, bytes_per_token_fraction
+
+__all__ = [
+    "METHODS",
+    "MODES",
+    "PAPER_KNOWL9",
+    "PAPER_TASKS",
+    "SITES",
+    "SparseContext",
+    "SparseResult",
+    "register",
+    "site_weights",
+    "column_norms",
+    "lm_eval_tasks",
+    "sparse_eval",
+    "sparse_perplexity",
+    "sparsified",
+    "threshold_hooks",
+    "unit_mask_hooks",
+]
+
+MODES = ("oracle", "static", "predicted")  # the original names; "predicted" is method "dejavu"
+ALIASES = {"predicted": "dejavu"}
+
+# Input-sparsity sites of a layer (the contracts' canonical names) -> hook point and the
+# modules whose weight columns the site's entries select.
+SITES = {
+    "attn_in": "ln1.hook_normalized",  # shared input of q/k/v  [b, p, d]
+    "o_in": "attn.hook_z",  # input of o_proj / out_proj, per head  [b, p, h, dh]
+    "mlp_in": "ln2.hook_normalized",  # shared input of gate/up or fc1  [b, p, d]
+    "down_in": "mlp.hook_post",  # input of down_proj / fc2  [b, p, n]
+}
+
+Builder = Callable[["SparseContext"], list]
+METHODS: dict[str, Builder] = {}  # name -> builder; filled by the method modules
+
+
+def register(name: str):
+    """Decorator: make ``builder(ctx) -> [(hook name, fn), ...]`` the method ``name``.
+
+    >>> @register("nothing")
+    ... def _nothing(ctx):
+    ...     return []  # no hooks: runs dense
+    >>> "nothing" in METHODS
+    True
+    >>> del METHODS["nothing"]
+    """
+
+    def deco(fn: Builder) -> Builder:
+        METHODS[name] = fn
+        return fn
+
+    return deco
+
+
+@dataclass
+class SparseContext:
+    """Everything a method's builder may use, resolved and validated by :func:`sparsified`.
+
+    >>> from dejavu_lab.models import random_model
+    >>> m = random_model("tiny-llama")
+    >>> ctx = SparseContext(m.model, m.arch, "oracle", mlp=[0.5, 0.0], heads=[0.0, 0.0])
+    >>> ctx.active(0), ctx.active(1)
+    (True, False)
+    """
+
+    model: nn.Module
+    arch: Arch
+    method: str  # a key of METHODS
+    mlp: list[float]  # per layer: fraction of MLP neurons removed (unit-mask methods)
+    heads: list[float]  # per layer: fraction of query heads removed
+    sparsity: list[float] | None = None  # per layer: the method's own budget (threshold methods)
+    dense: set[int] = field(default_factory=set)  # layers left dense
+    static: object = None  # StaticSets (method "static")
+    predictors: object = None  # Predictors (method "dejavu")
+    thresholds: object = None  # Calibration or Thresholds (methods "teal", "wina", "cats")
+    allocation: str = "uniform"  # threshold methods: "uniform" or "greedy"
+    record: dict | None = None  # receives masks (unit methods), for inspection and tests
+    kept: Kept | None = None  # receives realised kept counts per (layer, site)
+    state: dict = field(default_factory=dict)  # per-forward scratch shared by a method's hooks
+
+    def active(self, layer: int) -> bool:
+        """Whether ``layer`` has any budget."""
+        if layer in self.dense:
+            return False
+        s = self.sparsity[layer] if self.sparsity is not None else 0.0
+        return self.mlp[layer] > 0 or self.heads[layer] > 0 or s > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# the context manager
+
+
+@contextmanager
+def sparsified(
+    model: nn.Module,
+    *,
+    method: str | None = None,
+    sparsity=None,
+    mlp_sparsity=None,
+    head_sparsity=None,
+    mode: str | None = None,
+    dense_layers: Sequence[int] = (),
+    static=None,
+    predictors=None,
+    thresholds=None,
+    allocation: str = "uniform",
+    arch: Arch | None = None,
+    record: dict | None = None,
+    kept: Kept | None = None,
+) -> Iterator[None]:
+    """Inside this block every forward of ``model`` runs with a sparsity method applied.
+
+    ``method``: a key of :data:`METHODS` — ``"dense"``, ``"oracle"`` (default), ``"static"``,
+    ``"dejavu"`` (``mode="predicted"`` is the same), ``"teal"``, ``"wina"``, ``"cats"``;
+    ``mode`` is the older name of the same argument. Budgets are fractions REMOVED, a number
+    or one per layer, in [0, 1). ``sparsity``: the method's budget — for the unit-mask methods
+    the default of both ``mlp_sparsity`` (neurons) and ``head_sparsity`` (query heads), for
+    the threshold methods the target share of zeroed inputs (TEAL/WINA: bytes-weighted over the
+    four :data:`SITES` of a layer; CATS: MLP neurons). ``dense_layers``: layers left dense.
+    ``static``: a :class:`~dejavu_lab.sparsify.static.StaticSets`; ``predictors``:
+    :class:`~dejavu_lab.predictors.Predictors`; ``thresholds``: a
+    :class:`~dejavu_lab.sparsify.calibrate.Calibration` (thresholds for ``sparsity`` and
+    ``allocation`` are taken from it) or ready
+    :class:`~dejavu_lab.sparsify.calibrate.Thresholds`. ``record``: a dict receiving the unit
+    masks, ``record["mlp"][layer]`` [b, p, n] and ``record["heads"][layer]`` [b, p, h].
+    ``kept``: a :class:`~dejavu_lab.sparsify.layer_bytes.Kept` counting what each site kept.
+
+    >>> from dejavu_lab.models import random_model
+    >>> model, _, arch = random_model("tiny-opt")
+    >>> with sparsified(model, mlp_sparsity=0.5, head_sparsity=0.25):
+    ...     logits = model(input_ids=torch.tensor([[1, 2, 3]])).logits
+    """
+    ctx = _context(
+        model,
+        method=method,
+        mode=mode,
+        sparsity=sparsity,
+        mlp_sparsity=mlp_sparsity,
+        head_sparsity=head_sparsity,
+        dense_layers=dense_layers,
+        static=static,
+        predictors=predictors,
+        thresholds=thresholds,
+        allocation=allocation,
+        arch=arch,
+        record=record,
+        kept=kept,
+    )
+    fns = METHODS[ctx.method](ctx)
+    if not fns:  # dense everywhere: run the model untouched
+        yield
+        return
+    with hooks(model, fns, ctx.arch):
+        try:
+            yield
+        finally:
+            ctx.state.clear()
+
+
+def _method_name(method, mode) -> str:
+    names = ", ".join(sorted(set(METHODS) | set(MODES)))
+    if method is not None and mode is not None and ALIASES.get(mode, mode) != method:
+        raise ValueError(f"pass method= or mode=, not both ({method!r} and {mode!r}).")
+    name = method if method is not None else (mode if mode is not None else "oracle")
+    what = "method" if method is not None else "mode"
+    if not isinstance(name, str) or ALIASES.get(name, name) not in METHODS:
+        raise ValueError(f"{what} must be one of {names}, got {name!r}.")
+    return ALIASES.get(name, name)
+
+
+def _context(model, *, method, mode, sparsity, mlp_sparsity, head_sparsity, dense_layers,
+             static, predictors, thresholds, allocation, arch, record, kept) -> SparseContext:  # fmt: skip
+    arch = arch or get_arch(model)
+    name = _method_name(method, mode)
+    L = arch.n_layers
+    unit = name in ("dense", "oracle", "static", "dejavu")
+    if name == "static":
+        from .static import StaticSets
+
+        if not isinstance(static, StaticSets):
+            raise ValueError("mode='static' needs static=static_sets(model, windows, ...).")
+        if sparsity is None:
+            mlp_sparsity = static.mlp_sparsity if mlp_sparsity is None else mlp_sparsity
+            head_sparsity = static.head_sparsity if head_sparsity is None else head_sparsity
+    if name == "dejavu":
+        if predictors is None:
+            raise ValueError(
+                "mode='predicted' needs predictors=...; train them with "
+                "dejavu_lab.predictors.train_predictors or `dejavu-lab train-predictors`."
+            )
+        predictors.check_model(model, arch)
+    s = None if sparsity is None else budgets(sparsity, L, "sparsity")
+    default = 0.0 if s is None or not unit else s
+    ms = budgets(default if mlp_sparsity is None else mlp_sparsity, L, "mlp_sparsity")
+    hs = budgets(default if head_sparsity is None else head_sparsity, L, "head_sparsity")
+    dense = set()
+    for i in dense_layers:
+        if isinstance(i, bool) or not isinstance(i, int) or not -L <= i < L:
+            raise ValueError(f"dense_layers must hold layer indices in 0..{L - 1}, got {i!r}.")
+        dense.add(i % L)
+    for i in dense:
+        ms[i] = hs[i] = 0.0
+        if s is not None:
+            s[i] = 0.0
+    if name == "dense":
+        ms, hs = [0.0] * L, [0.0] * L
+    if allocation not in ("uniform", "greedy"):
+        raise ValueError(f"allocation must be 'uniform' or 'greedy', got {allocation!r}.")
+    if record is not None:
+        record.setdefault("mlp", {})
+        record.setdefault("heads", {})
+    return SparseContext(
+        model=model,
+        arch=arch,
+        method=name,
+        mlp=ms,
+        heads=hs,
+        sparsity=None if unit else s,
+        dense=dense,
+        static=static,
+        predictors=predictors,
+        thresholds=thresholds,
+        allocation=allocation,
+        record=record,
+        kept=kept,
+    )
+
+
+@register("dense")
+def _dense(ctx: SparseContext) -> list:
+    return []
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers for unit-mask methods (oracle, static, dejavu)
+
+
+def _apply(t: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    return torch.where(keep, t, torch.zeros((), dtype=t.dtype, device=t.device))
+
+
+def unit_mask_hooks(ctx: SparseContext, mlp_keep, head_keep) -> list:
+    """Hooks that keep, per token, the neurons ``mlp_keep(i, a, k)`` and heads ``head_keep(i, z,
+    k)`` choose (bool masks [b, p, n] / [b, p, h]) at the context's budgets.
+
+    >>> from dejavu_lab.models import random_model
+    >>> m = random_model("tiny-llama")
+    >>> ctx = SparseContext(m.model, m.arch, "first", mlp=[0.5, 0.5], heads=[0.0, 0.0])
+    >>> first = lambda i, a, k: torch.arange(a.shape[-1]) < k  # always the first k neurons
+    >>> [name for name, _ in unit_mask_hooks(ctx, first, None)]
+    ['blocks.0.mlp.hook_post', 'blocks.1.mlp.hook_post']
+    """
+    from ..budgets import n_keep
+
+    arch, fns = ctx.arch, []
+    for i in range(arch.n_layers):
+        if ctx.mlp[i] > 0:
+            k = n_keep(ctx.mlp[i], arch.d_mlp)
+            fns.append((f"blocks.{i}.mlp.hook_post", _mlp_masker(ctx, i, k, mlp_keep)))
+        if ctx.heads[i] > 0:
+            k = n_keep(ctx.heads[i], arch.n_heads)
+            fns.append((f"blocks.{i}.attn.hook_z", _head_masker(ctx, i, k, head_keep)))
+    return fns
+
+
+def _mlp_masker(ctx, i, k, choose):
+    def fn(a: torch.Tensor, name: str) -> torch.Tensor:  # a: [b, p, n]
+        keep = choose(i, a, k).expand_as(a)
+        if ctx.record is not None:
+            ctx.record["mlp"][i] = keep.cpu()
+        if ctx.kept is not None:
+            ctx.kept.add(i, "mlp", keep)
+        return _apply(a, keep)
+
+    return fn
+
+
+def _head_masker(ctx, i, k, choose):
+    arch = ctx.arch
+
+    def fn(z: torch.Tensor, name: str) -> torch.Tensor:  # z: [b, p, h, dh]
+        keep = choose(i, z, k).expand(z.shape[:-1])
+        if ctx.record is not None:
+            ctx.record["heads"][i] = keep.cpu()
+        if ctx.kept is not None:
+            ctx.kept.add(i, "heads", keep)
+            kv = keep.reshape(*keep.shape[:-1], arch.n_kv_heads, arch.heads_per_kv).any(-1)
+            ctx.kept.add(i, "kv", kv)
+        return _apply(z, keep[..., None])
+
+    return fn
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers for input-threshold methods (TEAL, WINA, CATS)
+
+
+def site_weights(model: nn.Module, arch: Arch, layer: int, site: str) -> list[nn.Linear]:
+    """The linear layers whose input is ``site``; its entries select their weight columns.
+
+    >>> from dejavu_lab.models import random_model
+    >>> m = random_model("tiny-llama")
+    >>> [tuple(w.weight.shape) for w in site_weights(m.model, m.arch, 0, "attn_in")]  # q, k, v
+    [(64, 64), (32, 64), (32, 64)]
+    """
+    if site == "attn_in":
+        return [arch.part(model, layer, p) for p in ("q", "k", "v")]
+    if site == "o_in":
+        return [arch.part(model, layer, "o")]
+    if site == "mlp_in":
+        return arch.mlp_in(model, layer)
+    if site == "down_in":
+        return [arch.part(model, layer, "mlp_out")]
+    raise ValueError(f"site must be one of {', '.join(SITES)}, got {site!r}.")
+
+
+def column_norms(model: nn.Module, arch: Arch, layer: int, site: str) -> torch.Tensor:
+    """‖W[:, i]‖₂ of the site's weights stacked by rows (e.g. [Wq; Wk; Wv]): fp32 [d_in].
+
+    >>> from dejavu_lab.models import random_model
+    >>> m = random_model("tiny-opt")
+    >>> column_norms(m.model, m.arch, 0, "down_in").shape  # one per MLP neuron
+    torch.Size([256])
+    """
+    sq = sum(
+        w.weight.detach().float().pow(2).sum(0) for w in site_weights(model, arch, layer, site)
+    )
+    return sq.sqrt()
+
+
+def threshold_hooks(ctx: SparseContext, vectors: dict, site_of=None) -> list:
+    """Hooks zeroing entry ``i`` of a site's input where ``|x[..., i]| <= thr[i]``.
+
+    ``vectors``: ``{(layer, site): fp32 [d_in]}`` (the engine's form; for ``"o_in"`` d_in is
+    ``h * dh``). Sites missing from the dict run dense.
+
+    >>> from dejavu_lab.models import random_model
+    >>> m = random_model("tiny-llama")
+    >>> ctx = SparseContext(m.model, m.arch, "teal", mlp=[0.0, 0.0], heads=[0.0, 0.0])
+    >>> fns = threshold_hooks(ctx, {(1, "mlp_in"): torch.full((64,), 0.5)})
+    >>> [name for name, _ in fns]
+    ['blocks.1.ln2.hook_normalized']
+    """
+    fns = []
+    for (i, site), thr in sorted(vectors.items()):
+        if i in ctx.dense:
+            continue
+        fns.append((f"blocks.{i}.{SITES[site]}", _thresholder(ctx, i, site, thr)))
+    return fns
+
+
+def _thresholder(ctx, i, site, thr):
+    cache: dict = {}
+
+    def fn(x: torch.Tensor, name: str) -> torch.Tensor:
+        t = cache.get(x.device)
+        if t is None:
+            t = cache[x.device] = thr.to(x.device, torch.float32)
+        shape = x.shape
+        flat = x.reshape(*shape[:2], -1) if site == "o_in" else x  # heads -> h * dh columns
+        keep = flat.abs().float() > t
+        if ctx.kept is not None:
+            ctx.kept.add(i, site, keep)
+        return _apply(flat, keep).reshape(shape)
+
+    return fn
+
+
+# ---------------------------------------------------------------------------------------------
+# quality
+
+
+def _check_windows(windows: torch.Tensor) -> torch.Tensor:
+    if not isinstance(windows, torch.Tensor) or windows.dim() != 2 or windows.shape[0] == 0:
+        shape = tuple(windows.shape) if isinstance(windows, torch.Tensor) else type(windows)
+        raise CorpusError(
+            f"windows must be a non-empty LongTensor [n, window] from token_windows, got {shape}."
+        )
+    return windows
+
+
+def sparse_perplexity(
+    model: nn.Module,
+    windows: torch.Tensor,
+    *,
+    progress: bool = True,
+    batch_size: int = 1,
+    **sparsified_kwargs,
+) -> float:
+    """Perplexity over ``windows`` [n, window] with :func:`sparsified` applied.
+
+    >>> from dejavu_lab.models import random_model
+    >>> model, _, _ = random_model("tiny-llama")
+    >>> ids = torch.randint(0, 128, (2, 16))
+    >>> sparse_perplexity(model, ids, progress=False) == sparse_perplexity(
+    ...     model, ids, mlp_sparsity=0.0, progress=False)
+    True
+    """
+    windows = _check_windows(windows)
+    with torch.no_grad(), sparsified(model, **sparsified_kwargs):
+        return perplexity(model, windows, batch_size=batch_size, progress=progress)
+
+
+@dataclass
+class SparseResult:
+    """What :func:`sparse_eval` measured: quality and the bytes a sparse step reads.
+
+    >>> r = SparseResult("teal", 0.5, 31.2, 1022, 0.52, {"attn_in": 0.4})
+    >>> r.as_dict()["bytes_per_token_fraction"]
+    0.52
+    """
+
+    method: str
+    sparsity: float | list  # the requested budget
+    perplexity: float
+    tokens: int  # tokens evaluated (windows × window)
+    bytes_per_token_fraction: float  # decoder-layer weight bytes read per token / dense
+    kept: dict  # site -> realised kept fraction, averaged over layers that ran sparse
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def sparse_eval(
+    model: nn.Module,
+    windows: torch.Tensor,
+    *,
+    progress: bool = True,
+    batch_size: int = 1,
+    **sparsified_kwargs,
+) -> SparseResult:
+    """Perplexity over ``windows`` plus the realised bytes per token against dense.
+
+    Threshold methods keep a varying number of entries per token; the bytes are counted from
+    the kept fraction each site realised on these windows (:mod:`dejavu_lab.sparsify.layer_bytes`).
+
+    >>> from dejavu_lab.models import random_model
+    >>> model, _, _ = random_model("tiny-llama")
+    >>> r = sparse_eval(model, torch.randint(0, 128, (1, 16)), method="oracle", mlp_sparsity=0.5,
+    ...                 progress=False)
+    >>> r.tokens, r.kept, r.bytes_per_token_fraction  # the MLP is 3/4 of a layer's weights
+    (16, {'mlp': 0.5}, 0.625)
+    """
+    windows = _check_windows(windows)
+    kept = Kept()
+    arch = sparsified_kwargs.get("arch") or get_arch(model)
+    with torch.no_grad(), sparsified(model, kept=kept, **sparsified_kwargs):
+        ppl = perplexity(model, windows, batch_size=batch_size, progress=progress)
+    name = _method_name(sparsified_kwargs.get("method"), sparsified_kwargs.get("mode"))
+    extra = 0.0
+    predictors = sparsified_kwargs.get("predictors")
+    if name == "dejavu" and predictors is not None:
+        extra = _predictor_elements(predictors, kept, arch)
+    frac = bytes_per_token_fraction(arch, kept.fractions(), extra_elements=extra)
+    budget = sparsified_kwargs.get("sparsity")
+    if budget is None:
+        budget = {
+            "mlp": sparsified_kwargs.get("mlp_sparsity", 0.0),
+            "heads": sparsified_kwargs.get("head_sparsity", 0.0),
+        }
+    return SparseResult(name, budget, ppl, int(windows.numel()), frac, kept.by_site())
+
+
+def _predictor_elements(predictors, kept: Kept, arch: Arch) -> float:
+    """Weights the predictors read per token (layers where they select something)."""
+    total = 0.0
+    for i in range(arch.n_layers):
+        for kind, nets in (("mlp", predictors.mlp), ("heads", predictors.heads)):
+            if (i, kind) in kept.counts:
+                net = nets[i]
+                total += net.down.weight.numel() + net.up.weight.numel()
+    return total
+
+
+# ---------------------------------------------------------------------------------------------
+# the paper's numbers and zero-shot tasks
+
+
+# The paper's ablation (Knowl 9, Table: OPT-175B, separate MLP / attention sparsity), for the
+# chapters to print beside our numbers. Perplexity on WikiText and C4; accuracies zero-shot.
+PAPER_KNOWL9 = [
+    {
+        "model": "OPT-175B dense",
+        "mlp_sparsity": 0.0,
+        "head_sparsity": 0.0,
+        "wikitext_ppl": 10.8221,
+        "c4_ppl": 7.7224,
+        "lambada": 0.7584,
+        "piqa": 0.8096,
+    },
+    {
+        "model": "DejaVu MLP 85%",
+        "mlp_sparsity": 0.85,
+        "head_sparsity": 0.0,
+        "wikitext_ppl": 10.7988,
+        "c4_ppl": 7.7393,
+        "lambada": 0.7619,
+        "piqa": 0.8096,
+    },
+    {
+        "model": "DejaVu attention 50%",
+        "mlp_sparsity": 0.0,
+        "head_sparsity": 0.5,
+        "wikitext_ppl": 10.8696,
+        "c4_ppl": 7.7393,
+        "lambada": 0.7586,
+        "piqa": 0.8063,
+    },
+]
+
+
+# The paper's zero-shot tasks (Knowl 8, 9) under their lm-evaluation-harness names.
+PAPER_TASKS = ("cb", "copa", "lambada_openai", "openbookqa", "piqa", "rte", "winogrande")
+
+
+def lm_eval_tasks(
+    model, tokenizer, tasks=PAPER_TASKS, *, limit: int | None = None, **sparsified_kwargs
+) -> dict:
+    """Zero-shot accuracy through lm-evaluation-harness with :func:`sparsified` applied.
+
+    Needs the ``lm-eval`` package and a network (the harness downloads each task's dataset);
+    without either it raises :class:`RuntimeError` saying which. Returns lm-eval's
+    ``results`` dict, task -> metrics.
+
+    >>> from dejavu_lab.models import random_model
+    >>> model, _, _ = random_model("tiny-opt")
+    >>> lm_eval_tasks(model, None, ["piqa"], limit=10, mlp_sparsity=0.5)  # lm-eval not installed
+    Traceback (most recent call last):
+    ...
+    RuntimeError: lm_eval_tasks needs lm-evaluation-harness: pip install lm-eval ...
+    """
+    try:
+        import lm_eval
+        from lm_eval.models.huggingface import HFLM
+    except ImportError:
+        raise RuntimeError(
+            "lm_eval_tasks needs lm-evaluation-harness: pip install lm-eval (it then downloads "
+            "the task datasets, so it also needs a network); use sparse_perplexity offline."
+        ) from None
+    import os
+
+    if os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1":
+        raise RuntimeError(
+            "lm_eval_tasks needs a network to fetch the task datasets, but HF_HUB_OFFLINE or "
+            "HF_DATASETS_OFFLINE is set; unset it or use sparse_perplexity."
+        )
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=1)
+    with torch.no_grad(), sparsified(model, **sparsified_kwargs):
+        try:
+            out = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), limit=limit)
+        except (ConnectionError, OSError) as e:
+            raise RuntimeError(
+                f"lm-eval could not fetch its task data ({type(e).__name__}); it needs a "
+                "network: run it online or use sparse_perplexity."
+            ) from None
+    return out["results"]
