@@ -15,7 +15,15 @@ blocks.{i}.hook_resid_mid       residual between attention and MLP [b, p, d]    
 blocks.{i}.mlp.hook_post        activation feeding W2 / down_proj [b, p, n]      yes
 blocks.{i}.hook_mlp_out         MLP sub-block output [b, p, d]                   yes
 blocks.{i}.hook_resid_post      residual stream leaving the block [b, p, d]      yes
+blocks.{i}.ln1.hook_normalized  attention input, shared by q/k/v [b, p, d]       yes
+blocks.{i}.ln2.hook_normalized  MLP input, shared by gate/up or fc1 [b, p, d]    yes
+blocks.{i}.mlp.hook_pre         gate_proj / fc1 output before the act [b, p, n]  yes
 ==============================  ===============================================  ==========
+
+The last three are where input-sparsity methods (TEAL, WINA, CATS; :mod:`dejavu_lab.sparsify`)
+act. In pre-LN models ``ln1``/``ln2.hook_normalized`` are the outputs of the attention and MLP
+norms; in post-LN OPT they are the tensors entering attention and fc1 (the previous norm's
+output). Writing one changes only what the attention / the MLP reads, not the residual.
 
 Only ``register_forward_hook`` / ``register_forward_pre_hook`` are used, inside a context manager
 that removes them on exit, also when the forward raises. A hook callback ``fn(tensor, name)`` may
@@ -52,6 +60,10 @@ HOOK_POINTS = (
     "mlp.hook_post",
     "hook_mlp_out",
     "hook_resid_post",
+    # inputs of the linear layers (input-sparsity sites), in forward order within the block
+    "ln1.hook_normalized",
+    "ln2.hook_normalized",
+    "mlp.hook_pre",
 )
 WRITABLE = {
     "hook_resid_pre",
@@ -60,6 +72,9 @@ WRITABLE = {
     "mlp.hook_post",
     "hook_mlp_out",
     "hook_resid_post",
+    "ln1.hook_normalized",
+    "ln2.hook_normalized",
+    "mlp.hook_pre",
 }
 _NAME = re.compile(r"^blocks\.(\d+)\.(.+)$")
 
@@ -71,8 +86,8 @@ def hook_names(arch: Arch, points: Iterable[str] = HOOK_POINTS) -> list[str]:
 
     >>> from dejavu_lab.models import random_model
     >>> names = hook_names(random_model("tiny-opt").arch)
-    >>> len(names), names[:2]  # 2 layers x 9 points
-    (18, ['blocks.0.hook_resid_pre', 'blocks.0.attn.hook_z'])
+    >>> len(names), names[:2]  # 2 layers x 12 points
+    (24, ['blocks.0.hook_resid_pre', 'blocks.0.attn.hook_z'])
     """
     return [f"blocks.{i}.{p}" for i in range(arch.n_layers) for p in points]
 
@@ -335,4 +350,47 @@ def _attach(model: nn.Module, arch: Arch, i: int, points: dict[str, list[HookFn]
             return None
 
         handles.append(layer.register_forward_hook(layer_fwd))
+    handles += _attach_inputs(model, arch, i, points, unflat)
+    return handles
+
+
+def _attach_inputs(model: nn.Module, arch: Arch, i: int, points, unflat) -> list:
+    """The linear layers' inputs: ln1/ln2.hook_normalized and mlp.hook_pre."""
+    name = f"blocks.{i}."
+    handles = []
+
+    def first_arg(fns, point: str):  # a pre-hook replacing a module's first input
+        def pre(mod, args, kwargs):
+            key = None if args else ("hidden_states" if "hidden_states" in kwargs else "x")
+            x = args[0] if args else kwargs[key]
+            new = _call(fns, unflat(x), name + point, point)
+            if new is None:
+                return None
+            new = new.reshape(x.shape)
+            if args:
+                return (new, *args[1:]), kwargs
+            return args, {**kwargs, key: new}
+
+        return pre
+
+    if fns := points.get("ln1.hook_normalized"):  # what attention reads (q, k, v)
+        attn = arch.part(model, i, "attn")
+        handles.append(
+            attn.register_forward_pre_hook(first_arg(fns, "ln1.hook_normalized"), with_kwargs=True)
+        )
+    if fns := points.get("ln2.hook_normalized"):  # what the MLP reads (gate/up, or fc1)
+        mlp = arch.layer(model, i).get_submodule(arch.table.mlp) if arch.table.mlp else None
+        target = mlp if mlp is not None else arch.mlp_in(model, i)[0]
+        handles.append(
+            target.register_forward_pre_hook(
+                first_arg(fns, "ln2.hook_normalized"), with_kwargs=True
+            )
+        )
+    if fns := points.get("mlp.hook_pre"):  # gate_proj / fc1 output, before the activation
+
+        def pre_fwd(mod, args, output):
+            new = _call(fns, unflat(output), name + "mlp.hook_pre", "mlp.hook_pre")
+            return None if new is None else new.reshape(output.shape)
+
+        handles.append(arch.mlp_in(model, i)[0].register_forward_hook(pre_fwd))
     return handles
