@@ -7,6 +7,13 @@ so adding a method is adding one file:
 - :mod:`~dejavu_lab.sparsify.oracle` — the ideal per-token sets (§3.1's upper bound);
 - :mod:`~dejavu_lab.sparsify.static` — one set per layer for every token (the paper's baseline);
 - :mod:`~dejavu_lab.sparsify.dejavu` — the sets DejaVu's predictors choose (§4.1–4.3);
+- :mod:`~dejavu_lab.sparsify.teal` — TEAL's magnitude thresholds on every linear input;
+- :mod:`~dejavu_lab.sparsify.wina` — WINA's weight-informed scores with TEAL's rule;
+- :mod:`~dejavu_lab.sparsify.cats` — CATS's threshold on the gate activation.
+
+The threshold methods take their thresholds from a calibration
+(:mod:`~dejavu_lab.sparsify.calibration`; TEAL's greedy allocation:
+:mod:`~dejavu_lab.sparsify.greedy`).
 
 Sparsity is always the fraction REMOVED (the paper's "85% MLP sparsity" keeps 15% of neurons),
 a float or a per-layer list in [0, 1) (:mod:`dejavu_lab.budgets`). Masks are applied through
@@ -19,7 +26,16 @@ Deferred KV (Knowl 5) for token-by-token generation is in :mod:`dejavu_lab.defer
 """
 
 from ..budgets import budgets, head_gram, head_output_norms, n_keep, topk_mask
-from . import dejavu, oracle, static  # noqa: F401  (each registers its method)
+from . import cats, dejavu, oracle, static, teal, wina  # noqa: F401  (each registers its method)
+from .calibration import (
+    Calibration,
+    CalibrationConfig,
+    CalibrationError,
+    Thresholds,
+    calibrate,
+    load_calibration,
+    load_thresholds,
+)
 from .core import (
     METHODS,
     MODES,
@@ -37,6 +53,13 @@ from .layer_bytes import Kept, bytes_per_token_fraction
 from .static import StaticSets, static_sets
 
 __all__ = [
+    "Calibration",
+    "CalibrationConfig",
+    "CalibrationError",
+    "Thresholds",
+    "calibrate",
+    "load_calibration",
+    "load_thresholds",
     "METHODS",
     "MODES",
     "PAPER_KNOWL9",

@@ -149,9 +149,9 @@ def sparsified(
     four :data:`SITES` of a layer; CATS: MLP neurons). ``dense_layers``: layers left dense.
     ``static``: a :class:`~dejavu_lab.sparsify.static.StaticSets`; ``predictors``:
     :class:`~dejavu_lab.predictors.Predictors`; ``thresholds``: a
-    :class:`~dejavu_lab.sparsify.calibrate.Calibration` (thresholds for ``sparsity`` and
+    :class:`~dejavu_lab.sparsify.calibration.Calibration` (thresholds for ``sparsity`` and
     ``allocation`` are taken from it) or ready
-    :class:`~dejavu_lab.sparsify.calibrate.Thresholds`. ``record``: a dict receiving the unit
+    :class:`~dejavu_lab.sparsify.calibration.Thresholds`. ``record``: a dict receiving the unit
     masks, ``record["mlp"][layer]`` [b, p, n] and ``record["heads"][layer]`` [b, p, h].
     ``kept``: a :class:`~dejavu_lab.sparsify.layer_bytes.Kept` counting what each site kept.
 
@@ -198,8 +198,23 @@ def _method_name(method, mode) -> str:
     return ALIASES.get(name, name)
 
 
-def _context(model, *, method, mode, sparsity, mlp_sparsity, head_sparsity, dense_layers,
-             static, predictors, thresholds, allocation, arch, record, kept) -> SparseContext:  # fmt: skip
+def _context(
+    model,
+    *,
+    method,
+    mode,
+    sparsity,
+    mlp_sparsity,
+    head_sparsity,
+    dense_layers,
+    static,
+    predictors,
+    thresholds,
+    allocation,
+    arch,
+    record,
+    kept,
+) -> SparseContext:
     arch = arch or get_arch(model)
     name = _method_name(method, mode)
     L = arch.n_layers

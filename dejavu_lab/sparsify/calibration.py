@@ -1,0 +1,663 @@
+"""Calibrated thresholds for TEAL, WINA and CATS, from streamed histograms (issue 11).
+
+The threshold methods zero an input entry when its *score* is at or below a per-layer,
+per-site threshold ``t``. A target sparsity ``s`` (share of entries zeroed) fixes ``t`` as the
+``s``-quantile of the score over calibration text:
+
+==========  =============================  =====================================================
+method      score of input entry ``i``     sites (per layer)
+==========  =============================  =====================================================
+``teal``    ``|x_i|``                      attn_in, o_in, mlp_in, down_in (:data:`SITES`)
+``wina``    ``|x_i| · ‖W[:, i]‖₂``         the same; W = the site's weights stacked by rows
+``cats``    ``|act(gate_j x)|``            gate (one per MLP neuron)
+==========  =============================  =====================================================
+
+:func:`calibrate` runs the dense model over the calibration windows once and adds every score
+to a log-spaced histogram per (layer, site) (4096 bins over 1e-8…1e4 by default: a quantile is
+resolved to 0.7% in value), so no activation is kept; the :class:`Calibration` then gives
+thresholds for any sparsity and allocation (:meth:`Calibration.thresholds`). TEAL's greedy
+allocation (:mod:`dejavu_lab.sparsify.greedy`) is computed on request and stored with it.
+
+Calibrations are cached under ``cache_dir()/calibration``, keyed by the model fingerprint, a
+hash of the calibration tokens and the :class:`CalibrationConfig`; they and
+:class:`Thresholds` save as safetensors carrying the fingerprint, and loading one for another
+model is a :class:`CalibrationError`. Files are written under a temporary name and renamed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..arch import Arch, get_arch
+from ..budgets import budgets
+from ..collect import fingerprint, fingerprint_id
+from ..hooks import hooks
+from .core import SITES, _check_windows, column_norms
+
+__all__ = [
+    "KINDS",
+    "Calibration",
+    "CalibrationConfig",
+    "CalibrationError",
+    "Thresholds",
+    "calibrate",
+    "default_path",
+    "load_calibration",
+    "load_thresholds",
+    "text_hash",
+    "thresholds_for",
+]
+
+KINDS = {"teal": tuple(SITES), "wina": tuple(SITES), "cats": ("gate",)}  # method -> sites
+FORMAT = "dejavu-lab-calibration/1"
+THRESHOLDS_FORMAT = "dejavu-lab-thresholds/1"
+
+
+class CalibrationError(ValueError):
+    """A calibration or thresholds file is damaged, belongs to another model, or lacks a part.
+
+    >>> CalibrationConfig(bins=1)
+    Traceback (most recent call last):
+    ...
+    dejavu_lab.sparsify.calibration.CalibrationError: bins must be at least 16, got 1.
+    """
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    """How to calibrate. Every field enters the cache key.
+
+    >>> cfg = CalibrationConfig(greedy_step=0.05)
+    >>> base = CalibrationConfig()
+    >>> cfg.bins, cfg.key() == base.key(), cfg.greedy_key() == base.greedy_key()
+    (4096, True, False)
+    """
+
+    bins: int = 4096  # log-spaced histogram bins per (layer, site)
+    log10_min: float = -8.0  # scores below 10**log10_min count as zero
+    log10_max: float = 4.0  # ... above 10**log10_max as the largest
+    # TEAL's greedy allocation (dejavu_lab.sparsify.greedy):
+    # (defaults sized for a shared 2-core CPU: ~3 min per method for the 30-layer demo model)
+    greedy_step: float = 0.04  # share of a layer's weight bytes one step removes (TEAL: ~0.004)
+    greedy_max_site_step: float = 0.1  # ... but one site's sparsity moves at most this much
+    greedy_max: float = 0.8  # the path is computed up to this layer sparsity
+    greedy_tokens: int = 128  # tokens of the first calibration window the block forwards use
+    greedy_last: float = 0.5  # output error counted on the last share of positions (TEAL: 0.25)
+
+    def __post_init__(self):
+        if self.bins < 16:
+            raise CalibrationError(f"bins must be at least 16, got {self.bins}.")
+        if not self.log10_min < self.log10_max:
+            raise CalibrationError("log10_min must be below log10_max.")
+        if not 0 < self.greedy_step <= 0.5 or not 0 < self.greedy_max_site_step <= 1:
+            raise CalibrationError("greedy_step must be in (0, 0.5] and its site cap in (0, 1].")
+        budgets(self.greedy_max, 1, "greedy_max")
+        if self.greedy_tokens < 2 or not 0 < self.greedy_last <= 1:
+            raise CalibrationError("greedy_tokens must be >= 2 and greedy_last in (0, 1].")
+
+    def key(self) -> str:
+        """Hash of the histogram fields (the cache file's name)."""
+        return _hash({k: v for k, v in asdict(self).items() if not k.startswith("greedy")})
+
+    def greedy_key(self) -> str:
+        """Hash of the greedy fields (a greedy path's name inside the file)."""
+        return _hash({k: v for k, v in asdict(self).items() if k.startswith("greedy")})
+
+
+def _hash(d: dict) -> str:
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:10]
+
+
+def text_hash(windows: torch.Tensor) -> str:
+    """sha256 of calibration token ids [n, window] (shape included), the cache key's text part.
+
+    >>> text_hash(torch.tensor([[1, 2, 3]])) == text_hash(torch.tensor([[1, 2], [3, 4]]))
+    False
+    """
+    h = hashlib.sha256(str(tuple(windows.shape)).encode())
+    h.update(windows.to(torch.int64).cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------------------
+# histograms
+
+
+def _bucket(scores: torch.Tensor, cfg: CalibrationConfig) -> torch.Tensor:
+    """Bin index of each score: 0 below 10**log10_min (and zero), bins + 1 above the max."""
+    lg = torch.log10(scores.detach().float().flatten())
+    idx = ((lg - cfg.log10_min) * (cfg.bins / (cfg.log10_max - cfg.log10_min))).floor() + 1
+    return idx.nan_to_num(0.0, posinf=cfg.bins + 1, neginf=0.0).clamp(0, cfg.bins + 1).long()
+
+
+def _quantile(hist: torch.Tensor, s: float, cfg: CalibrationConfig) -> float:
+    """The score ``t`` with a share ``s`` of the histogram's mass at or below it."""
+    cdf = hist.double().cumsum(0)
+    total = float(cdf[-1])
+    if total <= 0:
+        raise CalibrationError("an empty histogram: calibrate on at least one window.")
+    target = s * total
+    j = int(torch.searchsorted(cdf, torch.tensor([target], dtype=cdf.dtype)))
+    if j == 0:
+        return 0.0
+    if j >= cfg.bins + 1:
+        return 10.0**cfg.log10_max
+    before = float(cdf[j - 1])
+    inside = float(hist[j])
+    frac = 0.0 if inside <= 0 else min(max((target - before) / inside, 0.0), 1.0)
+    width = (cfg.log10_max - cfg.log10_min) / cfg.bins
+    return 10.0 ** (cfg.log10_min + (j - 1 + frac) * width)
+
+
+def _mass_below(hist: torch.Tensor, t: float, cfg: CalibrationConfig) -> float:
+    """Share of the histogram's mass at or below score ``t`` (the inverse of :func:`_quantile`)."""
+    import math
+
+    total = float(hist.sum())
+    if t <= 0:
+        return float(hist[0]) / total
+    pos = (math.log10(t) - cfg.log10_min) * cfg.bins / (cfg.log10_max - cfg.log10_min)
+    if pos >= cfg.bins:
+        return 1.0 - float(hist[-1]) / total
+    pos = max(pos, 0.0)
+    j = int(pos)
+    return (float(hist[: j + 1].sum()) + (pos - j) * float(hist[j + 1])) / total
+
+
+# ---------------------------------------------------------------------------------------------
+# thresholds
+
+
+@dataclass
+class Thresholds:
+    """Calibrated score thresholds of one method, per (layer, site); missing sites run dense.
+
+    >>> from dejavu_lab.models import random_model
+    >>> m = random_model("tiny-llama")
+    >>> thr = Thresholds("teal", {(0, "mlp_in"): 0.3}, {(0, "mlp_in"): 0.5},
+    ...                  fingerprint(m.model))
+    >>> thr.engine_thresholds(m.model)[(0, "mlp_in")][:3]  # the engine's per-column form
+    tensor([0.3000, 0.3000, 0.3000])
+    """
+
+    method: str  # "teal", "wina" or "cats"
+    values: dict[tuple[int, str], float]  # score threshold t: keep entry i iff score_i > t
+    sparsity: dict[tuple[int, str], float]  # the share of entries t was calibrated to remove
+    fingerprint: dict  # the model they were calibrated on
+    allocation: str = "uniform"  # how the sparsity was spread over the sites of a layer
+    info: dict = field(default_factory=dict)  # where they came from (calibration file, text)
+
+    def check_model(self, model, arch: Arch | None = None) -> None:
+        """Raise :class:`CalibrationError` unless these thresholds belong to ``model``."""
+        _check_fingerprint(self.fingerprint, model, arch, "These thresholds were calibrated")
+
+    def engine_thresholds(self, model, arch: Arch | None = None) -> dict:
+        """``{(layer, site): fp32 [d_in]}``: read column ``i`` iff ``|x[i]| > thr[i]``.
+
+        TEAL and CATS: the constant ``t``; WINA: ``t / ‖W[:, i]‖₂`` of the site's stacked
+        weights (a zero column is never read). This is the dict the engine's
+        ``SparseConfig(method=..., thresholds=...)`` takes.
+        """
+        arch = arch or get_arch(model)
+        out = {}
+        for (i, site), t in sorted(self.values.items()):
+            n = _site_width(arch, site)
+            if self.method == "wina":
+                c = column_norms(model, arch, i, site).cpu()
+                out[(i, site)] = torch.where(c > 0, t / c, torch.full_like(c, float("inf")))
+            else:
+                out[(i, site)] = torch.full((n,), float(t), dtype=torch.float32)
+        return out
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write a safetensors file (atomically) with the fingerprint in its metadata."""
+        keys = sorted(self.values)
+        tensors = {
+            f"{i}.{site}": torch.tensor([self.values[(i, site)], self.sparsity[(i, site)]])
+            for i, site in keys
+        }
+        meta = {
+            "format": THRESHOLDS_FORMAT,
+            "method": self.method,
+            "allocation": self.allocation,
+            "fingerprint": json.dumps(self.fingerprint),
+            "info": json.dumps(self.info),
+        }
+        if not tensors:
+            tensors = {"empty": torch.zeros(1)}
+        return _save(tensors, meta, path)
+
+
+def load_thresholds(path: str | os.PathLike, model=None, arch: Arch | None = None) -> Thresholds:
+    """Load :meth:`Thresholds.save`'s file; with ``model``, check they belong to it.
+
+    >>> import tempfile
+    >>> from dejavu_lab.models import random_model
+    >>> m = random_model("tiny-llama")
+    >>> thr = Thresholds("cats", {(1, "gate"): 0.1}, {(1, "gate"): 0.4}, fingerprint(m.model))
+    >>> path = thr.save(f"{tempfile.mkdtemp()}/t.safetensors")
+    >>> load_thresholds(path, m.model).values
+    {(1, 'gate'): 0.10000000149011612}
+    >>> load_thresholds(path, random_model("tiny-llama", seed=1).model)
+    Traceback (most recent call last):
+    ...
+    dejavu_lab.sparsify.calibration.CalibrationError: These thresholds were calibrated for another ...
+    """
+    tensors, meta = _load(path, THRESHOLDS_FORMAT, "thresholds")
+    values, sparsity = {}, {}
+    for key, t in tensors.items():
+        if key == "empty":
+            continue
+        i, site = key.split(".", 1)
+        values[(int(i), site)] = float(t[0])
+        sparsity[(int(i), site)] = float(t[1])
+    thr = Thresholds(
+        meta["method"],
+        values,
+        sparsity,
+        json.loads(meta["fingerprint"]),
+        meta.get("allocation", "uniform"),
+        json.loads(meta.get("info", "{}")),
+    )
+    if model is not None:
+        thr.check_model(model, arch)
+    return thr
+
+
+def _site_width(arch: Arch, site: str) -> int:
+    return {
+        "attn_in": arch.d_model,
+        "o_in": arch.n_heads * arch.d_head,
+        "mlp_in": arch.d_model,
+        "down_in": arch.d_mlp,
+        "gate": arch.d_mlp,
+    }[site]
+
+
+# ---------------------------------------------------------------------------------------------
+# the calibration
+
+
+@dataclass
+class Calibration:
+    """Score histograms per layer and site over a calibration text, and TEAL's greedy paths.
+
+    ``hist[method]``: float64 [n_layers, n_sites, bins + 2] (first bin: zero and below range;
+    last: above range), sites in the order of :data:`KINDS`. ``greedy["method.greedy_key"]``:
+    float32 [n_layers, steps, 1 + 4], each row ``(layer sparsity, attn_in, o_in, mlp_in,
+    down_in)`` along the greedy path (:mod:`dejavu_lab.sparsify.greedy`) computed with the
+    greedy fields of a config; :meth:`greedy_table` gives the one of ``config``.
+
+    >>> from dejavu_lab.models import random_model
+    >>> m = random_model("tiny-llama")
+    >>> cal = calibrate(m.model, torch.randint(0, 128, (2, 32)), cache=False, progress=False)
+    >>> cal.hist["teal"].shape, cal.n_tokens  # 2 layers, 4 sites, 4096 + 2 bins
+    (torch.Size([2, 4, 4098]), 64)
+    >>> thr = cal.thresholds("teal", 0.5)
+    >>> round(cal.sparsity_at("teal", 0, "mlp_in", thr.values[(0, "mlp_in")]), 3)
+    0.5
+    """
+
+    fingerprint: dict
+    text_sha: str  # text_hash of the calibration windows
+    n_tokens: int
+    config: CalibrationConfig
+    hist: dict[str, torch.Tensor]
+    greedy: dict[str, torch.Tensor] = field(default_factory=dict)
+    path: Path | None = None  # the cache file, when it came from or went to one
+
+    @property
+    def n_layers(self) -> int:
+        return self.fingerprint["n_layers"]
+
+    def greedy_table(self, method: str) -> torch.Tensor | None:
+        """The greedy path of ``method`` for this config's greedy fields, if computed."""
+        return self.greedy.get(f"{method}.{self.config.greedy_key()}")
+
+    def threshold(self, method: str, layer: int, site: str, sparsity: float) -> float:
+        """The score threshold removing a share ``sparsity`` of the site's entries."""
+        return _quantile(self.hist[method][layer, KINDS[method].index(site)], sparsity, self.config)
+
+    def sparsity_at(self, method: str, layer: int, site: str, t: float) -> float:
+        """The share of the calibration entries with score at or below ``t``."""
+        return _mass_below(self.hist[method][layer, KINDS[method].index(site)], t, self.config)
+
+    def site_sparsities(
+        self,
+        method: str,
+        sparsity,
+        allocation: str = "uniform",
+        sites: Sequence[str] | None = None,
+    ) -> dict[tuple[int, str], float]:
+        """Each (layer, site)'s share removed for a layer budget ``sparsity`` (one or per layer).
+
+        ``"uniform"``: every site of the layer at the layer's budget. ``"greedy"`` (TEAL and
+        WINA): the sites' shares on the greedy path where its bytes-weighted layer sparsity
+        reaches the budget (interpolated between steps). ``sites``: limit to these sites
+        (uniform only); the others run dense.
+        """
+        if method not in KINDS:
+            raise CalibrationError(f"method must be one of {', '.join(KINDS)}, got {method!r}.")
+        s = budgets(sparsity, self.n_layers, "sparsity")
+        names = KINDS[method]
+        if sites is not None:
+            bad = [x for x in sites if x not in names]
+            if bad:
+                raise CalibrationError(f"{method} sites are {', '.join(names)}, got {bad}.")
+        out: dict[tuple[int, str], float] = {}
+        if allocation == "greedy" and method != "cats":
+            if sites is not None:
+                raise CalibrationError("the greedy allocation chooses its own sites; drop sites=.")
+            path = self.greedy_table(method)
+            if path is None:
+                raise CalibrationError(
+                    f"this calibration has no greedy allocation for {method}; calibrate with "
+                    f"greedy=[{method!r}] (it runs TEAL's block-wise greedy search once)."
+                )
+            for i, si in enumerate(s):
+                if si <= 0:
+                    continue
+                row = _interp_path(path[i], si, method)
+                for j, site in enumerate(names):
+                    if row[j] > 0:
+                        out[(i, site)] = row[j]
+            return out
+        if allocation not in ("uniform", "greedy"):
+            raise CalibrationError(f"allocation must be 'uniform' or 'greedy', got {allocation!r}.")
+        for i, si in enumerate(s):
+            for site in names if sites is None else sites:
+                if si > 0:
+                    out[(i, site)] = si
+        return out
+
+    def thresholds(
+        self,
+        method: str,
+        sparsity,
+        *,
+        allocation: str = "uniform",
+        dense_layers: Sequence[int] = (),
+        sites: Sequence[str] | None = None,
+    ) -> Thresholds:
+        """:class:`Thresholds` of ``method`` for a layer budget (see :meth:`site_sparsities`)."""
+        s = budgets(sparsity, self.n_layers, "sparsity")
+        for i in dense_layers:
+            s[i % self.n_layers] = 0.0
+        alloc = self.site_sparsities(method, s, allocation, sites)
+        values = {k: self.threshold(method, *k, v) for k, v in alloc.items()}
+        info = {"calibration": str(self.path) if self.path else None, "text_sha": self.text_sha}
+        alloc_name = "uniform" if method == "cats" else allocation
+        return Thresholds(method, values, alloc, self.fingerprint, alloc_name, info)
+
+    def check_model(self, model, arch: Arch | None = None) -> None:
+        """Raise :class:`CalibrationError` unless this calibration belongs to ``model``."""
+        _check_fingerprint(self.fingerprint, model, arch, "This calibration was made")
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write a safetensors file (atomically) with the fingerprint in its metadata."""
+        tensors = {f"hist.{k}": v for k, v in self.hist.items()}
+        tensors.update({f"greedy.{k}": v for k, v in self.greedy.items()})
+        meta = {
+            "format": FORMAT,
+            "fingerprint": json.dumps(self.fingerprint),
+            "config": json.dumps(asdict(self.config)),
+            "text_sha": self.text_sha,
+            "n_tokens": str(self.n_tokens),
+        }
+        self.path = _save(tensors, meta, path)
+        return self.path
+
+
+def _interp_path(path: torch.Tensor, s: float, method: str) -> list[float]:
+    """Site shares where the greedy path's layer sparsity (column 0) reaches ``s``."""
+    eff = path[:, 0]
+    top = float(eff.max())
+    if s > top + 1e-6:
+        raise CalibrationError(
+            f"the {method} greedy path reaches layer sparsity {top:.2f} only, not {s:.2f}; "
+            "calibrate with a larger CalibrationConfig.greedy_max."
+        )
+    j = int(torch.searchsorted(eff.contiguous(), torch.tensor([s], dtype=eff.dtype)))
+    j = min(max(j, 1), len(eff) - 1)
+    e0, e1 = float(eff[j - 1]), float(eff[j])
+    w = 0.0 if e1 <= e0 else min(max((s - e0) / (e1 - e0), 0.0), 1.0)
+    row = (1 - w) * path[j - 1, 1:] + w * path[j, 1:]
+    return [float(v) for v in row]
+
+
+def load_calibration(path: str | os.PathLike, model=None, arch: Arch | None = None) -> Calibration:
+    """Load :meth:`Calibration.save`'s file; with ``model``, check it belongs to it.
+
+    >>> import tempfile
+    >>> from dejavu_lab.models import random_model
+    >>> m = random_model("tiny-opt")
+    >>> cal = calibrate(m.model, torch.randint(0, 128, (1, 16)), cache=False, progress=False)
+    >>> path = cal.save(f"{tempfile.mkdtemp()}/c.safetensors")
+    >>> torch.equal(load_calibration(path, m.model).hist["cats"], cal.hist["cats"])
+    True
+    >>> load_calibration(path, random_model("tiny-llama").model)
+    Traceback (most recent call last):
+    ...
+    dejavu_lab.sparsify.calibration.CalibrationError: This calibration was made for another model ...
+    """
+    tensors, meta = _load(path, FORMAT, "calibration")
+    cfg_dict = json.loads(meta["config"])
+    known = {f.name for f in fields(CalibrationConfig)}
+    cal = Calibration(
+        fingerprint=json.loads(meta["fingerprint"]),
+        text_sha=meta["text_sha"],
+        n_tokens=int(meta["n_tokens"]),
+        config=CalibrationConfig(**{k: v for k, v in cfg_dict.items() if k in known}),
+        hist={k[5:]: v for k, v in tensors.items() if k.startswith("hist.")},
+        greedy={k[7:]: v for k, v in tensors.items() if k.startswith("greedy.")},
+        path=Path(path),
+    )
+    if model is not None:
+        cal.check_model(model, arch)
+    return cal
+
+
+def default_path(fp: dict, text_sha: str, config: CalibrationConfig) -> Path:
+    """The cache file :func:`calibrate` uses (nothing is created).
+
+    >>> from dejavu_lab.models import random_model
+    >>> fp = fingerprint(random_model("tiny-llama").model)
+    >>> default_path(fp, "0123456789abcdef", CalibrationConfig()).name
+    'llama-L2-d64-...-0123456789ab-....safetensors'
+    """
+    from ..assets import cache_dir
+
+    name = f"{fingerprint_id(fp)}-{text_sha[:12]}-{config.key()}.safetensors"
+    return cache_dir() / "calibration" / name
+
+
+@torch.no_grad()
+def calibrate(
+    model: nn.Module,
+    windows: torch.Tensor,
+    config: CalibrationConfig = CalibrationConfig(),
+    *,
+    greedy: Sequence[str] = (),
+    arch: Arch | None = None,
+    cache: bool = True,
+    progress: bool = True,
+) -> Calibration:
+    """Histograms of every method's scores over ``windows`` [n, window], cached.
+
+    ``greedy``: methods (``"teal"``, ``"wina"``) whose greedy allocation to compute as well
+    (a few minutes for the demo model on one CPU core; stored in the same cache file).
+    ``cache``: read and write ``default_path(...)`` under :func:`dejavu_lab.assets.cache_dir`.
+
+    >>> from dejavu_lab.models import random_model
+    >>> m = random_model("tiny-llama")
+    >>> cal = calibrate(m.model, torch.randint(0, 128, (1, 32)), cache=False, progress=False,
+    ...                 greedy=["teal"])
+    >>> cal.greedy_table("teal").shape[-1]  # layer sparsity + 4 site shares per step
+    5
+    """
+    arch = arch or get_arch(model)
+    windows = _check_windows(windows)
+    for g in greedy:
+        if g not in ("teal", "wina"):
+            raise CalibrationError(f"greedy allocations exist for teal and wina, got {g!r}.")
+    fp = fingerprint(model, arch)
+    sha = text_hash(windows)
+    path = default_path(fp, sha, config)
+    cal = None
+    if cache and path.exists():
+        try:
+            cal = load_calibration(path, model, arch)
+        except CalibrationError:
+            cal = None  # damaged: recompute and overwrite
+    if cal is None:
+        cal = _histograms(model, arch, windows, config, fp, sha, progress)
+        if cache:
+            cal.save(path)
+    cal.config = config  # the same histograms; the greedy fields may differ
+    missing = [g for g in greedy if cal.greedy_table(g) is None]
+    if missing:
+        from .greedy import greedy_path
+
+        for g in missing:
+            table = greedy_path(model, windows, cal, g, arch=arch, progress=progress)
+            cal.greedy[f"{g}.{config.greedy_key()}"] = table
+        if cache:
+            cal.save(path)
+    return cal
+
+
+def _histograms(model, arch, windows, cfg, fp, sha, progress) -> Calibration:
+    from transformers.activations import ACT2FN
+
+    L, B = arch.n_layers, cfg.bins + 2
+    hist = {m: torch.zeros(L, len(s), B, dtype=torch.float64) for m, s in KINDS.items()}
+    norms = {(i, s): column_norms(model, arch, i, s) for i in range(L) for s in SITES}
+    act = ACT2FN[arch.activation]
+    device = next(model.parameters()).device
+
+    def add(method, i, j, scores):
+        idx = _bucket(scores, cfg)
+        hist[method][i, j] += torch.bincount(idx, minlength=B).double().cpu()
+
+    def on_site(site):
+        j = KINDS["teal"].index(site)
+
+        def fn(x: torch.Tensor, name: str) -> None:
+            i = int(name.split(".")[1])
+            a = x.detach().abs().float()
+            a = a.reshape(*a.shape[:2], -1) if site == "o_in" else a
+            add("teal", i, j, a)
+            add("wina", i, j, a * norms[(i, site)].to(a.device))
+
+        return fn
+
+    def on_gate(g: torch.Tensor, name: str) -> None:
+        add("cats", int(name.split(".")[1]), 0, act(g.detach().float()).abs())
+
+    fns = [(f"blocks.*.{point}", on_site(site)) for site, point in SITES.items()]
+    fns.append(("blocks.*.mlp.hook_pre", on_gate))
+    with hooks(model, fns, arch):
+        for w in tqdm(windows, desc="calibration", disable=not progress, leave=False):
+            model(input_ids=w[None].to(device), use_cache=False)
+    return Calibration(fp, sha, windows.numel(), cfg, hist)
+
+
+def thresholds_for(ctx) -> Thresholds:
+    """The :class:`Thresholds` a threshold method's builder applies, from its context.
+
+    ``ctx.thresholds`` is a :class:`Calibration` (thresholds for ``ctx.sparsity`` and
+    ``ctx.allocation`` are computed from it) or ready :class:`Thresholds` of the method.
+
+    >>> from dejavu_lab.models import random_model
+    >>> from dejavu_lab.sparsify.core import SparseContext
+    >>> m = random_model("tiny-llama")
+    >>> cal = calibrate(m.model, torch.randint(0, 128, (1, 16)), cache=False, progress=False)
+    >>> ctx = SparseContext(m.model, m.arch, "cats", [0.0] * 2, [0.0] * 2, sparsity=[0.5, 0.0],
+    ...                     thresholds=cal)
+    >>> list(thresholds_for(ctx).values)  # layer 1 has no budget: it runs dense
+    [(0, 'gate')]
+    """
+    method, src = ctx.method, ctx.thresholds
+    if src is None:
+        raise ValueError(
+            f"method={method!r} needs thresholds=calibrate(model, windows) (a Calibration) or "
+            "ready Thresholds; see dejavu_lab.sparsify.calibration."
+        )
+    if isinstance(src, Calibration):
+        src.check_model(ctx.model, ctx.arch)
+        if ctx.sparsity is None:
+            raise ValueError(f"method={method!r} with a Calibration needs sparsity=.")
+        return src.thresholds(
+            method, ctx.sparsity, allocation=ctx.allocation, dense_layers=sorted(ctx.dense)
+        )
+    if not isinstance(src, Thresholds):
+        raise ValueError(
+            f"thresholds must be a Calibration or Thresholds, got {type(src).__name__}."
+        )
+    if src.method != method:
+        raise ValueError(f"these thresholds are for {src.method!r}, not {method!r}.")
+    if ctx.sparsity is not None:
+        raise ValueError(
+            "ready Thresholds carry their own sparsity; pass sparsity= with a Calibration instead."
+        )
+    src.check_model(ctx.model, ctx.arch)
+    if ctx.dense:
+        keep = {k: v for k, v in src.values.items() if k[0] not in ctx.dense}
+        src = Thresholds(src.method, keep, src.sparsity, src.fingerprint, src.allocation, src.info)
+    return src
+
+
+# ---------------------------------------------------------------------------------------------
+# files
+
+
+def _check_fingerprint(fp: dict, model, arch, what: str) -> None:
+    have = fingerprint(model, arch)
+    if have != fp:
+        diff = [k for k in have if have[k] != fp.get(k)]
+        raise CalibrationError(
+            f"{what} for another model ({fingerprint_id(fp)}, this one is "
+            f"{fingerprint_id(have)}; differs in {', '.join(diff)}); calibrate this model with "
+            "dejavu_lab.sparsify.calibration.calibrate."
+        )
+
+
+def _save(tensors: dict, meta: dict, path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=meta)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def _load(path, fmt: str, what: str):
+    path = Path(path)
+    if not path.exists():
+        raise CalibrationError(f"No {what} file at {path}.")
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CalibrationError(
+            f"{path} is not a readable safetensors file ({str(e).splitlines()[0][:80]}); it is "
+            f"truncated or damaged: delete it and calibrate again."
+        ) from None
+    if meta.get("format") != fmt:
+        raise CalibrationError(f"{path} is a safetensors file but not a dejavu-lab {what}.")
+    return tensors, meta
