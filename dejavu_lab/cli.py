@@ -4,6 +4,7 @@
 
     dejavu-lab perplexity --model demo --corpus demo --window 512
     dejavu-lab perplexity --model demo --mlp-sparsity 0.5 --head-sparsity 0.3 --mode oracle
+    dejavu-lab perplexity --model demo --method teal --sparsity 0.5 --json   # any method
     dejavu-lab collect --model demo --max-tokens 8192            # resumable; prints the folder
     dejavu-lab train-predictors --model demo --mode both         # collects first if needed
     dejavu-lab eval --model demo --predictors P.safetensors --mlp-sparsity 0.5
@@ -15,6 +16,8 @@ line ``dejavu-lab: error: ...`` with exit status 2.
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -75,12 +78,82 @@ def _common(p: argparse.ArgumentParser, corpus: bool = True) -> None:
 
 def _sparsity_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--mlp-sparsity", type=_budget("mlp_sparsity"), default=0.0, help="neurons removed"
+        "--mlp-sparsity", type=_budget("mlp_sparsity"), default=None, help="neurons removed (0)"
     )
     p.add_argument(
-        "--head-sparsity", type=_budget("head_sparsity"), default=0.0, help="heads removed"
+        "--head-sparsity", type=_budget("head_sparsity"), default=None, help="heads removed (0)"
     )
     p.add_argument("--dense-layers", type=_layers, default=[], help="e.g. 0,1 (left dense)")
+
+
+METHOD_NAMES = ("dense", "oracle", "static", "dejavu", "teal", "cats", "wina")
+TRAIN_TOKENS = 8192  # a corpus's first tokens are training text (chapter 40's predictors)
+
+
+def _text_source(text: str) -> str:
+    """An argparse ``type=`` for ``--corpus`` / ``--calibration``: a corpus name or a file."""
+    from .corpus import CORPORA
+
+    if text in CORPORA:
+        return text
+    path = Path(text).expanduser()
+    if path.is_file():
+        return str(path)
+    if path.exists():
+        raise argparse.ArgumentTypeError(f"{text} is not a file; pass a UTF-8 text file.")
+    raise argparse.ArgumentTypeError(
+        f"no corpus named {text!r} and no file at {text}; pass one of {', '.join(CORPORA)} "
+        "or the path of a UTF-8 text file."
+    )
+
+
+def _positive(what: str):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            v = 0
+        if v < 1:
+            raise argparse.ArgumentTypeError(f"{what} must be a positive integer, got {text!r}.")
+        return v
+
+    return parse
+
+
+def _method_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--method", choices=METHOD_NAMES, default=None, help="sparsity method")
+    p.add_argument(
+        "--sparsity",
+        type=_budget("sparsity"),
+        default=None,
+        help="fraction removed (0 = dense): heads and neurons (oracle, static, dejavu), "
+        "bytes-weighted linear inputs (teal, wina), MLP neurons (cats)",
+    )
+    p.add_argument(
+        "--calibration",
+        type=_text_source,
+        default=None,
+        help="calibration text, a corpus name or a file (default: the corpus's first tokens)",
+    )
+    p.add_argument(
+        "--calibration-tokens",
+        type=_positive("--calibration-tokens"),
+        default=2048,
+        help="calibration tokens (thresholds, static sets)",
+    )
+    p.add_argument(
+        "--max-tokens", type=_positive("--max-tokens"), default=None, help="cap on evaluated tokens"
+    )
+    p.add_argument(
+        "--allocation",
+        choices=["uniform", "greedy"],
+        default=None,
+        help="teal/wina: spread over a layer's inputs (default greedy)",
+    )
+    p.add_argument(
+        "--predictor-mode", choices=["same", "lookahead"], default="lookahead", help="dejavu"
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -98,10 +171,21 @@ def parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("perplexity", help="perplexity on a corpus, dense or sparsified")
-    _common(p)
+    _common(p, corpus=False)
+    p.add_argument(
+        "--corpus", type=_text_source, default="demo", help="demo, wikitext-2, c4 or a text file"
+    )
+    p.add_argument("--window", type=int, default=512, help="tokens per window")
     p.add_argument("--max-windows", type=int, default=None, help="cap on windows evaluated")
-    p.add_argument("--skip-windows", type=int, default=0, help="start after this many windows")
+    p.add_argument(
+        "--skip-windows",
+        type=int,
+        default=None,
+        help="start after this many windows (default 0; with --method and no other "
+        f"--calibration text: the corpus's first {TRAIN_TOKENS} training tokens)",
+    )
     _sparsity_args(p)
+    _method_args(p)
     p.add_argument("--mode", choices=["oracle", "static", "predicted"], default="oracle")
     p.add_argument("--predictors", type=Path, help="predictor file (--mode predicted)")
     p.add_argument("--static-windows", type=int, default=4, help="calibration windows (static)")
@@ -144,8 +228,8 @@ def _load(args):
     return load_model(args.model)
 
 
-def _windows(args, tokenizer, n: int | None, skip: int = 0):
-    from .corpus import load_text, token_windows
+def _windows(args, tokenizer, n: int | None, skip: int = 0, source: str | None = None):
+    from .corpus import CorpusError, token_windows
 
     if tokenizer is None:
         raise ValueError(
@@ -153,10 +237,8 @@ def _windows(args, tokenizer, n: int | None, skip: int = 0):
             "use 'demo', a Hugging Face id or a folder with tokenizer files."
         )
     total = None if n is None else n + skip
-    w = token_windows(tokenizer, load_text(args.corpus), args.window, total)[skip:]
+    w = token_windows(tokenizer, _read_text(source or args.corpus), args.window, total)[skip:]
     if w.shape[0] == 0:
-        from .corpus import CorpusError
-
         raise CorpusError(
             f"The corpus has no {args.window}-token windows left after skipping {skip}; "
             "skip fewer windows or use a smaller --window."
@@ -164,23 +246,64 @@ def _windows(args, tokenizer, n: int | None, skip: int = 0):
     return w
 
 
+def _read_text(source: str) -> str:
+    """A corpus by name, or a UTF-8 text file."""
+    from .corpus import CORPORA, CorpusError, load_text
+
+    if source in CORPORA:
+        return load_text(source)
+    try:
+        return Path(source).read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise CorpusError(f"{source} is not UTF-8 text; pass a UTF-8 text file.") from None
+
+
+def _check_text_files(args) -> None:
+    """Fail before the model loads when a text file is not UTF-8 or cannot hold one window
+    (a token spans at least one byte)."""
+    from .corpus import CORPORA, CorpusError
+
+    for what, source in (("--corpus", args.corpus), ("--calibration", args.calibration)):
+        if source is None or source in CORPORA:
+            continue
+        raw = Path(source).read_bytes()
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise CorpusError(
+                f"{what} {source} is not UTF-8 text; pass a UTF-8 text file."
+            ) from None
+        if len(raw) < args.window:
+            raise CorpusError(
+                f"{what} {source} has {len(raw)} bytes, fewer than one window of {args.window} "
+                "tokens; pass a longer text or a smaller --window."
+            )
+
+
 def cmd_perplexity(args) -> None:
     """``dejavu-lab perplexity``: print the perplexity on the corpus, dense or sparsified.
+
+    Without ``--method`` the older options apply (``--mode``, ``--mlp-sparsity``,
+    ``--head-sparsity``); with it, any method at ``--sparsity`` (:func:`_perplexity_method`).
 
     >>> cmd_perplexity(parser().parse_args(
     ...     "perplexity --window 8 --max-windows 1 --mlp-sparsity 0.5 --no-progress".split()))
     200.2
     """
-    from .sparsify import sparse_perplexity, static_sets
+    if args.window < 2:
+        raise ValueError(f"--window must be at least 2 tokens, got {args.window}.")
+    if args.method is not None:
+        return _perplexity_method(args)
+    if args.sparsity is not None or args.calibration is not None:
+        raise ValueError("--sparsity and --calibration go with --method; pass --method too.")
+    from .sparsify import sparse_eval, static_sets
 
+    _check_text_files(args)
     model, tok, arch = _load(args)
-    windows = _windows(args, tok, args.max_windows, args.skip_windows)
-    kw = dict(
-        mlp_sparsity=args.mlp_sparsity,
-        head_sparsity=args.head_sparsity,
-        dense_layers=args.dense_layers,
-        mode=args.mode,
-    )
+    windows = _windows(args, tok, args.max_windows, args.skip_windows or 0)
+    ms = 0.0 if args.mlp_sparsity is None else args.mlp_sparsity
+    hs = 0.0 if args.head_sparsity is None else args.head_sparsity
+    kw = dict(mlp_sparsity=ms, head_sparsity=hs, dense_layers=args.dense_layers, mode=args.mode)
     if args.mode == "predicted":
         from .predictors import load_predictors
 
@@ -189,11 +312,148 @@ def cmd_perplexity(args) -> None:
         kw["predictors"] = load_predictors(args.predictors, model, arch)
     if args.mode == "static":
         calib = _windows(args, tok, args.static_windows)
-        kw["static"] = static_sets(
-            model, calib, mlp_sparsity=args.mlp_sparsity, head_sparsity=args.head_sparsity
+        kw["static"] = static_sets(model, calib, mlp_sparsity=ms, head_sparsity=hs)
+    r = sparse_eval(model, windows, progress=not args.no_progress, **kw)
+    if args.json:
+        out = {**_result_json(r, args, windows), "mode": args.mode}
+        print(json.dumps(out))
+    else:
+        print(f"{r.perplexity:.4f}")
+
+
+def _result_json(r, args, windows) -> dict:
+    return {
+        "perplexity": r.perplexity,
+        "tokens": r.tokens,
+        "method": r.method,
+        "sparsity": r.sparsity,
+        "bytes_per_token_fraction": r.bytes_per_token_fraction,
+        "kept": r.kept,
+        "model": args.model,
+        "corpus": args.corpus,
+        "window": args.window,
+        "windows": int(windows.shape[0]),
+    }
+
+
+def _perplexity_method(args) -> None:
+    """``perplexity --method M --sparsity S``: quality and bytes of any method, as JSON or text.
+
+    The corpus's first 8192 tokens (``TRAIN_TOKENS``: chapter 40's training text) are
+    training text: with no other ``--calibration``, calibration (thresholds, static sets, the
+    predictors) reads its first ``--calibration-tokens`` and evaluation starts after it.
+
+    >>> import contextlib, io, json
+    >>> out = io.StringIO()
+    >>> argv = ("perplexity --method cats --sparsity 0.5 --window 16 --max-tokens 16 "
+    ...         "--calibration-tokens 32 --json --no-progress").split()
+    >>> with contextlib.redirect_stdout(out):  # calibrates once, then reads the cache
+    ...     cmd_perplexity(parser().parse_args(argv))
+    >>> r = json.loads(out.getvalue())
+    >>> r["method"], r["tokens"], r["sparsity"], round(r["bytes_per_token_fraction"], 1)
+    ('cats', 16, 0.5, 0.7)
+    """
+    from .corpus import CorpusError
+    from .sparsify import sparse_eval
+
+    method = args.method
+    sparsity = 0.0 if args.sparsity is None or method == "dense" else args.sparsity
+    allocation = args.allocation or ("greedy" if method in ("teal", "wina") else "uniform")
+    same_text = args.calibration is None or args.calibration == args.corpus
+    calib_source = args.corpus if same_text else args.calibration
+    if args.max_tokens is not None and args.max_tokens < args.window:
+        raise ValueError(
+            f"--max-tokens {args.max_tokens} is less than one window of {args.window} tokens."
         )
-    ppl = sparse_perplexity(model, windows, progress=not args.no_progress, **kw)
-    print(f"{ppl:.4f}")
+    train_windows = math.ceil(TRAIN_TOKENS / args.window)
+    skip = args.skip_windows
+    if skip is None:
+        skip = train_windows if same_text else 0
+    n_eval = None if args.max_tokens is None else args.max_tokens // args.window
+    n_eval = args.max_windows if n_eval is None else n_eval
+    _check_text_files(args)
+    model, tok, arch = _load(args)
+    try:
+        windows = _windows(args, tok, n_eval, skip)
+    except CorpusError:
+        if not same_text or skip == 0 or args.skip_windows is not None:
+            raise
+        raise CorpusError(
+            f"{args.corpus} has no {args.window}-token windows after its first {TRAIN_TOKENS} "
+            "tokens, which are calibration text when --calibration is not given; pass "
+            "--calibration demo (or another text) or a longer corpus."
+        ) from None
+    n_calib = max(1, math.ceil(args.calibration_tokens / args.window))
+    kw: dict = dict(method=method, dense_layers=args.dense_layers)
+    calib_info: dict = {}
+    if method in ("oracle", "static", "dejavu"):
+        kw["mlp_sparsity"] = sparsity if args.mlp_sparsity is None else args.mlp_sparsity
+        kw["head_sparsity"] = sparsity if args.head_sparsity is None else args.head_sparsity
+    elif method != "dense":
+        kw["sparsity"] = sparsity
+    if method in ("static", "teal", "cats", "wina"):
+        calib = _windows(args, tok, n_calib, 0, source=calib_source)
+        if same_text and n_calib > skip:
+            raise ValueError(
+                f"--calibration-tokens {args.calibration_tokens} overlap the evaluated text "
+                f"(it starts after {skip} windows); calibrate on fewer tokens or another text."
+            )
+        calib_info = {"calibration": calib_source, "calibration_tokens": int(calib.numel())}
+    if method == "static":
+        from .sparsify import static_sets
+
+        kw["static"] = static_sets(
+            model,
+            calib,
+            mlp_sparsity=kw["mlp_sparsity"],
+            head_sparsity=kw["head_sparsity"],
+            progress=not args.no_progress,
+        )
+    if method in ("teal", "cats", "wina"):
+        from .sparsify import calibrate
+
+        greedy = [method] if allocation == "greedy" and method != "cats" else []
+        kw["thresholds"] = calibrate(
+            model, calib, greedy=greedy, arch=arch, progress=not args.no_progress
+        )
+        kw["allocation"] = allocation
+        calib_info["calibration_file"] = str(kw["thresholds"].path)
+    if method == "dejavu":
+        kw["predictors"] = _predictors(args, model, tok, arch, calib_source)
+        calib_info = {"predictors": kw["predictors"].info.get("path")}
+    r = sparse_eval(model, windows, progress=not args.no_progress, **kw)
+    out = {**_result_json(r, args, windows), "sparsity": sparsity, "skip_windows": skip}
+    if method in ("teal", "wina"):
+        out["allocation"] = allocation
+    out.update(calib_info)
+    print(json.dumps(out) if args.json else f"{r.perplexity:.4f}")
+
+
+def _predictors(args, model, tok, arch, source: str):
+    """DejaVu predictors: ``--predictors FILE``, or trained once on the training text (cached)."""
+    from .corpus import CORPORA
+    from .predictors import PredictorConfig, get_or_train, load_predictors
+
+    if args.predictors is not None:
+        pred = load_predictors(args.predictors, model, arch)
+        pred.info = {"path": str(args.predictors)}
+        return pred
+    if source not in CORPORA:
+        raise ValueError(
+            "--method dejavu trains its predictors on a named corpus; with a text file pass "
+            "--predictors FILE (see `dejavu-lab train-predictors`)."
+        )
+    from .collect import CollectConfig
+
+    cfg = CollectConfig(corpus=source, window=args.window, max_tokens=TRAIN_TOKENS)
+    return get_or_train(
+        model,
+        tok,
+        PredictorConfig(mode=args.predictor_mode),
+        cfg,
+        arch=arch,
+        progress=not args.no_progress,
+    )
 
 
 def cmd_collect(args) -> None:

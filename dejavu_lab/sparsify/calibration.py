@@ -406,7 +406,7 @@ class Calibration:
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write a safetensors file (atomically) with the fingerprint in its metadata."""
-        tensors = {f"hist.{k}": v for k, v in self.hist.items()}
+        tensors = {f"hist.{k}": v.float() for k, v in self.hist.items()}  # counts, fp32 on disk
         tensors.update({f"greedy.{k}": v for k, v in self.greedy.items()})
         meta = {
             "format": FORMAT,
@@ -459,7 +459,7 @@ def load_calibration(path: str | os.PathLike, model=None, arch: Arch | None = No
         text_sha=meta["text_sha"],
         n_tokens=int(meta["n_tokens"]),
         config=CalibrationConfig(**{k: v for k, v in cfg_dict.items() if k in known}),
-        hist={k[5:]: v for k, v in tensors.items() if k.startswith("hist.")},
+        hist={k[5:]: v.double() for k, v in tensors.items() if k.startswith("hist.")},
         greedy={k[7:]: v for k, v in tensors.items() if k.startswith("greedy.")},
         path=Path(path),
     )

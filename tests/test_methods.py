@@ -1,0 +1,186 @@
+"""Every method's sparsify path: all-kept equals dense, what is kept, and the bytes it reads."""
+
+import pytest
+import torch
+from transformers.activations import ACT2FN
+
+from dejavu_lab.collect import fingerprint
+from dejavu_lab.hooks import run_with_cache
+from dejavu_lab.models import random_model
+from dejavu_lab.predictors import PredictorConfig, Predictors
+from dejavu_lab.sparsify import (
+    METHODS,
+    SITES,
+    Kept,
+    Thresholds,
+    bytes_per_token_fraction,
+    calibrate,
+    sparse_eval,
+    sparse_perplexity,
+    sparsified,
+    static_sets,
+)
+from dejavu_lab.sparsify.core import column_norms
+from dejavu_lab.sparsify.layer_bytes import layer_elements, site_elements
+
+
+def _ids(b=2, p=16, seed=0):
+    return torch.randint(0, 128, (b, p), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def _logits(model, ids, **kw):
+    with sparsified(model, **kw):
+        return model(input_ids=ids).logits
+
+
+def _keep_all(model, method):
+    """Thresholds of ``method`` at every site that keep every entry (|x| > -1)."""
+    sites = ("gate",) if method == "cats" else tuple(SITES)
+    n = model.config.num_hidden_layers
+    keys = [(i, s) for i in range(n) for s in sites]
+    return Thresholds(method, dict.fromkeys(keys, -1.0), dict.fromkeys(keys, 0.0),
+                      fingerprint(model))  # fmt: skip
+
+
+def test_every_method_is_registered():
+    assert set(METHODS) >= {"dense", "oracle", "static", "dejavu", "teal", "cats", "wina"}
+
+
+@pytest.mark.parametrize("method", ["teal", "wina", "cats"])
+def test_all_kept_equals_dense(tiny, method):
+    model, _, arch = tiny
+    ids = _ids()
+    dense = model(input_ids=ids).logits.detach()
+    kept = Kept()
+    out = _logits(model, ids, method=method, thresholds=_keep_all(model, method), kept=kept)
+    assert kept.counts and all(f == 1.0 for f in kept.fractions().values())  # hooks ran
+    assert torch.equal(out, dense)
+    cal = calibrate(model, ids, cache=False, progress=False)
+    assert torch.equal(_logits(model, ids, method=method, thresholds=cal, sparsity=0.0), dense)
+    assert torch.equal(_logits(model, ids, method="dense", sparsity=0.7), dense)
+
+
+def test_unit_methods_share_the_sparsity_budget():
+    model, _, arch = random_model("tiny-llama")
+    ids = _ids()
+    pred = Predictors(fingerprint(model), PredictorConfig(mode="same")).eval()
+    st = static_sets(model, ids, progress=False)
+    for kw in (dict(method="oracle"), dict(method="dejavu", predictors=pred),
+               dict(method="static", static=st)):  # fmt: skip
+        record = {}
+        _logits(model, ids, sparsity=0.5, record=record, **kw)
+        assert (record["mlp"][1].sum(-1) == 96).all() and (record["heads"][0].sum(-1) == 2).all()
+        record = {}
+        _logits(model, ids, sparsity=0.5, head_sparsity=0.0, record=record, **kw)
+        assert record["heads"] == {} and set(record["mlp"]) == {0, 1}
+    with pytest.raises(ValueError, match="pass method= or mode=, not both"):
+        _logits(model, ids, method="oracle", mode="static")
+    with pytest.raises(ValueError, match="method must be one of"):
+        _logits(model, ids, method="magic")
+
+
+def test_teal_zeroes_exactly_the_small_inputs():
+    model, _, arch = random_model("tiny-llama")
+    ids = _ids()
+    t = 0.8
+    thr = Thresholds("teal", {(1, "mlp_in"): t, (0, "down_in"): 0.05}, {}, fingerprint(model))
+    with torch.no_grad(), sparsified(model, method="teal", thresholds=thr):
+        _, c = run_with_cache(model, ids, ["blocks.0.mlp.hook_post"])
+    assert (c["blocks.0.mlp.hook_post"].abs() > 0.05).eq(c["blocks.0.mlp.hook_post"] != 0).all()
+    # what gate/up read in layer 1 is its (sparse-model) input with the small entries zeroed
+    seen = {}
+    h = arch.mlp_in(model, 1)[0].register_forward_pre_hook(lambda m, a: seen.update(x=a[0]))
+    try:
+        with torch.no_grad(), sparsified(model, method="teal", thresholds=thr):
+            _, c = run_with_cache(model, ids, ["blocks.1.ln2.hook_normalized"])
+    finally:
+        h.remove()
+    x = c["blocks.1.ln2.hook_normalized"]  # the hook's cache sees the value after masking
+    assert ((x == 0) | (x.abs() > t)).all() and (x == 0).any()
+    assert torch.equal(seen["x"], x)
+
+
+def test_wina_keeps_by_weighted_score():
+    model, _, arch = random_model("tiny-llama")
+    ids = _ids()
+    _, dense = run_with_cache(model, ids, ["blocks.0.ln1.hook_normalized"])
+    x = dense["blocks.0.ln1.hook_normalized"]
+    c = column_norms(model, arch, 0, "attn_in")
+    t = (x.abs() * c).median().item()
+    thr = Thresholds("wina", {(0, "attn_in"): t}, {}, fingerprint(model))
+    want = torch.where(x.abs() * c > t, x, torch.zeros(()))
+    seen = {}
+    h = arch.part(model, 0, "q").register_forward_pre_hook(lambda m, a: seen.update(x=a[0]))
+    try:
+        with torch.no_grad(), sparsified(model, method="wina", thresholds=thr):
+            model(input_ids=ids)
+    finally:
+        h.remove()
+    torch.testing.assert_close(seen["x"], want)
+    assert 0 < (want == 0).float().mean() < 1
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-opt"])
+def test_cats_keeps_neurons_by_gate_activation(preset):
+    model, _, arch = random_model(preset)
+    ids = _ids()
+    t = 0.05
+    thr = Thresholds("cats", {(1, "gate"): t}, {}, fingerprint(model))
+    names = ["blocks.1.mlp.hook_pre", "blocks.1.mlp.hook_post"]
+    _, dense = run_with_cache(model, ids, names)
+    record = {}
+    with torch.no_grad(), sparsified(model, method="cats", thresholds=thr, record=record):
+        _, c = run_with_cache(model, ids, names)
+    keep = ACT2FN[arch.activation](dense["blocks.1.mlp.hook_pre"]).abs() > t
+    assert torch.equal(record["mlp"][1], keep)
+    post = c["blocks.1.mlp.hook_post"]  # layer 0 is dense, so layer 1's inputs are too
+    assert torch.equal(post, torch.where(keep, dense["blocks.1.mlp.hook_post"], torch.zeros(())))
+
+
+def test_dense_layers_and_per_layer_sparsity_for_threshold_methods():
+    model, _, _ = random_model("tiny-llama")
+    ids = _ids()
+    cal = calibrate(model, ids, cache=False, progress=False)
+    for method in ("teal", "wina", "cats"):
+        kept = Kept()
+        _logits(model, ids, method=method, thresholds=cal, sparsity=0.5, dense_layers=[1],
+                kept=kept)  # fmt: skip
+        assert {k[0] for k in kept.counts} == {0}
+        kept = Kept()
+        _logits(model, ids, method=method, thresholds=cal, sparsity=[0.0, 0.6], kept=kept)
+        assert {k[0] for k in kept.counts} == {1}
+
+
+def test_bytes_per_token_by_method():
+    model, _, arch = random_model("tiny-llama")
+    ids = _ids(b=1)
+    e, dense = site_elements(arch), layer_elements(arch)
+    assert dense == e["attn_in"] + e["o_in"] + e["mlp_in"] + e["down_in"]
+    assert (
+        e["mlp"] == e["mlp_in"] + e["down_in"] and e["heads"] + e["kv"] == e["attn_in"] + e["o_in"]
+    )
+    r = sparse_eval(model, ids, method="dense", progress=False)
+    assert r.bytes_per_token_fraction == 1.0 and r.kept == {}
+    r = sparse_eval(model, ids, method="oracle", mlp_sparsity=0.5, head_sparsity=0.5,
+                    progress=False)  # fmt: skip
+    want = 1 - (0.5 * e["mlp"] + 0.5 * e["heads"] + (1 - r.kept["kv"]) * e["kv"]) / dense
+    assert r.bytes_per_token_fraction == pytest.approx(want)
+    cal = calibrate(model, ids, cache=False, progress=False)
+    r = sparse_eval(model, ids, method="cats", sparsity=0.5, thresholds=cal, progress=False)
+    gate = r.kept["gate"]
+    assert r.bytes_per_token_fraction == pytest.approx(1 - (1 - gate) * e["gate"] / dense)
+    kept = Kept()
+    with torch.no_grad(), sparsified(model, method="teal", sparsity=0.5, thresholds=cal,
+                                     kept=kept):  # fmt: skip
+        ppl = sparse_perplexity(model, ids, progress=False)  # adds no hooks of its own
+    r = sparse_eval(model, ids, method="teal", sparsity=0.5, thresholds=cal, progress=False)
+    saved = sum(e[site] * (1 - f) for (_, site), f in kept.fractions().items())
+    assert r.bytes_per_token_fraction == pytest.approx(1 - saved / (arch.n_layers * dense))
+    assert ppl > 0
+    pred = Predictors(fingerprint(model), PredictorConfig(mlp_rank=8, head_rank=4)).eval()
+    r = sparse_eval(model, ids, method="dejavu", predictors=pred, mlp_sparsity=0.5,
+                    progress=False)  # fmt: skip
+    extra = arch.n_layers * (64 * 8 + 8 * 192)  # the MLP predictors' weights, every layer
+    base = bytes_per_token_fraction(arch, {(i, "mlp"): 0.5 for i in range(arch.n_layers)})
+    assert r.bytes_per_token_fraction == pytest.approx(base + extra / (arch.n_layers * dense))
