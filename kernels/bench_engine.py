@@ -13,7 +13,7 @@ top-k), batch 1, for each prompt length:
   lookahead predictors on a side stream; variants without predictors (fixed random sets) and
   with the predictors inline on one stream show what the predictors cost.
 
-Every row carries the bytes the step reads (:mod:`dejavu_lab.engine_bytes`) and the achieved
+Every row carries the bytes the step reads (:mod:`dejavu_lab.engine.nbytes`) and the achieved
 bandwidth against the device-to-device copy ceiling measured in the same run. At one prompt
 length a breakdown times each part of the step alone (attention, MLP, predictors, lm_head, all
 layers, each captured in a CUDA graph); the rest of the step time is overhead. A correctness
@@ -36,9 +36,7 @@ import time
 import torch
 
 from dejavu_lab import results
-from dejavu_lab.engine import Decoder, SparseConfig
-from dejavu_lab.engine_bytes import step_bytes
-from dejavu_lab.engine_weights import decoder_weights
+from dejavu_lab.engine import Decoder, SparseConfig, decoder_weights, step_bytes
 from dejavu_lab.models import PRESETS, load_model, random_model
 
 MODELS = ["opt-30b", "llama-2-13b", "opt-13b", "opt-6.7b"]  # most important first

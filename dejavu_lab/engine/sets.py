@@ -11,16 +11,11 @@ GEMV for both ``d -> r`` halves, then each ``r -> n`` — the same function as
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 
-from .engine_weights import EngineError
-from .sparsify import n_keep
-
-if TYPE_CHECKING:
-    from .engine import SparseConfig
+from ..sparsify import n_keep
+from .config import EngineError, SparseConfig
 
 __all__ = ["KeptSets"]
 

@@ -1,6 +1,6 @@
 """A batch-1 decoder with a static KV cache, dense or contextually sparse (Deja Vu §4.3–4.4, §5.1).
 
-Built from a Hugging Face OPT or Llama-family model's weights (:mod:`dejavu_lab.engine_weights`
+Built from a Hugging Face OPT or Llama-family model's weights (:mod:`dejavu_lab.engine.weights`
 lays them out once: fused QKV, ``W_O`` and ``W2`` transposed). Dense and sparse decoding share
 the embedding, the norms (:func:`dejavu_lab.kernels.row_norm`), residual stream, KV cache and
 ``lm_head``; only the block internals differ:
@@ -29,48 +29,22 @@ torch.Size([1, 7])
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from .engine_sets import KeptSets
-from .engine_weights import DecoderWeights, EngineError, decoder_weights
-from .kernels import (
+from ..kernels import (
     kv_window_write,
     row_norm,
     sparse_attention_core,
     sparse_mlp_down,
     sparse_mlp_up,
 )
-from .sparsify import budgets
+from .config import EngineError, SparseConfig
+from .sets import KeptSets
+from .weights import DecoderWeights, decoder_weights
 
-__all__ = ["Decoder", "EngineError", "SparseConfig"]
-
-
-@dataclass(frozen=True)
-class SparseConfig:
-    """What the sparse path keeps per token (sparsity = fraction removed, as in the paper).
-
-    >>> from dejavu_lab.models import random_model
-    >>> m = random_model("tiny-opt", dtype=torch.float16).model  # 256 neurons, 4 heads
-    >>> dec = Decoder(m, max_seq_len=16, sparse=SparseConfig(mlp_sparsity=0.75, head_sparsity=0.5))
-    >>> dec.k_mlp, dec.k_heads, dec.window  # kept per token; deferred-KV window
-    (64, 2, 16)
-    >>> dec.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3).shape  # the sparse kernels
-    torch.Size([1, 6])
-    """
-
-    mlp_sparsity: float = 0.0  # MLP neurons removed (OPT-175B in §5.1: 0.85)
-    head_sparsity: float = 0.0  # query heads removed (§5.1: 0.5)
-    kv_window: int = 16  # deferred KV window (1-32 tokens); 0 computes every head's K/V each step
-    side_stream: bool = True  # lookahead predictors on a second CUDA stream (else inline)
-
-    def __post_init__(self):
-        budgets(self.mlp_sparsity, 1, "mlp_sparsity")
-        budgets(self.head_sparsity, 1, "head_sparsity")
-        if not 0 <= self.kv_window <= 32:
-            raise EngineError(f"kv_window={self.kv_window} must lie in [0, 32] tokens.")
+__all__ = ["Decoder"]
 
 
 def _norm(x: torch.Tensor, p: tuple, kind: str) -> torch.Tensor:

@@ -3,7 +3,7 @@
 Reads what ``kernels/bench_engine.py`` recorded (``results/engine_e2e.json``) — or runs it live
 on a GPU box — and shapes it: the latency table beside the paper's ratios, where a token's time
 goes (attention, MLP, predictors, lm_head, overhead), and the bytes-per-token prediction
-(:mod:`dejavu_lab.engine_bytes`) beside the measured speedup.
+(:mod:`dejavu_lab.engine.nbytes`) beside the measured speedup.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 import pandas as pd
 import plotly.express as px
 
-from . import results
+from .. import results
 
 __all__ = [
     "PAPER",
@@ -46,7 +46,7 @@ def load(live: bool | None = None, models: str = "opt-6.7b", prompts: str = "128
     live = torch.cuda.is_available() if live is None else live
     name = NAME
     if live:
-        script = Path(__file__).resolve().parent.parent / "kernels" / "bench_engine.py"
+        script = Path(__file__).resolve().parents[2] / "kernels" / "bench_engine.py"
         name = NAME + "_live"
         cmd = [sys.executable, str(script), "--models", models, "--prompts", prompts,
                "--parts-at", prompts.split(",")[-1], "--name", name, "--no-check"]  # fmt: skip

@@ -20,23 +20,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .arch import Arch, get_arch
+from ..arch import Arch, get_arch
+from .config import EngineError
 
-__all__ = ["DecoderWeights", "EngineError", "LayerWeights", "decoder_weights"]
+__all__ = ["DecoderWeights", "LayerWeights", "decoder_weights"]
 
 ENGINE_TYPES = ("opt", "llama", "mistral", "qwen2")  # Arch tables whose blocks the engine runs
-
-
-class EngineError(ValueError):
-    """The engine cannot run this model or this request; the message says what to do.
-
-    >>> from dejavu_lab.engine import Decoder
-    >>> from dejavu_lab.models import random_model
-    >>> Decoder(random_model("tiny-opt").model, max_seq_len=4096)
-    Traceback (most recent call last):
-    ...
-    dejavu_lab.engine_weights.EngineError: max_seq_len=4096 exceeds the model's 2048 positions.
-    """
 
 
 @dataclass

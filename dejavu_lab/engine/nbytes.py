@@ -24,7 +24,7 @@ that ideal (OPT-6.7B at 85% MLP and 50% head sparsity, context 512: 4.30 GB per 
 
 from __future__ import annotations
 
-from .arch import Arch
+from ..arch import Arch
 
 __all__ = ["predictor_bytes", "step_bytes"]
 
