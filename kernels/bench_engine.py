@@ -8,6 +8,9 @@ top-k), batch 1, for each prompt length:
 
 - ``hf``     — ``model.generate`` (eager attention, dynamic cache), per token from
   (T(n) - T(1)) / (n - 1), prefill = T(1);
+- ``hf_compiled`` — ``model.generate(..., cache_implementation="static")``: the static cache
+  makes HF torch.compile its decode step (the strongest HF baseline); timed after a first call,
+  whose extra time is recorded as ``compile_s``;
 - ``dense``  — :class:`dejavu_lab.engine.Decoder`, the step replayed as a CUDA graph;
 - ``sparse`` — the same with 85% MLP + 50% heads removed (OPT; Llama shape: 50% + 50%), the
   lookahead predictors on a side stream; variants without predictors (fixed random sets) and
@@ -158,16 +161,33 @@ def check(device: str) -> None:
         gc.collect()
 
 
-def hf_row(model, ids, new_tokens: int) -> dict:
+def hf_row(model, ids, new_tokens: int, compiled: bool = False) -> dict:
+    """HF ``generate``: eager (dynamic cache) or ``cache_implementation="static"``, which
+    torch.compiles the decode step on a GPU; per token from (T(n) - T(1)) / (n - 1).
+
+    The compiled run is timed after a first call that compiles (its extra time is
+    ``compile_s``); the first call uses the longest length, so later calls reuse its cache."""
+    kw = {"cache_implementation": "static"} if compiled else {}
+
     def gen(n):
         return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                              min_new_tokens=n, do_sample=False)  # fmt: skip
+                              min_new_tokens=n, do_sample=False, **kw)  # fmt: skip
 
+    out = {}
     with torch.no_grad():
-        gen(2)  # warm-up
+        if compiled:  # a fresh compilation for this model and prompt, timed on its own
+            torch._dynamo.reset()
+            if hasattr(model, "_previous_max_cache_length"):
+                model._previous_max_cache_length = -1
+            first = timed(lambda: gen(new_tokens))
+            tn = min(timed(lambda: gen(new_tokens)) for _ in range(2))
+            out["compile_s"] = max(first - tn, 0.0) / 1e3
+            out["compiled"] = cuda()  # HF compiles on accelerators only
+        else:
+            gen(2)  # warm-up
+            tn = timed(lambda: gen(new_tokens))
         t1 = min(timed(lambda: gen(1)) for _ in range(2))
-        tn = timed(lambda: gen(new_tokens))
-    return {"ms_per_token": (tn - t1) / (new_tokens - 1), "prefill_ms": t1}
+    return {"ms_per_token": (tn - t1) / (new_tokens - 1), "prefill_ms": t1, **out}
 
 
 def engine_row(dec: Decoder, ids, new_tokens: int) -> dict:
@@ -198,7 +218,17 @@ def parts_rows(dec: Decoder, base: dict) -> list[dict]:
     return out
 
 
-def bench_model(preset, prompts, new_tokens, hf_new, hf_prompts, device, ceiling, parts_at):
+def bench_model(
+    preset,
+    prompts,
+    new_tokens,
+    hf_new,
+    hf_prompts,
+    device,
+    ceiling,
+    parts_at,
+    baselines=("hf", "hf_compiled"),
+):
     model, arch = build(preset, device)
     vocab = model.get_output_embeddings().weight.shape[0]
     d_embed = model.get_output_embeddings().weight.shape[1]
@@ -210,9 +240,16 @@ def bench_model(preset, prompts, new_tokens, hf_new, hf_prompts, device, ceiling
     base = {"model": preset, "family": arch.family, "mlp_sparsity": ms_, "head_sparsity": hs_}
     for p in hf_prompts:
         ids = torch.randint(0, vocab, (1, p), device=device)
-        row = {**base, "kind": "e2e", "engine": "hf", "prompt": p, **hf_row(model, ids, hf_new)}
-        ROWS.append(_bw(row, arch, vocab, d_embed, p, new_tokens, 1.0, 1.0, 0, ceiling))
-        print(_fmt(row))
+        for name in baselines:
+            row = {**base, "kind": "e2e", "engine": name, "prompt": p}
+            try:
+                row.update(hf_row(model, ids, hf_new, compiled=name == "hf_compiled"))
+            except Exception as exc:  # e.g. a torch.compile failure: record it, go on
+                print(f"{preset} {name} prompt {p} failed: {exc!r}")
+                ROWS.append({**row, "error": repr(exc)[:300]})
+                continue
+            ROWS.append(_bw(row, arch, vocab, d_embed, p, new_tokens, 1.0, 1.0, 0, ceiling))
+            print(_fmt(row))
     w = decoder_weights(model, arch)
     configs = [("dense", None, None, 1.0, 1.0, 0)]
     kept = (1 - ms_, 1 - hs_)
@@ -268,7 +305,8 @@ def _bw(row, arch, vocab, d_embed, prompt, new_tokens, mk, hk, pb, ceiling) -> d
 def _fmt(row) -> str:
     return (f"{row['model']:>12} {row['engine']:>25} prompt {row['prompt']:5d}: "
             f"{row['ms_per_token']:8.3f} ms/token, prefill {row['prefill_ms']:8.1f} ms, "
-            f"{row['tbps']:.2f} TB/s")  # fmt: skip
+            f"{row['tbps']:.2f} TB/s"
+            + (f", compile {row['compile_s']:.1f} s" if "compile_s" in row else ""))  # fmt: skip
 
 
 def print_table(ceiling: float) -> None:
@@ -277,19 +315,21 @@ def print_table(ceiling: float) -> None:
     by = {}
     for r in e2e:
         by.setdefault((r["model"], r["prompt"]), {})[r["engine"]] = r
-    print(f"{'model':>12} {'prompt':>6} {'hf':>8} {'dense':>8} {'/floor':>6} {'sparse':>8} "
-          f"{'vs dense':>8} {'vs hf':>7} {'fixed':>8}")  # fmt: skip
+    print(f"{'model':>12} {'prompt':>6} {'hf':>8} {'hf_comp':>8} {'dense':>8} {'/floor':>6} "
+          f"{'sparse':>8} {'vs dense':>8} {'vs hf':>7} {'vs hfc':>7} {'fixed':>8}")  # fmt: skip
     for (m, p), e in sorted(by.items()):
-        hf, de, sp = e.get("hf"), e.get("dense"), e.get("sparse") or e.get("sparse_fixed_sets")
-        fx = e.get("sparse_fixed_sets")
+        hf, hfc, de = e.get("hf"), e.get("hf_compiled"), e.get("dense")
+        sp, fx = e.get("sparse") or e.get("sparse_fixed_sets"), e.get("sparse_fixed_sets")
 
         def ms(r):
             return f"{r['ms_per_token']:8.2f}" if r else f"{'-':>8}"
 
+        def ratio(a, b, w):
+            return f"{a['ms_per_token'] / b['ms_per_token']:{w}.2f}" if a and b else f"{'-':>{w}}"
+
         floor = f"{de['ms_per_token'] / de['floor_ms']:6.2f}" if de and de["floor_ms"] else "     -"
-        vs_d = f"{de['ms_per_token'] / sp['ms_per_token']:8.2f}" if de and sp else f"{'-':>8}"
-        vs_h = f"{hf['ms_per_token'] / sp['ms_per_token']:7.2f}" if hf and sp else f"{'-':>7}"
-        print(f"{m:>12} {p:6d} {ms(hf)} {ms(de)} {floor} {ms(sp)} {vs_d} {vs_h} {ms(fx)}")
+        print(f"{m:>12} {p:6d} {ms(hf)} {ms(hfc)} {ms(de)} {floor} {ms(sp)} {ratio(de, sp, 8)} "
+              f"{ratio(hf, sp, 7)} {ratio(hfc, sp, 7)} {ms(fx)}")  # fmt: skip
 
 
 def main(argv=None):
@@ -299,6 +339,9 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--hf-new-tokens", type=int, default=32, help="HF is slow: fewer tokens")
     ap.add_argument("--hf-prompts", default=None, help="prompts for HF (default: --prompts)")
+    ap.add_argument("--baselines", default="hf,hf_compiled",
+                    help="HF baselines among hf (eager), hf_compiled (static cache + torch.compile)"
+                    "; '' for none")  # fmt: skip
     ap.add_argument("--parts-at", type=int, default=512, help="prompt of the time breakdown")
     ap.add_argument("--no-check", action="store_true", help="skip the correctness check")
     ap.add_argument("--name", default="engine_e2e", help="results/<name>.json")
@@ -318,6 +361,9 @@ def main(argv=None):
     if args.quick:
         hf_prompts = prompts
         SPARSITY.update({"opt": (0.5, 0.5), "llama": (0.5, 0.5)})
+    baselines = [b for b in args.baselines.split(",") if b]
+    if set(baselines) - {"hf", "hf_compiled"}:
+        sys.exit(f"--baselines takes hf and hf_compiled, got {args.baselines!r}.")
     ceiling = copy_ceiling()
     print(f"copy ceiling: {ceiling:.2f} TB/s")
     if not args.no_check:
@@ -329,7 +375,9 @@ def main(argv=None):
     for preset in models:
         t0 = time.perf_counter()
         try:
-            bench_model(preset, prompts, new, hf_new, hf_prompts, device, ceiling, parts_at)
+            bench_model(
+                preset, prompts, new, hf_new, hf_prompts, device, ceiling, parts_at, baselines
+            )
         except Exception as exc:
             print(f"{preset} failed: {exc!r}")
             ROWS.append({"kind": "e2e", "model": preset, "error": repr(exc)[:300]})
