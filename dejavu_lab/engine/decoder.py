@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import (
+    fused_sparse_mlp,
     kv_window_write,
     row_norm,
     sparse_attention_core,
@@ -42,6 +43,8 @@ from ..kernels import (
 )
 from .config import EngineError, SparseConfig
 from .sets import KeptSets
+from .threshold_blocks import ThresholdBlocks, _rotate
+from .threshold_blocks import dense_ops as _resolve_ops
 from .weights import DecoderWeights, decoder_weights
 
 __all__ = ["Decoder"]
@@ -52,24 +55,40 @@ def _norm(x: torch.Tensor, p: tuple, kind: str) -> torch.Tensor:
     return row_norm(x, w, b if kind == "layer" else None, eps=eps, kind=kind)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE in HF's half-split form; x [..., dh], cos/sin broadcastable to x."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+def _layout_for(method: str, sparse: SparseConfig | None) -> str:
+    """The weights layout a method reads: TEAL/WINA thresholds W_QKV's and W_in's columns."""
+    return "columns" if method in ("teal", "wina") else "rows"
 
 
-_ACT = {"relu": torch.relu, "gelu": F.gelu, "silu": F.silu}
+def _check_layout(w: DecoderWeights, method: str, sparse: SparseConfig | None) -> None:
+    lw, need = w.layers[0], []
+    if method in ("dejavu", "cats"):
+        need = [("w_in", "rows")] + ([("w_qkv", "rows")] if method == "dejavu" else [])
+    elif method in ("teal", "wina"):
+        sites = {site for _, site in sparse.thresholds}
+        need = [(m, "columns") for m, s in (("w_qkv_t", "attn_in"), ("w_in_t", "mlp_in"))
+                if s in sites]  # fmt: skip
+    for name, layout in need:
+        if getattr(lw, name) is None:
+            raise EngineError(
+                f"method {method!r} reads the {layout} layout of the weights but these were built "
+                f"with layout={w.layout!r}; build them with decoder_weights(model, "
+                f"layout={layout!r}) (or 'both', to share them between methods)."
+            )
 
 
-class Decoder(KeptSets):
+class Decoder(KeptSets, ThresholdBlocks):
     """Greedy batch-1 decoding of one sequence of up to ``max_seq_len`` tokens.
 
     ``model`` is a HF model or the :class:`DecoderWeights` of one (to share them between
-    decoders). ``sparse=None`` runs the dense path; a :class:`SparseConfig` runs the sparse kernels (fp16 or
-    bf16 weights). ``predictors`` is any object with ``mlp_scores(layer, x)`` and
+    decoders; TEAL and WINA need its ``"columns"`` layout, see :func:`decoder_weights`).
+    ``sparse=None`` runs the dense path; a :class:`SparseConfig` runs its method's kernels (fp16
+    or bf16 weights). ``predictors`` (DejaVu) is any object with ``mlp_scores(layer, x)`` and
     ``head_scores(layer, x)`` returning [1, n] scores (``dejavu_lab.predictors.Predictors``,
     lookahead mode); without it the kept sets are the ones given to :meth:`set_indices`
-    (default: the first k units).
+    (default: the first k units). ``dense_ops`` picks, per dense op (``qkv``, ``attn``, ``o``,
+    ``mlp``), torch (cuBLAS) or our kernels at 100% kept: ``"torch"``, ``"triton"`` or e.g.
+    ``"qkv=triton,mlp=triton"`` (:func:`~dejavu_lab.engine.threshold_blocks.dense_ops`).
 
     >>> from dejavu_lab.models import random_model
     >>> m = random_model("tiny-opt").model
@@ -81,23 +100,33 @@ class Decoder(KeptSets):
     """
 
     def __init__(self, model, *, max_seq_len: int, sparse: SparseConfig | None = None,
-                 predictors=None, arch=None):  # fmt: skip
+                 predictors=None, arch=None, dense_ops: str | dict | None = None):  # fmt: skip
+        method = "dense" if sparse is None else sparse.method
+        self.method = method  # "dense", "dejavu", "teal", "wina" or "cats"
+        self.ops = _resolve_ops(dense_ops)
         # a DecoderWeights is shared as is (dense and sparse decoders over one copy)
-        self.w = model if isinstance(model, DecoderWeights) else decoder_weights(model, arch)
+        if isinstance(model, DecoderWeights):
+            self.w = model
+        else:
+            self.w = decoder_weights(model, arch, layout=_layout_for(method, sparse))
         a = self.arch = self.w.arch
         self.sparse = sparse
         self.predictors = predictors
-        if sparse is not None and self.w.dtype not in (torch.float16, torch.bfloat16):
+        kernels = method != "dense" or "triton" in self.ops.values()
+        if kernels and self.w.dtype not in (torch.float16, torch.bfloat16):
             raise EngineError(
-                f"the sparse path runs the fp16/bf16 kernels but the weights are {self.w.dtype}; "
-                "load the model with dtype=torch.float16 (or bfloat16)."
+                f"the {method} path runs the fp16/bf16 kernels but the weights are "
+                f"{self.w.dtype}; load the model with dtype=torch.float16 (or bfloat16)."
             )
+        _check_layout(self.w, method, sparse)
         if predictors is not None and getattr(predictors, "mode", "lookahead") != "lookahead":
             raise EngineError(
                 "the engine runs lookahead predictors (Knowl 2); train mode='lookahead'."
             )
-        if predictors is not None and sparse is None:
-            raise EngineError("predictors were given without a SparseConfig; pass sparse=...")
+        if predictors is not None and method != "dejavu":
+            raise EngineError(
+                "predictors choose DejaVu's kept sets; pass sparse=SparseConfig(method='dejavu', ...)."
+            )
         if max_seq_len > self.w.max_positions:
             raise EngineError(
                 f"max_seq_len={max_seq_len} exceeds the model's {self.w.max_positions} positions."
@@ -108,7 +137,8 @@ class Decoder(KeptSets):
         self.scale = 1.0 / math.sqrt(self.dh)
         # deferred KV needs one KV head per query head; GQA computes all (few) KV heads instead
         mha = self.H == self.Hkv
-        self.window = sparse.kv_window if (sparse and mha and sparse.head_sparsity > 0) else 0
+        dejavu_heads = method == "dejavu" and sparse.head_sparsity > 0
+        self.window = sparse.kv_window if (dejavu_heads and mha) else 0
         t_alloc = self.max_seq_len + max(self.window, 1)
         # kv: [L, 2, Hkv, T, dh] static cache (zeros: never NaN, even where deferred)
         self.kv = torch.zeros(a.n_layers, 2, self.Hkv, t_alloc, self.dh, dtype=dt, device=dev)
@@ -130,7 +160,13 @@ class Decoder(KeptSets):
         self.base = 0
         self.graph = None
         self._side = None
-        if sparse is not None:
+        self._taps = None  # a callable (layer, site, tensor) the prefill reports to (calibration)
+        self._kv_all = torch.arange(self.Hkv, device=dev)
+        # the step's blocks: DejaVu's kept-set kernels, else every head + thresholded columns
+        self._attn = self._attn_sparse if method == "dejavu" else self._attn_all
+        self._mlp = {"dejavu": self._mlp_sparse, "cats": self._mlp_cats}.get(method, self._mlp_all)
+        self._init_thresholds()
+        if method == "dejavu":
             self._init_sparse(sparse)
 
     # ----------------------------------------------------------------------------- the blocks
@@ -158,42 +194,18 @@ class Decoder(KeptSets):
         h = _norm(x + attn(i, x), lw.ln_attn, kind)  # post-LN (OPT-350m)
         return _norm(h + mlp(i, h), lw.ln_mlp, kind)
 
-    def _mlp_dense(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        lw = self.w.layers[i]
-        if (
-            self.w.activation == "relu"
-            and not self.arch.gated
-            and lw.b_in is not None
-            and x.is_cuda
-        ):
-            h = torch._addmm_activation(lw.b_in, x, lw.w_in.t())  # cuBLASLt bias+ReLU epilogue
-            return (
-                torch.addmm(lw.b_down, h, lw.w_down_t) if lw.b_down is not None else h @ lw.w_down_t
-            )
-        a = F.linear(x, lw.w_in, lw.b_in)
-        act = _ACT[self.w.activation]
-        h = (
-            act(a[..., : self.arch.d_mlp]) * a[..., self.arch.d_mlp :]
-            if self.arch.gated
-            else act(a)
-        )
-        return h @ lw.w_down_t if lw.b_down is None else torch.addmm(lw.b_down, h, lw.w_down_t)
-
     def _mlp_sparse(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        lw, n, idx = self.w.layers[i], self.arch.d_mlp, self.mlp_idx[i]
-        gated, b = self.arch.gated, lw.b_in
-        h = sparse_mlp_up(
-            x, lw.w_in[:n], idx, bias=None if b is None else b[:n], activation=self.w.activation,
-            up_weight=lw.w_in[n:] if gated else None,
-            up_bias=None if (b is None or not gated) else b[n:], validate=False,
-        )  # fmt: skip
-        return sparse_mlp_down(h, lw.w_down_t, idx, bias=lw.b_down, validate=False)
+        """DejaVu's MLP over the kept neurons: up (or gate/up), activation and down, one launch."""
+        lw = self.w.layers[i]
+        return fused_sparse_mlp(x, lw.w_in, lw.w_down_t, self.mlp_idx[i],
+                                activation=self.w.activation, gated=self.arch.gated,
+                                b_in=lw.b_in, b_down=lw.b_down, validate=False)  # fmt: skip
 
     def _per_step(self) -> None:
         """Tensors every layer of this step shares, computed once: mask or length, RoPE rows."""
-        if self.sparse is None:  # the dense attention masks the static cache
+        if self.method != "dejavu" and self.ops["attn"] == "torch":  # torch masks the cache
             self._cur_mask = torch.where(self.ar_t <= self.pos_t, self._zero, self._ninf)  # [T]
-        else:  # the sparse attention kernel reads positions < seqlen
+        else:  # our attention kernel reads positions < seqlen
             self._seqlen = self.pos_t + 1  # [1] tokens in the cache with this one
         if self.window:
             self._slot = self.pos_t - self.base_t  # [1] row of this token in the window
@@ -202,25 +214,6 @@ class Decoder(KeptSets):
             positions = self.base_t + self.ar_w if self.window else self.pos_t
             self._cos_b = self.cos[positions, None]
             self._sin_b = self.sin[positions, None]
-
-    def _attend(self, i: int, q: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """One query per head over layer i's cache; q [H, dh] -> [H, dh] (GQA by grouping)."""
-        k, v = self.kv[i, 0], self.kv[i, 1]  # [Hkv, T, dh]
-        qg = q.view(self.Hkv, self.H // self.Hkv, self.dh)
-        s = torch.baddbmm(mask.view(1, 1, -1), qg, k.transpose(1, 2), alpha=self.scale)
-        return torch.bmm(torch.softmax(s, dim=-1), v).view(self.H, self.dh)
-
-    def _attn_dense(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        lw, H, Hkv, dh = self.w.layers[i], self.H, self.Hkv, self.dh
-        qkv = F.linear(x, lw.w_qkv, lw.b_qkv).view(H + 2 * Hkv, dh)
-        if self.cos is not None:
-            qk = _rotate(qkv[: H + Hkv], self._cos_b[0], self._sin_b[0])
-            q, new = qk[:H], torch.stack((qk[H:], qkv[H + Hkv :]))
-        else:
-            q, new = qkv[:H], qkv[H:].view(2, Hkv, dh)
-        self.kv[i].index_copy_(2, self.pos_t, new.unsqueeze(2))
-        o = self._attend(i, q, self._cur_mask).view(1, H * dh)
-        return o @ lw.w_o_t if lw.b_o is None else torch.addmm(lw.b_o, o, lw.w_o_t)
 
     def _attn_sparse(self, i: int, x: torch.Tensor) -> torch.Tensor:
         lw, dh, k, nkv = self.w.layers[i], self.dh, self.k_heads, self.n_kv_sel
@@ -266,10 +259,8 @@ class Decoder(KeptSets):
         """One greedy decode step on the static buffers (what the CUDA graph records)."""
         x = self._embed(self.tok_t, self.pos_t)  # [1, d]
         self._per_step()
-        sparse = self.sparse is not None
-        attn = self._attn_sparse if sparse else self._attn_dense
-        mlp = self._mlp_sparse if sparse else self._mlp_dense
-        pred = sparse and self.predictors is not None
+        attn, mlp = self._attn, self._mlp
+        pred = self.predictors is not None
         side = self._side if (pred and x.is_cuda and self.sparse.side_stream) else None
         if pred:
             self._predict(0, x)
@@ -306,10 +297,12 @@ class Decoder(KeptSets):
         H, Hkv, dh = self.H, self.Hkv, self.dh
         pos = self.ar_t[:S]
         x = self._embed(ids, pos)
+        tap = self._taps or (lambda i, site, t: None)
 
         def attn(i, xn):
             lw = self.w.layers[i]
-            qkv = F.linear(xn, lw.w_qkv, lw.b_qkv).view(S, H + 2 * Hkv, dh)
+            tap(i, "attn_in", xn)
+            qkv = lw.qkv(xn).view(S, H + 2 * Hkv, dh)
             q, k, v = qkv[:, :H], qkv[:, H : H + Hkv], qkv[:, H + Hkv :]
             if self.cos is not None:
                 c, s = self.cos[:S, None], self.sin[:S, None]
@@ -320,10 +313,21 @@ class Decoder(KeptSets):
                 q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                 is_causal=True, enable_gqa=H != Hkv,
             )[0].transpose(0, 1).reshape(S, H * dh)  # fmt: skip
+            tap(i, "o_in", o)
             return o @ lw.w_o_t if lw.b_o is None else torch.addmm(lw.b_o, o, lw.w_o_t)
 
+        def mlp(i, xn):
+            lw, n = self.w.layers[i], self.arch.d_mlp
+            tap(i, "mlp_in", xn)
+            a = lw.mlp_in(xn)
+            g = self._gate_act(a)  # act(gate), or act(fc1 x): what CATS thresholds
+            h = g * a[:, n:] if self.arch.gated else g
+            tap(i, "gate", g)
+            tap(i, "down_in", h)
+            return h @ lw.w_down_t if lw.b_down is None else torch.addmm(lw.b_down, h, lw.w_down_t)
+
         for i in range(self.arch.n_layers):
-            x = self._block(i, x, attn, self._mlp_dense)
+            x = self._block(i, x, attn, mlp)
         logits = self._head(x[-1:])
         self.pos, self.base = S, S
         self.pos_t.fill_(S)
@@ -332,7 +336,7 @@ class Decoder(KeptSets):
         self.tok_t.copy_(nxt)
         self.tokens[:S] = ids
         self.tokens[S : S + 1] = nxt
-        if self.sparse is not None and self.window and not hasattr(self, "hwin"):
+        if self.window and not hasattr(self, "hwin"):
             self.hwin = torch.zeros(self.arch.n_layers, self.window, self.arch.d_model,
                                     dtype=self.w.dtype, device=self.w.device)  # fmt: skip
         return logits
@@ -419,9 +423,7 @@ class Decoder(KeptSets):
     def parts(self) -> dict:
         """Zero-argument callables running one part of a decode step over every layer, for
         timing by :mod:`kernels.bench_engine` (each replays on the current static buffers)."""
-        L, sparse = self.arch.n_layers, self.sparse is not None
-        attn = self._attn_sparse if sparse else self._attn_dense
-        mlp = self._mlp_sparse if sparse else self._mlp_dense
+        L, attn, mlp = self.arch.n_layers, self._attn, self._mlp
         d = self.arch.d_model
         x = torch.randn(1, d, dtype=self.w.dtype, device=self.w.device)
 
@@ -435,6 +437,6 @@ class Decoder(KeptSets):
                 mlp(i, _norm(x, self.w.layers[i].ln_mlp, self.w.norm))
 
         out = {"attention": run_attn, "mlp": run_mlp, "lm_head": lambda: self._head(x)}
-        if sparse and self.predictors is not None:
+        if self.predictors is not None:
             out["predictors"] = lambda: [self._predict(i, x) for i in range(L)]
         return out
