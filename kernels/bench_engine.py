@@ -12,7 +12,8 @@ not be trained to be timed), batch 1, for each prompt length, the variants of ``
   whose extra time is recorded as ``compile_s``;
 - ``dense``  — :class:`dejavu_lab.engine.Decoder`, the step replayed as a CUDA graph, its ops
   through torch/cuBLAS or our kernels as ``--dense-ops`` says; ``dense_triton`` — every dense op
-  through our kernels at 100% kept (compare the two per part to pick ``--dense-ops``);
+  through our kernels at 100% kept; ``dense_auto`` — each op (qkv, attention core, o, MLP)
+  timed alone both ways first (rows ``kind: "op"``), the faster one used;
 - ``dejavu`` — rows ``sparse`` (85% MLP + 50% heads removed on OPT, 50% + 50% on Llama shapes,
   ``--dejavu-sparsity``; DejaVu's predictors at their default rank choose the top-k on a side
   stream), ``sparse_fixed_sets`` (fixed random sets: no predictors) and
@@ -66,7 +67,7 @@ from dejavu_lab.models import PRESETS, load_model, random_model
 
 MODELS = ["opt-30b", "llama-2-13b", "llama-3-8b", "opt-13b", "opt-6.7b"]  # most important first
 PROMPTS = [128, 256, 512, 1024]
-ALL_METHODS = ("dense", "dense_triton", "dejavu", "teal", "wina", "cats")
+ALL_METHODS = ("dense", "dense_triton", "dense_auto", "dejavu", "teal", "wina", "cats")
 SPARSITY = {"opt": (0.85, 0.5), "llama": (0.5, 0.5)}  # (MLP, heads) removed: §5.1; TEAL range
 ROWS: list[dict] = []
 
@@ -223,22 +224,59 @@ def engine_row(dec: Decoder, ids, new_tokens: int) -> dict:
     return {"ms_per_token": ms / (new_tokens - 1), "prefill_ms": prefill}
 
 
+def graph_ms(fn) -> float:
+    """Median ms of fn captured in a CUDA graph and replayed (wall clock of fn on CPU)."""
+    with torch.no_grad():
+        fn()
+        fn()
+        if not cuda():
+            return timed(fn)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        return sorted(timed(g.replay) for _ in range(7))[3]
+
+
 def parts_rows(dec: Decoder, base: dict) -> list[dict]:
     """Time each part of the step alone (all layers), captured in a CUDA graph when on a GPU."""
-    out = []
-    for part, fn in dec.parts().items():
-        with torch.no_grad():
-            fn()
-            fn()
-            if cuda():
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    fn()
-                ms = sorted(timed(g.replay) for _ in range(7))[3]
-            else:
-                ms = timed(fn)
-        out.append({**base, "kind": "part", "part": part, "ms": ms})
-    return out
+    return [{**base, "kind": "part", "part": part, "ms": graph_ms(fn)}
+            for part, fn in dec.parts().items()]  # fmt: skip
+
+
+def pick_dense_ops(w, arch, ids, base: dict) -> str:
+    """Time each dense op alone over every layer (CUDA graph) through torch and through our
+    kernels at 100% kept; the ``--dense-ops`` spec of the faster ones. The attention core is
+    timed as the attention block with only the core switched (qkv and o through torch)."""
+    p = ids.shape[1]
+    decs = {impl: Decoder(w, max_seq_len=p + 1, dense_ops=impl)
+            for impl in ("torch", "triton", "attn=triton")}  # fmt: skip
+    for dec in decs.values():
+        dec.prefill(ids)
+    dev, dt, L = w.device, w.dtype, range(arch.n_layers)
+    x = torch.randn(1, arch.d_model, device=dev, dtype=dt) / 8
+    o = torch.randn(1, arch.n_heads * arch.d_head, device=dev, dtype=dt) / 8
+
+    def over_layers(dec, op):
+        if op == "qkv":
+            return lambda: [dec._qkv(i, x) for i in L]
+        if op == "o":
+            return lambda: [dec._out(i, o) for i in L]
+        if op == "mlp":
+            return lambda: [dec._mlp(i, x) for i in L]
+        return lambda: (dec._per_step(), [dec._attn(i, x) for i in L])
+
+    spec = []
+    for op in ("qkv", "attn", "o", "mlp"):
+        ms = {impl: graph_ms(over_layers(decs[key], op))
+              for impl, key in (("torch", "torch"),
+                                ("triton", "attn=triton" if op == "attn" else "triton"))}  # fmt: skip
+        best = min(ms, key=ms.get)
+        spec.append(f"{op}={best}")
+        ROWS.append({**base, "kind": "op", "prompt": p, "op": op, "torch_ms": ms["torch"],
+                     "triton_ms": ms["triton"], "picked": best})  # fmt: skip
+        print(f"{base['model']:>12} dense op {op:>4}: torch {ms['torch']:.3f} ms, ours "
+              f"{ms['triton']:.3f} ms (all layers) -> {best}")  # fmt: skip
+    return ",".join(spec)
 
 
 @dataclass
@@ -263,6 +301,8 @@ def variants(methods, sparsities, dejavu_budget, preds) -> list[Variant]:
             out.append(Variant("dense"))
         elif m == "dense_triton":
             out.append(Variant("dense_triton", ops="triton"))
+        elif m == "dense_auto":  # the faster of torch and ours per op, timed first
+            out.append(Variant("dense_auto", ops="auto"))
         elif m == "dejavu":
             sp = SparseConfig(ms_, hs_)
             if preds is not None:
@@ -356,6 +396,10 @@ def bench_model(preset, prompts, new_tokens, hf_new, hf_prompts, device, ceiling
     for v in variants(methods, sparsities, (ms_, hs_), preds):
         if v.method in ("teal", "wina") and w.layout == "rows":
             w.set_layout("columns")  # TEAL/WINA read W_QKV^T and W_in^T (one copy at a time)
+            torch.cuda.empty_cache() if cuda() else None
+        if v.ops == "auto":
+            p = parts_at if parts_at in prompts else prompts[-1]
+            v.ops = pick_dense_ops(w, arch, torch.randint(0, vocab, (1, p), device=device), base)
         try:
             keep_err = keep_all_check(v, w, arch, check_ids, ref, preds, dense_ops)
         except Exception as exc:
@@ -392,7 +436,8 @@ def bench_model(preset, prompts, new_tokens, hf_new, hf_prompts, device, ceiling
                 kept["site_kept"] = dict.fromkeys(SITES[v.method], 1 - v.sparsity)
             ROWS.append(_bw(row, prompt=p, **kept, **bw))
             print(_fmt(row))
-            if p == parts_at and v.engine in ("dense", "dense_triton", "sparse", "teal", "cats"):
+            if p == parts_at and v.engine in ("dense", "dense_triton", "dense_auto", "sparse",
+                                              "teal", "cats"):  # fmt: skip
                 ROWS.extend(parts_rows(dec, {**base, "engine": v.engine, "prompt": p,
                                              "sparsity": v.sparsity}))  # fmt: skip
             del dec
