@@ -70,6 +70,7 @@ PROMPTS = [128, 256, 512, 1024]
 ALL_METHODS = ("dense", "dense_triton", "dense_auto", "dejavu", "teal", "wina", "cats")
 SPARSITY = {"opt": (0.85, 0.5), "llama": (0.5, 0.5)}  # (MLP, heads) removed: §5.1; TEAL range
 ROWS: list[dict] = []
+CHECK = [32, 8]  # the keep-all check: prompt tokens, then tokens decoded and compared
 
 
 def cuda() -> bool:
@@ -348,7 +349,7 @@ def keep_all_check(v: Variant, w, arch, ids, ref, preds, dense_ops) -> float:
         kv = v
     thr = keep_all(w, v.method) if v.method in ("teal", "wina", "cats") else None
     dec = make_decoder(kv, w, arch, ids.shape[1] + 1, preds, dense_ops, thr)
-    return relerr(decode_logits(dec, ids, ids.shape[1] - 8), ref)
+    return relerr(decode_logits(dec, ids, CHECK[0]), ref)
 
 
 def graph_check(dec: Decoder, ids) -> float:
@@ -391,8 +392,9 @@ def bench_model(preset, prompts, new_tokens, hf_new, hf_prompts, device, ceiling
     gc.collect()
     torch.cuda.empty_cache() if cuda() else None
     w = decoder_weights(model, arch)
-    check_ids = torch.randint(0, vocab, (1, 40), device=device)
-    ref = decode_logits(Decoder(w, max_seq_len=41, dense_ops=dense_ops), check_ids, 32)
+    check_ids = torch.randint(0, vocab, (1, sum(CHECK)), device=device)
+    ref = decode_logits(Decoder(w, max_seq_len=sum(CHECK) + 1, dense_ops=dense_ops), check_ids,
+                        CHECK[0])  # fmt: skip
     for v in variants(methods, sparsities, (ms_, hs_), preds):
         if v.method in ("teal", "wina") and w.layout == "rows":
             w.set_layout("columns")  # TEAL/WINA read W_QKV^T and W_in^T (one copy at a time)
@@ -527,7 +529,8 @@ def main(argv=None):
         default="torch",
         help="each dense op through torch or triton: torch, triton, qkv=triton,...",
     )
-    ap.add_argument("--prompts", default=",".join(map(str, PROMPTS)))
+    ap.add_argument("--prompts", default=None, help=f"default {','.join(map(str, PROMPTS))}"
+                    " (--quick: 8,16)")  # fmt: skip
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--hf-new-tokens", type=int, default=32, help="HF is slow: fewer tokens")
     ap.add_argument("--hf-prompts", default=None, help="prompts for HF (default: --prompts)")
@@ -563,13 +566,15 @@ def main(argv=None):
     if not all(0 <= s < 1 for s in sparsities + (budget or [])):
         sys.exit("sparsities are fractions removed, in [0, 1).")
     models = args.models.split(",") if not args.quick else ["tiny-opt", "tiny-llama"]
-    prompts = [int(p) for p in args.prompts.split(",")] if not args.quick else [8, 16]
+    prompts = [int(p) for p in (args.prompts or ",".join(map(str, PROMPTS))).split(",")]
+    prompts = [8, 16] if args.quick and not args.prompts else prompts
     hf_prompts = [int(p) for p in (args.hf_prompts or ",".join(map(str, prompts))).split(",")]
     new, hf_new = (args.new_tokens, args.hf_new_tokens) if not args.quick else (4, 3)
-    parts_at = args.parts_at if not args.quick else 16
+    parts_at = args.parts_at if not args.quick else prompts[-1]
     if args.quick:
         hf_prompts = prompts
         SPARSITY.update({"opt": (0.5, 0.5), "llama": (0.5, 0.5)})
+        CHECK[:] = [8, 3]
     ceiling = copy_ceiling()
     print(f"copy ceiling: {ceiling:.2f} TB/s")
     if not args.no_check:
