@@ -33,17 +33,11 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..kernels import (
-    fused_sparse_mlp,
-    kv_window_write,
-    row_norm,
-    sparse_attention_core,
-    sparse_mlp_down,
-    sparse_mlp_up,
-)
+from ..kernels import fused_sparse_mlp, row_norm, sparse_attention_core, sparse_mlp_down
+from ..kernels.qkv_rope import qkv_rope
 from .config import EngineError, SparseConfig
 from .sets import KeptSets
-from .threshold_blocks import ThresholdBlocks, _rotate
+from .threshold_blocks import ThresholdBlocks
 from .threshold_blocks import dense_ops as _resolve_ops
 from .weights import DecoderWeights, decoder_weights
 
@@ -75,6 +69,12 @@ def _check_layout(w: DecoderWeights, method: str, sparse: SparseConfig | None) -
                 f"with layout={w.layout!r}; build them with decoder_weights(model, "
                 f"layout={layout!r}) (or 'both', to share them between methods)."
             )
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE in HF's half-split form; x [..., dh], cos/sin broadcastable to x (prefill, flush)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 class Decoder(KeptSets, ThresholdBlocks):
@@ -202,34 +202,33 @@ class Decoder(KeptSets, ThresholdBlocks):
                                 b_in=lw.b_in, b_down=lw.b_down, validate=False)  # fmt: skip
 
     def _per_step(self) -> None:
-        """Tensors every layer of this step shares, computed once: mask or length, RoPE rows."""
+        """Tensors every layer of this step shares, computed once: mask or length, positions."""
         if self.method != "dejavu" and self.ops["attn"] == "torch":  # torch masks the cache
             self._cur_mask = torch.where(self.ar_t <= self.pos_t, self._zero, self._ninf)  # [T]
         else:  # our attention kernel reads positions < seqlen
             self._seqlen = self.pos_t + 1  # [1] tokens in the cache with this one
         if self.window:
             self._slot = self.pos_t - self.base_t  # [1] row of this token in the window
-        if self.cos is not None:
-            # [B, 1, dh]: one row per projected token (the window rows, or this token)
-            positions = self.base_t + self.ar_w if self.window else self.pos_t
-            self._cos_b = self.cos[positions, None]
-            self._sin_b = self.sin[positions, None]
+        # [B]: the position of each projected token (the window's rows, or this token)
+        self._positions = self.base_t + self.ar_w if self.window else self.pos_t
 
     def _attn_sparse(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        lw, dh, k, nkv = self.w.layers[i], self.dh, self.k_heads, self.n_kv_sel
-        heads = self.head_idx[i]
+        lw, dh, heads = self.w.layers[i], self.dh, self.head_idx[i]
         if self.window:  # union batch: this token plus the window's stored inputs (Knowl 5)
             self.hwin[i].index_copy_(0, self._slot, x)
             xb = self.hwin[i]
         else:
             xb = x
-        qkv = sparse_mlp_up(xb, lw.w_qkv, self.qkv_idx[i], bias=lw.b_qkv, activation="none",
-                            rows_per_index=dh, validate=False)  # [B, (k + 2 nkv) dh]  # fmt: skip
-        blocks = qkv.view(xb.shape[0], k + 2 * nkv, dh)
-        if self.cos is not None:  # row b sits at positions[b]; this token's row is at pos
-            blocks[:, : k + nkv] = _rotate(blocks[:, : k + nkv], self._cos_b, self._sin_b)
-        if self.window:  # the kept heads' K/V over the whole window, then this token's row
-            kv_window_write(qkv, self.kv[i, 0], self.kv[i, 1], heads, self.base_t, n_q=k)
+        # [B, (k + 2 nkv) dh]: the kept blocks of W_QKV, queries and keys rotated (row b at
+        # its position) and, with deferred KV, the kept heads' K/V over the window written to
+        # the cache, all in one launch
+        win = self.window > 0
+        qkv = qkv_rope(xb, lw.w_qkv, self.qkv_idx[i], n_heads=self.H, n_kv_heads=self.Hkv,
+                       positions=self._positions,
+                       bias=lw.b_qkv, cos=self.cos, sin=self.sin,
+                       k_cache=self.kv[i, 0] if win else None,
+                       v_cache=self.kv[i, 1] if win else None)  # fmt: skip
+        if win:  # this token's row
             qkv = qkv.index_select(0, self._slot)  # [1, (k + 2 nkv) dh]
         # appends this token's K/V (again, in the window case) and attends, kept heads only
         o = sparse_attention_core(
@@ -240,17 +239,15 @@ class Decoder(KeptSets, ThresholdBlocks):
                                validate=False)  # fmt: skip
 
     def _flush(self) -> None:
-        """Dense K/V of every head for the window's tokens, then open a new window (Knowl 5)."""
-        H, Hkv, dh, W, b = self.H, self.Hkv, self.dh, self.window, self.base
+        """Dense K/V of every head for the window's tokens, then open a new window (Knowl 5):
+        the step's own kernel over every K/V block, so both write the same numbers."""
+        blocks = torch.arange(self.H, self.H + 2 * self.Hkv, device=self.w.device)
+        positions = self.base_t + self.ar_w
         for i, lw in enumerate(self.w.layers):
-            bias = None if lw.b_qkv is None else lw.b_qkv[H * dh :]
-            kv = F.linear(self.hwin[i], lw.w_qkv[H * dh :], bias).view(W, 2, Hkv, dh)
-            kk = kv[:, 0]
-            if self.cos is not None:
-                kk = _rotate(kk, self.cos[b : b + W, None], self.sin[b : b + W, None])
-            self.kv[i, 0, :, b : b + W] = kk.transpose(0, 1)
-            self.kv[i, 1, :, b : b + W] = kv[:, 1].transpose(0, 1)
-        self.base += W
+            qkv_rope(self.hwin[i], lw.w_qkv, blocks, n_heads=self.H, n_kv_heads=self.Hkv,
+                     positions=positions, bias=lw.b_qkv, cos=self.cos, sin=self.sin,
+                     k_cache=self.kv[i, 0], v_cache=self.kv[i, 1])  # fmt: skip
+        self.base += self.window
         self.base_t.fill_(self.base)
 
     # ----------------------------------------------------------------------------- steps

@@ -28,6 +28,7 @@ from ..kernels import (
     sparse_mlp_up,
     threshold_gemv,
 )
+from ..kernels.rope import rope_
 from .config import EngineError
 
 __all__ = ["DENSE_OPS", "ThresholdBlocks", "dense_ops"]
@@ -66,12 +67,6 @@ def dense_ops(spec: str | dict | None) -> dict[str, str]:
 
 def _mm(x: torch.Tensor, w_t: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     return x @ w_t if b is None else torch.addmm(b, x, w_t)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE in HF's half-split form; x [..., dh], cos/sin broadcastable to x."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 class ThresholdBlocks:
@@ -156,22 +151,17 @@ class ThresholdBlocks:
     def _attn_all(self, i: int, x: torch.Tensor) -> torch.Tensor:
         """Attention over every head (dense, TEAL, WINA, CATS); x [1, d] -> [1, d]."""
         H, Hkv, dh = self.H, self.Hkv, self.dh
-        qkv = self._qkv(i, x)
+        qkv = self._qkv(i, x)  # [1, (H + 2 Hkv) dh]
+        if self.cos is not None:  # queries and keys turned at this position, in place
+            rope_(qkv, self.cos, self.sin, self._positions, n_rot=H + Hkv)
         if self.ops["attn"] == "triton":  # our kernel appends K/V and attends, every head
-            if self.cos is not None:
-                blocks = qkv.view(1, H + 2 * Hkv, dh)
-                blocks[:, : H + Hkv] = _rotate(blocks[:, : H + Hkv], self._cos_b, self._sin_b)
             o = sparse_attention_core(
                 qkv, self.kv[i, 0][None], self.kv[i, 1][None], self._seqlen, self._heads_all,
                 n_heads=H, kv_heads=None if H == Hkv else self._kv_all, scale=self.scale,
             )  # fmt: skip
             return self._out(i, o)
         qkv = qkv.view(H + 2 * Hkv, dh)
-        if self.cos is not None:
-            qk = _rotate(qkv[: H + Hkv], self._cos_b[0], self._sin_b[0])
-            q, new = qk[:H], torch.stack((qk[H:], qkv[H + Hkv :]))
-        else:
-            q, new = qkv[:H], qkv[H:].view(2, Hkv, dh)
+        q, new = qkv[:H], qkv[H:].view(2, Hkv, dh)
         self.kv[i].index_copy_(2, self.pos_t, new.unsqueeze(2))
         return self._out(i, self._attend(i, q, self._cur_mask).view(1, H * dh))
 
