@@ -40,8 +40,8 @@ from .threshold_blocks import DENSE_OPS, ThresholdBlocks, dense_ops
 from .thresholds import calibrate_thresholds, column_norms, keep_all
 from .weights import DecoderWeights, LayerWeights, decoder_weights
 
-_REPORT = ("PAPER", "breakdown", "breakdown_figure", "latency_table", "load", "part_floors",
-           "speedup_table", "summary")  # fmt: skip
+_REPORT = ("PAPER", "breakdown", "breakdown_figure", "latency_table", "load", "method_table",
+           "part_floors", "speedup_table", "summary")  # fmt: skip
 
 __all__ = [
     "DENSE_OPS",

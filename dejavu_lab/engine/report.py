@@ -23,6 +23,7 @@ __all__ = [
     "breakdown_figure",
     "latency_table",
     "load",
+    "method_table",
     "part_floors",
     "speedup_table",
     "summary",
@@ -33,7 +34,8 @@ PAPER = {"vs FasterTransformer": "1.8-2.0x", "vs Hugging Face": "4.8-6.0x"}
 NAME = "engine_e2e"
 
 
-def load(live: bool | None = None, models: str = "opt-6.7b", prompts: str = "128,512"):
+def load(live: bool | None = None, models: str = "opt-6.7b", prompts: str = "128,512",
+         methods: str = "dense,dejavu"):  # fmt: skip
     """(rows, provenance, live): measure now when a GPU is here (``live=None``), else read the
     recorded run. A live run writes ``results/engine_e2e_live.json`` via the benchmark script.
 
@@ -49,7 +51,8 @@ def load(live: bool | None = None, models: str = "opt-6.7b", prompts: str = "128
         script = Path(__file__).resolve().parents[2] / "kernels" / "bench_engine.py"
         name = NAME + "_live"
         cmd = [sys.executable, str(script), "--models", models, "--prompts", prompts,
-               "--parts-at", prompts.split(",")[-1], "--name", name, "--no-check"]  # fmt: skip
+               "--parts-at", prompts.split(",")[-1], "--name", name, "--no-check",
+               "--methods", methods]  # fmt: skip
         subprocess.run(cmd, check=True)
     frame, prov = results.load(name)
     return frame, prov, live
@@ -86,6 +89,34 @@ def latency_table(frame: pd.DataFrame, model: str) -> pd.DataFrame:
         out["sparse vs HF compiled"] = t["hf_compiled"] / t["sparse"]
     for k, v in PAPER.items():
         out[f"paper {k}"] = v
+    return out
+
+
+def method_table(frame: pd.DataFrame, model: str, prompt: int) -> pd.DataFrame:
+    """Every variant at one model and prompt (issue 11's methods beside DejaVu): ms per token,
+    the ratios to our dense engine and to both HF baselines, GB read per step (at the target
+    kept fractions) and that over the copy ceiling.
+
+    >>> rows = [dict(kind="e2e", model="m", prompt=512, engine=e, sparsity=s, ms_per_token=t,
+    ...              bytes_per_token=b, floor_ms=f)
+    ...         for e, s, t, b, f in (("hf", 0, 30.0, 26e9, 6.2), ("hf_compiled", 0, 10.0, 26e9, 6.2),
+    ...                               ("dense", 0, 8.5, 26e9, 6.2), ("teal", 0.5, 5.0, 13e9, 3.1))]
+    >>> t = method_table(pd.DataFrame(rows), "m", 512)
+    >>> t.loc[("teal", 0.5), ["vs dense", "vs HF compiled"]].round(2).tolist()
+    [1.7, 2.0]
+    """
+    e = _e2e(frame)
+    e = e[(e["model"] == model) & (e["prompt"] == prompt)].copy()
+    if "sparsity" not in e:
+        e["sparsity"] = 0.0
+    e["sparsity"] = e["sparsity"].fillna(0.0)
+    ms = e.set_index("engine")["ms_per_token"].groupby(level=0).first()
+    out = pd.DataFrame({"ms per token": e["ms_per_token"].values,
+                        "GB per step": e["bytes_per_token"].values / 1e9,
+                        "/ its floor": (e["ms_per_token"] / e["floor_ms"]).values},
+                       index=pd.MultiIndex.from_frame(e[["engine", "sparsity"]]))  # fmt: skip
+    for ref, col in (("dense", "vs dense"), ("hf", "vs HF"), ("hf_compiled", "vs HF compiled")):
+        out[col] = ms[ref] / out["ms per token"] if ref in ms else float("nan")
     return out
 
 
