@@ -31,6 +31,7 @@ import triton.language as tl
 from . import _workspace
 from ._common import (
     as_batch,
+    batch_block,
     check_device,
     check_float,
     check_index,
@@ -386,7 +387,8 @@ def _launch(xb, w_in, w_down_t, idx, thr, b_in, b_down, res2, h, *, cats, gated,
             k, n, cfg):  # fmt: skip
     batch, d = xb.shape
     device = xb.device
-    block_b = 1 if batch == 1 else max(16, next_pow2(batch))
+    # batch 1 with "dot": the tensor-core path, token padded to 16 (pipelined weight loads)
+    block_b = 16 if batch == 1 and cfg.get("dot") else batch_block(batch)
     if block_b > 1 and cfg["BLOCK_N"] < 16:
         raise ValueError("config BLOCK_N must be >= 16 for batches above 1 (tensor-core path).")
     block_k = min(cfg["BLOCK_K"], max(16, next_pow2(d)))
