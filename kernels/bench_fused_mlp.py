@@ -239,14 +239,18 @@ def tune(command):
                     best = None
                     for cfg in CANDIDATES[(op, batch == 1)]:
                         _, c2 = m.calls(kept, batch, cfg, cfg)
-                        us = graph_us(c2["ours" if op == "fused" else "cats"])
+                        try:
+                            us = graph_us(c2["ours" if op == "fused" else "cats"])
+                        except Exception as exc:  # a candidate that fails to compile is skipped
+                            print(f"  {cfg}: {type(exc).__name__}: {str(exc)[:200]}")
+                            continue
                         nb = m.nbytes(k, batch, cats=op == "cats")
                         rows.append({"op": f"{op}_mlp", "shape": name, "d_in": d, "d_out": n,
                                      "kept": kept, "k": k, "batch": batch, "config": cfg,
                                      "us": us, "dense_us": dense, "bytes": nb})  # fmt: skip
                         best = us if best is None else min(best, us)
                     print(f"tune {op:5s} {name:12s} B={batch:2d} kept={kept:.2f}: dense {dense:7.1f}"
-                          f" best {best:7.1f} us", flush=True)  # fmt: skip
+                          f" best {best or float('nan'):7.1f} us", flush=True)  # fmt: skip
         del m
         torch.cuda.empty_cache()
     path = results.save("kernel_tuning_fused", rows, command=command)

@@ -266,7 +266,11 @@ def tune_llama(command, batches=(1, 16)):
                 for kept in (0.5, 0.2, 0.1):
                     best = None
                     for cfg in TUNE_LLAMA[(op, batch == 1)]:
-                        r = measure(op, d, kept, batch, "triton", cfg, n=n)
+                        try:
+                            r = measure(op, d, kept, batch, "triton", cfg, n=n)
+                        except Exception as exc:  # a candidate that fails to compile is skipped
+                            print(f"  {cfg}: {type(exc).__name__}: {str(exc)[:200]}")
+                            continue
                         d_in, d_out = (d, n) if op == "up" else (n, d)
                         rows.append({"op": f"sparse_mlp_{op}", "d_in": d_in, "d_out": d_out,
                                      "kept": kept, "batch": batch, "config": cfg,

@@ -193,12 +193,16 @@ def tune(shapes, command):
                 best = None
                 for cfg in CANDIDATES[batch]:
                     _, c2 = case.calls(kept, batch, cfg)
-                    us = graph_us(c2["ours"])
+                    try:
+                        us = graph_us(c2["ours"])
+                    except Exception as exc:  # a candidate that fails to compile is skipped
+                        print(f"  {cfg}: {type(exc).__name__}: {str(exc)[:200]}")
+                        continue
                     rows.append({**base, "config": cfg, "us": us, "dense_us": dense,
                                  "frac_ideal": dense * kept / us})  # fmt: skip
                     best = us if best is None else min(best, us)
                 print(f"tune {d_in:6d}->{d_out:6d} B={batch:2d} kept={kept:.2f}: dense {dense:7.1f} "
-                      f"best {best:7.1f} us = {dense * kept / best:.2f} of ideal", flush=True)  # fmt: skip
+                      f"best {best or math.nan:7.1f} us = {dense * kept / (best or math.nan):.2f} of ideal", flush=True)  # fmt: skip
         del case
         torch.cuda.empty_cache()
     path = results.save("kernel_tuning_threshold", rows, command=command)
