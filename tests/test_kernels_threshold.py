@@ -94,6 +94,8 @@ VARIANTS = {
     "one-split": {"split": 1},
     "no-prefetch-acc1d": {"prefetch": False, "acc2d": False},
     "many-splits-chunked": {"BLOCK_D": 64, "split": 13, "num_warps": 1, "SCAN": 16},
+    "prefetch-rows-only": {"prefetch": 1},
+    "prefetch-weights": {"prefetch": 2, "compact": True, "BLOCK_R": 16},
     "dot-pipelined": {"dot": True, "num_stages": 3, "programs_per_sm": 2.5},
     "dot-no-prefetch": {"dot": True, "prefetch": False},
 }
