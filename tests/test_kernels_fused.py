@@ -115,7 +115,7 @@ def test_fused_sparse_mlp(dtype, batch, kept, case, seed):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("batch", [1, 6])
-@pytest.mark.parametrize("variant", ["deterministic", "no-preload", "wide-tiles"])
+@pytest.mark.parametrize("variant", ["deterministic", "no-preload", "wide-tiles", "dot"])
 def test_fused_sparse_mlp_variants(dtype, batch, variant, seed):
     x, w_in, w_down_t, out, gated, kw = mlp(dtype, batch, "swiglu")
     idx = pick(N, 0.4)
@@ -125,6 +125,8 @@ def test_fused_sparse_mlp_variants(dtype, batch, variant, seed):
         extra["deterministic"] = True
     elif variant == "no-preload":
         cfg["preload"] = False
+    elif variant == "dot":  # tensor-core path at every batch (batch 1 padded to 16)
+        cfg.update(BLOCK_N=16, dot=True, num_stages=3)
     else:  # whole rows in one step (BLOCK_K, BLOCK_C >= d), more neurons per program
         cfg.update(BLOCK_N=16 if batch == 1 else 32, BLOCK_K=128, BLOCK_C=128, preload=True)
     fused_sparse_mlp(x, w_in, w_down_t, idx, gated=gated, out=out, config=cfg, **extra, **kw)

@@ -31,6 +31,7 @@ import triton.language as tl
 from . import _workspace
 from ._common import (
     as_batch,
+    batch_block,
     check_device,
     check_float,
     check_index,
@@ -134,14 +135,30 @@ def _gated_dot(g_rows, u_rows, x_ptr, offs_b, mask_b, rmask, D, stride_xb,
 
 
 @triton.jit
-def _down_tile(h, wd, BLOCK_B: tl.constexpr, UPCAST: tl.constexpr):
-    """[BLOCK_B, BLOCK_C] fp32: sum over the neurons of h[n, b] * wd[n, :]."""
+def _load_down(wd_ptr, neu, stride_wd, cols, rmask, mc, BLOCK_B: tl.constexpr):
+    """The kept neurons' down rows at columns ``cols``: [BLOCK_N, BLOCK_C] for the FMA path,
+    transposed [BLOCK_C, BLOCK_N] for the tl.dot path (so h is the dot's B operand as it is,
+    never a transposed accumulator)."""
     if BLOCK_B == 1:
-        y = tl.sum(h * wd.to(tl.float32), axis=0)[None, :]
+        wd = tl.load(wd_ptr + neu[:, None] * stride_wd + cols[None, :],
+                     mask=rmask[:, None] & mc[None, :], other=0.0, eviction_policy="evict_first")  # fmt: skip
     else:
-        y = dot_acc(tl.trans(h).to(wd.dtype), wd, tl.zeros((BLOCK_B, wd.shape[1]), tl.float32),
-                    UPCAST)  # fmt: skip
-    return y
+        wd = tl.load(wd_ptr + neu[None, :] * stride_wd + cols[:, None],
+                     mask=rmask[None, :] & mc[:, None], other=0.0)  # fmt: skip
+    return wd
+
+
+@triton.jit
+def _down_add(h, wd, ws_ptr, offs_b, mask_b, cols, mc, D, BLOCK_B: tl.constexpr,
+              UPCAST: tl.constexpr):  # fmt: skip
+    """ws[b, cols] += sum over the neurons of h[n, b] * wd[n, cols] (fp32 atomics)."""
+    if BLOCK_B == 1:
+        y = tl.sum(h * wd.to(tl.float32), axis=0)  # [BLOCK_C]
+        tl.atomic_add(ws_ptr + cols, y, mask=mc, sem="relaxed")
+    else:
+        yt = dot_acc(wd, h.to(wd.dtype), tl.zeros((wd.shape[0], BLOCK_B), tl.float32), UPCAST)
+        tl.atomic_add(ws_ptr + offs_b[None, :] * D + cols[:, None], yt,
+                      mask=mask_b[None, :] & mc[:, None], sem="relaxed")  # fmt: skip
 
 
 @triton.jit
@@ -193,10 +210,9 @@ def fused_mlp_kernel(
     offs_c = tl.arange(0, BLOCK_C)
     g_rows = w_ptr + neu[:, None] * stride_w  # [BLOCK_N, 1]
     u_rows = w_ptr + (neu + N_UP)[:, None] * stride_w
-    d_rows = wd_ptr + neu[:, None] * stride_wd
     mc0 = offs_c < D
     if PRELOAD and not CATS:  # down rows do not depend on h: start reading them now
-        wd0 = tl.load(d_rows + offs_c[None, :], mask=mask_n[:, None] & mc0[None, :], other=0.0)
+        wd0 = _load_down(wd_ptr, neu, stride_wd, offs_c, mask_n, mc0, BLOCK_B)
     if GATED and not CATS:
         g, u = _gated_dot(g_rows, u_rows, x_ptr, offs_b, mask_b, mask_n, D, stride_xb,
                           BLOCK_B, BLOCK_K, UPCAST)  # fmt: skip
@@ -211,7 +227,7 @@ def fused_mlp_kernel(
         keep = (tl.abs(a) > t[:, None]) & mask_b[None, :] & mask_n[:, None]
         keep_n = tl.max(keep.to(tl.int32), axis=1) > 0  # a row is read if any token keeps it
         if PRELOAD:
-            wd0 = tl.load(d_rows + offs_c[None, :], mask=keep_n[:, None] & mc0[None, :], other=0.0)
+            wd0 = _load_down(wd_ptr, neu, stride_wd, offs_c, keep_n, mc0, BLOCK_B)
         if GATED:
             u = _rows_dot(u_rows, x_ptr, offs_b, mask_b, keep_n, D, stride_xb, BLOCK_B, BLOCK_K,
                           UPCAST)  # fmt: skip
@@ -230,25 +246,18 @@ def fused_mlp_kernel(
         h_ptrs = h_ptr + offs_b[None, :] * stride_hb + offs_n[:, None]
         tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_b[None, :])
     else:
-        offs_bs = tl.arange(0, BLOCK_B)
         n_keep = tl.sum(keep_n.to(tl.int32), axis=0)
         if n_keep > 0:
             if PRELOAD:
                 wd = wd0
             else:
-                wd = tl.load(d_rows + offs_c[None, :], mask=keep_n[:, None] & mc0[None, :],
-                             other=0.0)  # fmt: skip
-            y = _down_tile(h, wd, BLOCK_B, UPCAST)
-            tl.atomic_add(ws_ptr + offs_bs[:, None] * D + offs_c[None, :], y,
-                          mask=mask_b[:, None] & mc0[None, :], sem="relaxed")  # fmt: skip
+                wd = _load_down(wd_ptr, neu, stride_wd, offs_c, keep_n, mc0, BLOCK_B)
+            _down_add(h, wd, ws_ptr, offs_b, mask_b, offs_c, mc0, D, BLOCK_B, UPCAST)
             for c0 in range(BLOCK_C, D, BLOCK_C):
                 cols = c0 + offs_c
                 mc = cols < D
-                wd = tl.load(d_rows + cols[None, :], mask=keep_n[:, None] & mc[None, :], other=0.0,
-                             eviction_policy="evict_first")  # fmt: skip
-                y = _down_tile(h, wd, BLOCK_B, UPCAST)
-                tl.atomic_add(ws_ptr + offs_bs[:, None] * D + cols[None, :], y,
-                              mask=mask_b[:, None] & mc[None, :], sem="relaxed")  # fmt: skip
+                wd = _load_down(wd_ptr, neu, stride_wd, cols, keep_n, mc, BLOCK_B)
+                _down_add(h, wd, ws_ptr, offs_b, mask_b, cols, mc, D, BLOCK_B, UPCAST)
         # the last program to arrive converts the sums (see threshold_gemv's split_reduce)
         tl.debug_barrier()
         arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
@@ -386,7 +395,8 @@ def _launch(xb, w_in, w_down_t, idx, thr, b_in, b_down, res2, h, *, cats, gated,
             k, n, cfg):  # fmt: skip
     batch, d = xb.shape
     device = xb.device
-    block_b = 1 if batch == 1 else max(16, next_pow2(batch))
+    # batch 1 with "dot": the tensor-core path, token padded to 16 (pipelined weight loads)
+    block_b = 16 if batch == 1 and cfg.get("dot") else batch_block(batch)
     if block_b > 1 and cfg["BLOCK_N"] < 16:
         raise ValueError("config BLOCK_N must be >= 16 for batches above 1 (tensor-core path).")
     block_k = min(cfg["BLOCK_K"], max(16, next_pow2(d)))

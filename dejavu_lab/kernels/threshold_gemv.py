@@ -38,6 +38,7 @@ import triton.language as tl
 from . import _workspace
 from ._common import (
     as_batch,
+    batch_block,
     check_device,
     check_float,
     check_out,
@@ -133,7 +134,7 @@ def threshold_gemv_kernel(
     BLOCK_R: tl.constexpr,  # rows per step
     BLOCK_D: tl.constexpr,  # output columns per program
     SCAN: tl.constexpr,  # rows per step of the mask scan (COMPACT)
-    PREFETCH: tl.constexpr,  # FMA path: load the next step's row numbers one step early
+    PREFETCH: tl.constexpr,  # COMPACT: 1 row numbers one step early; 2 (FMA) weights too
     ACC2D: tl.constexpr,  # FMA path: [BLOCK_R, BLOCK_D] accumulator, reduced once at the end
     UPCAST: tl.constexpr,  # fp32 tl.dot (CPU interpreter, bf16)
     CHUNK: tl.constexpr,  # partials read per step by the serial reduction
@@ -171,7 +172,33 @@ def threshold_gemv_kernel(
         lo = r_lo
         hi = r_hi
     # 2. stream the rows: FMAs for one token, tensor cores for a union batch
-    if BLOCK_B == 1:
+    if BLOCK_B == 1 and COMPACT and PREFETCH == 2:
+        # software pipeline: the next step's weights load while this step's multiply runs
+        # (two weight tiles in flight per program; row numbers fetched two steps ahead)
+        acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
+        m_c = offs_k < hi
+        rows_c = tl.load(my_rows + offs_k, mask=m_c, other=0, cache_modifier=".cg")
+        w_c = tl.load((w_ptr + rows_c.to(tl.int64)[:, None] * stride_w) + offs_d[None, :],
+                      mask=m_c[:, None] & mask_d[None, :], other=0.0,
+                      eviction_policy="evict_first")  # fmt: skip
+        x_c = tl.load(x_ptr + rows_c, mask=m_c, other=0.0)
+        rows_n = tl.load(my_rows + BLOCK_R + offs_k, mask=(BLOCK_R + offs_k) < hi, other=0,
+                         cache_modifier=".cg")  # fmt: skip
+        for r0 in range(lo, hi, BLOCK_R):
+            nxt = r0 + BLOCK_R + offs_k
+            m_n = nxt < hi
+            w_n = tl.load((w_ptr + rows_n.to(tl.int64)[:, None] * stride_w) + offs_d[None, :],
+                          mask=m_n[:, None] & mask_d[None, :], other=0.0,
+                          eviction_policy="evict_first")  # fmt: skip
+            x_n = tl.load(x_ptr + rows_n, mask=m_n, other=0.0)
+            rows_nn = tl.load(my_rows + nxt + BLOCK_R, mask=(nxt + BLOCK_R) < hi, other=0,
+                              cache_modifier=".cg")  # fmt: skip
+            acc += x_c.to(tl.float32)[:, None] * w_c.to(tl.float32)
+            w_c = w_n
+            x_c = x_n
+            rows_n = rows_nn
+        y = tl.sum(acc, axis=0)[None, :]
+    elif BLOCK_B == 1:
         if ACC2D:
             acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
         else:
@@ -196,7 +223,7 @@ def threshold_gemv_kernel(
                 t = tl.load(thr_ptr + rows, mask=mask_r, other=float("inf"))
                 use = mask_r & (tl.abs(xv) > t)
                 xv = tl.where(use, xv, 0.0)
-            w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_w + offs_d[None, :],
+            w = tl.load((w_ptr + rows.to(tl.int64)[:, None] * stride_w) + offs_d[None, :],
                         mask=use[:, None] & mask_d[None, :], other=0.0,
                         eviction_policy="evict_first")  # fmt: skip
             if ACC2D:
@@ -209,11 +236,18 @@ def threshold_gemv_kernel(
             y = acc1[None, :]
     else:
         acc = tl.zeros((BLOCK_B, BLOCK_D), tl.float32)
+        if COMPACT and PREFETCH:
+            rows_nxt = tl.load(my_rows + offs_k, mask=offs_k < hi, other=0, cache_modifier=".cg")
         for r0 in range(lo, hi, BLOCK_R):
             offs_r = r0 + offs_k
             mask_r = offs_r < hi
             if COMPACT:
-                rows = tl.load(my_rows + offs_r, mask=mask_r, other=0, cache_modifier=".cg")
+                if PREFETCH:  # a loop-carried row list lets Triton pipeline the weight loads
+                    rows = rows_nxt
+                    rows_nxt = tl.load(my_rows + offs_r + BLOCK_R,
+                                       mask=(offs_r + BLOCK_R) < hi, other=0, cache_modifier=".cg")  # fmt: skip
+                else:
+                    rows = tl.load(my_rows + offs_r, mask=mask_r, other=0, cache_modifier=".cg")
             else:
                 rows = offs_r
             t = tl.load(thr_ptr + rows, mask=mask_r, other=float("inf"))
@@ -225,7 +259,7 @@ def threshold_gemv_kernel(
                 use = mask_r
             else:
                 use = tl.max(keep.to(tl.int32), axis=0) > 0
-            w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_w + offs_d[None, :],
+            w = tl.load((w_ptr + rows.to(tl.int64)[:, None] * stride_w) + offs_d[None, :],
                         mask=use[:, None] & mask_d[None, :], other=0.0)  # fmt: skip
             acc = dot_acc(xt, w, acc, UPCAST)
         y = acc
@@ -262,16 +296,19 @@ def sm_count(device: torch.device) -> int:
     return _sm_count(device.index or 0) if device.type == "cuda" else 2
 
 
-def default_config(batch: int, d_in: int, d_out: int, kept: float = 0.2, *,
+def default_config(batch: int, d_in: int, d_out: int, kept: float | None = None, *,
                    device: torch.device | None = None) -> dict:  # fmt: skip
-    """The launch configuration: a tuned one from ``results/kernel_tuning.json`` when this GPU
+    """The launch configuration: a tuned one from ``results/kernel_tuning*.json`` when this GPU
     and shape were tuned (:mod:`.tuning`), else a heuristic sized to fill the GPU.
 
-    ``kept`` is the fraction of rows the caller expects to survive (only a hint for the tiles).
+    ``kept`` is the fraction of rows the caller expects to survive (a hint: the wrapper
+    cannot know it without a host sync, so it passes ``None``, the config best on average
+    over the tuned fractions; a caller that knows its budget may pass
+    ``config=default_config(..., kept=0.3)``).
 
     >>> cfg = default_config(1, 11008, 4096, device=torch.device("cpu"))
     >>> cfg["BLOCK_D"], cfg["reduce"], cfg["compact"]
-    (256, 'serial', True)
+    (128, 'serial', True)
     """
     from . import tuning
 
@@ -280,12 +317,13 @@ def default_config(batch: int, d_in: int, d_out: int, kept: float = 0.2, *,
     if tuned is not None:
         return tuned
     sms = sm_count(device)
-    if batch == 1:
-        cfg = {"BLOCK_R": 32, "BLOCK_D": 256, "num_warps": 4, "programs": 2 * sms}
-    else:
-        cfg = {"BLOCK_R": 32, "BLOCK_D": 128, "num_warps": 4, "num_stages": 3,
-               "programs": 2 * sms}  # fmt: skip
-    cfg.update(reduce="serial", compact=True, prefetch=batch == 1)
+    if batch == 1:  # H200 sweep (results/kernel_tuning_threshold.json): many short programs
+        cfg = {"BLOCK_R": 32, "BLOCK_D": 128, "num_warps": 4, "programs": 8 * sms,
+               "compact": True, "prefetch": 2}  # fmt: skip
+    else:  # union batches: masked row tiles, x read coalesced, loads pipelined for tl.dot
+        cfg = {"BLOCK_R": 64, "BLOCK_D": 128, "num_warps": 4, "num_stages": 4,
+               "programs": 2 * sms, "compact": False, "prefetch": 1}  # fmt: skip
+    cfg.update(reduce="serial")
     return cfg
 
 
@@ -306,7 +344,11 @@ def _launch(xb, w_t, thr, bias, res2, cfg: dict) -> None:
     batch, d_in = xb.shape
     d_out = w_t.shape[1]
     device = xb.device
-    block_b = 1 if batch == 1 else max(16, next_pow2(batch))
+    if "programs_per_sm" in cfg:  # tuned tables record programs per multiprocessor
+        cfg = {**cfg, "programs": max(1, round(cfg["programs_per_sm"] * sm_count(device)))}
+    # batch 1 with "dot": the tensor-core path with the token padded to 16 (its weight loads
+    # are pipelined through shared memory, more bytes in flight than the FMA path's registers)
+    block_b = 16 if batch == 1 and cfg.get("dot") else batch_block(batch)
     if block_b > 1 and cfg["BLOCK_R"] < 16:
         raise ValueError("config BLOCK_R must be >= 16 for batches above 1 (tensor-core path).")
     cfg = {**cfg, "BLOCK_D": min(cfg["BLOCK_D"], max(16, next_pow2(d_out)))}
@@ -336,7 +378,7 @@ def _launch(xb, w_t, thr, bias, res2, cfg: dict) -> None:
         batch, d_in, d_out, xb.stride(0), w_t.stride(0), res2.stride(0), rows_per_split, n_split,
         REDUCE=REDUCE[reduce], HAS_BIAS=bias is not None, COMPACT=compact, BLOCK_B=block_b,
         BLOCK_BS=block_bs, BLOCK_R=block_r, BLOCK_D=cfg["BLOCK_D"], SCAN=scan,
-        PREFETCH=bool(cfg.get("prefetch", False)), ACC2D=bool(acc2d), UPCAST=upcast_dot(xb.dtype),
+        PREFETCH=int(cfg.get("prefetch", 0)), ACC2D=bool(acc2d), UPCAST=upcast_dot(xb.dtype),
         CHUNK=chunk, num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 2),
     )  # fmt: skip
 

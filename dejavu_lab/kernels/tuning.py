@@ -22,10 +22,10 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["best_table", "lookup", "tuning_files"]
+__all__ = ["best_table", "lookup", "reload", "tuning_files"]
 
 ENV = "DEJAVU_LAB_TUNING"
-MAX_SHAPE_DISTANCE = 0.35  # |log d_in ratio| + |log d_out ratio| to borrow a nearby shape's config
+MAX_SHAPE_DISTANCE = 0.75  # |log d_in ratio| + |log d_out ratio| to borrow a nearby shape's config
 
 
 def tuning_files() -> list[Path]:
@@ -44,10 +44,19 @@ def tuning_files() -> list[Path]:
     return sorted(results_dir().glob("kernel_tuning*.json"))
 
 
+def reload() -> None:
+    """Forget the tables read so far (a benchmark that just wrote a new one calls this).
+
+    >>> reload()
+    """
+    _tables.cache_clear()
+    _lookup.cache_clear()
+
+
 @functools.cache
 def _tables(key: str) -> dict:
-    """{gpu: {(op, d_in, d_out, batch, kept): (us, config)}} over every readable table."""
-    best: dict = {}
+    """{gpu: {(op, d_in, d_out, batch, kept): [(us, config), ...]}} over every readable table."""
+    found: dict = {}
     for path in tuning_files():
         try:
             data = json.loads(path.read_text())
@@ -55,29 +64,28 @@ def _tables(key: str) -> dict:
             rows = data["rows"]
         except (OSError, ValueError, KeyError, TypeError):
             continue  # an unreadable table only costs speed: fall back to the heuristics
-        table = best.setdefault(gpu, {})
+        table = found.setdefault(gpu, {})
         for r in rows:
             try:
                 k = (r["op"], int(r["d_in"]), int(r["d_out"]), int(r["batch"]), float(r["kept"]))
                 us, cfg = float(r["us"]), dict(r["config"])
             except (KeyError, TypeError, ValueError):
                 continue
-            if math.isfinite(us) and (k not in table or us < table[k][0]):
-                table[k] = (us, cfg)
-    return best
+            if math.isfinite(us):
+                table.setdefault(k, []).append((us, cfg))
+    return found
 
 
 def best_table(gpu: str | None = None) -> dict:
-    """The fastest recorded config per (op, d_in, d_out, batch, kept) for ``gpu``.
+    """The fastest recorded ``(µs, config)`` per (op, d_in, d_out, batch, kept) for ``gpu``.
 
     >>> table = best_table("NVIDIA H200")
-    >>> all(len(k) == 5 for k in table)
+    >>> all(len(k) == 5 and us > 0 for k, (us, cfg) in table.items())
     True
     """
-    tables = _tables(os.environ.get(ENV, "") + "|" + ",".join(map(str, tuning_files())))
-    if gpu is None:
-        return {k: v for t in tables.values() for k, v in t.items()}
-    return tables.get(gpu, {})
+    tables = _tables(os.environ.get(ENV, ""))
+    chosen = tables.values() if gpu is None else [tables.get(gpu, {})]
+    return {k: min(v, key=lambda t: t[0]) for t in chosen for k, v in t.items()}
 
 
 @functools.cache
@@ -85,20 +93,29 @@ def _gpu_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
 
 
-def lookup(op: str, d_in: int, d_out: int, kept: float, batch: int,
+def lookup(op: str, d_in: int, d_out: int, kept: float | None, batch: int,
            device: torch.device) -> dict | None:  # fmt: skip
     """The tuned config of ``op`` nearest to this point on this GPU model, or ``None``.
 
     Same shape first (else the nearest tuned shape within ``MAX_SHAPE_DISTANCE`` in log
     space), then the nearest tuned batch (batch 1 and union batches run different code paths
-    and never borrow from each other), then the nearest kept fraction.
+    and never borrow from each other), then the nearest kept fraction. ``kept=None`` (a
+    threshold's kept fraction is only known on the GPU) picks the config with the least mean
+    slowdown against the best over every tuned kept fraction.
 
     >>> lookup("threshold_gemv", 11008, 4096, 0.1, 1, torch.device("cpu")) is None  # no GPU
     True
     """
     if device.type != "cuda":
         return None
-    table = best_table(_gpu_name(device.index or 0))
+    kept = None if kept is None else round(float(kept), 3)
+    found = _lookup(op, int(d_in), int(d_out), kept, int(batch), _gpu_name(device.index or 0))
+    return None if found is None else dict(found)
+
+
+@functools.lru_cache(maxsize=4096)
+def _lookup(op, d_in, d_out, kept, batch, gpu):
+    table = _tables(os.environ.get(ENV, "")).get(gpu, {})
     if not table:
         return None
     mine = [k for k in table if k[0] == op and (k[3] == 1) == (batch == 1)]
@@ -114,5 +131,15 @@ def lookup(op: str, d_in: int, d_out: int, kept: float, batch: int,
     mine = [k for k in mine if shape_dist(k) == dist]
     bdist = min(abs(math.log(k[3] / batch)) for k in mine)
     mine = [k for k in mine if abs(math.log(k[3] / batch)) == bdist]
-    k = min(mine, key=lambda k: abs(k[4] - kept))
-    return dict(table[k][1])
+    if kept is not None:
+        k = min(mine, key=lambda k: abs(k[4] - kept))
+        return min(table[k], key=lambda t: t[0])[1]
+    slowdown: dict[str, list] = {}  # config -> [config, sum of us / best us, points]
+    for k in mine:
+        best = min(us for us, _ in table[k])
+        for us, cfg in table[k]:
+            entry = slowdown.setdefault(json.dumps(cfg, sort_keys=True), [cfg, 0.0, 0])
+            entry[1] += us / best
+            entry[2] += 1
+    most = max(e[2] for e in slowdown.values())
+    return min((e for e in slowdown.values() if e[2] == most), key=lambda e: e[1])[0]
