@@ -18,7 +18,7 @@ kept and ``g = h / kv`` query heads per KV head, a KV head is skipped only when 
 is kept; for a uniformly random choice that happens with probability C(h−g, k) / C(h, k).
 
 This module counts the ideal bytes a sparse step must read, as the paper does;
-:mod:`dejavu_lab.engine_bytes` counts what our engine (:class:`dejavu_lab.engine.Decoder`)
+:mod:`dejavu_lab.engine.nbytes` counts what our engine (:class:`dejavu_lab.engine.Decoder`)
 actually reads, predictors included — the same for a dense step, more for a sparse one: its
 attention core reads every head's KV cache, under GQA it reads every K/V head's weights, and
 it reads the predictors in fp32 with their biases.

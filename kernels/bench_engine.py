@@ -1,26 +1,41 @@
-"""End-to-end batch-1 decoding: HF ``generate`` vs our dense vs our sparse engine (Deja Vu §5.1).
+"""End-to-end batch-1 decoding: HF ``generate`` vs our engine, dense and every sparsity method (§5.1).
 
 Knowl 8: on OPT-175B (8x A100, fp16, batch 1, prompts 128-1024) DejaVu generates tokens
 1.8-2.0x faster than FasterTransformer and 4.8-6.0x faster than Hugging Face. Here, on one GPU,
-random-weight fp16 models at OPT-6.7B/13B/30B and Llama-2-13B shapes (weights need not be
-trained to be timed; DejaVu's predictors at their default rank run in the loop and choose the
-top-k), batch 1, for each prompt length:
+random-weight fp16 models at OPT-6.7B/13B/30B, Llama-2-13B and Llama-3-8B shapes (weights need
+not be trained to be timed), batch 1, for each prompt length, the variants of ``--methods``:
 
 - ``hf``     — ``model.generate`` (eager attention, dynamic cache), per token from
   (T(n) - T(1)) / (n - 1), prefill = T(1);
-- ``dense``  — :class:`dejavu_lab.engine.Decoder`, the step replayed as a CUDA graph;
-- ``sparse`` — the same with 85% MLP + 50% heads removed (OPT; Llama shape: 50% + 50%), the
-  lookahead predictors on a side stream; variants without predictors (fixed random sets) and
-  with the predictors inline on one stream show what the predictors cost.
+- ``hf_compiled`` — ``model.generate(..., cache_implementation="static")``: the static cache
+  makes HF torch.compile its decode step (the strongest HF baseline); timed after a first call,
+  whose extra time is recorded as ``compile_s``;
+- ``dense``  — :class:`dejavu_lab.engine.Decoder`, the step replayed as a CUDA graph, its ops
+  through torch/cuBLAS or our kernels as ``--dense-ops`` says; ``dense_triton`` — every dense op
+  through our kernels at 100% kept; ``dense_auto`` — each op (qkv, attention core, o, MLP)
+  timed alone both ways first (rows ``kind: "op"``), the faster one used;
+- ``dejavu`` — rows ``sparse`` (85% MLP + 50% heads removed on OPT, 50% + 50% on Llama shapes,
+  ``--dejavu-sparsity``; DejaVu's predictors at their default rank choose the top-k on a side
+  stream), ``sparse_fixed_sets`` (fixed random sets: no predictors) and
+  ``sparse_inline_predictors`` (one stream; at ``--parts-at`` only);
+- ``teal``, ``wina``, ``cats`` — one row per ``--sparsity``: thresholds calibrated for that
+  fraction per site on the prompt's dense prefill
+  (:func:`dejavu_lab.engine.calibrate_thresholds`), applied to every token decoded.
 
-Every row carries the bytes the step reads (:mod:`dejavu_lab.engine_bytes`) and the achieved
-bandwidth against the device-to-device copy ceiling measured in the same run. At one prompt
-length a breakdown times each part of the step alone (attention, MLP, predictors, lm_head, all
-layers, each captured in a CUDA graph); the rest of the step time is overhead. A correctness
-check on small models runs first (engine vs HF logits, sparse with everything kept vs dense,
-graph vs eager). Results: ``results/engine_e2e.json`` (``--name``), with provenance.
+Before a variant is timed at a model, the same variant with everything kept (DejaVu at 0%,
+thresholds -1) decodes 8 tokens and its logits are compared with the dense decoder's
+(``keep_all_vs_dense``, ``check_ok``); after timing, graph replays are compared with eager
+steps (``graph_vs_eager``). Every row carries the bytes the step reads
+(:mod:`dejavu_lab.engine.nbytes`, at the target kept fractions) and the achieved bandwidth
+against the device-to-device copy ceiling measured in the same run. At ``--parts-at`` a
+breakdown times each part of the step alone (attention, MLP, predictors, lm_head, all layers,
+each captured in a CUDA graph). A correctness check on small models runs first (engine vs HF
+logits, sparse with everything kept vs dense, graph vs eager). Results:
+``results/engine_e2e.json`` (``--name``), with provenance; a table is printed at the end.
 
-    python kernels/bench_engine.py                            # everything (~6 min on an H200)
+    python kernels/bench_engine.py --models llama-2-13b,llama-3-8b,opt-30b --prompts 512 \
+        --methods dense,dense_triton,dejavu,teal,wina,cats --sparsity 0.4,0.5 \
+        --baselines hf,hf_compiled --name engine_methods           # issues 11 and 12
     python kernels/bench_engine.py --models opt-30b --prompts 512 --hf-new-tokens 16
     python kernels/bench_engine.py --models facebook/opt-6.7b --prompts 512   # a real checkpoint
     python kernels/bench_engine.py --quick                    # CPU plumbing check, tiny shapes
@@ -32,19 +47,30 @@ import argparse
 import gc
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
 from dejavu_lab import results
-from dejavu_lab.engine import Decoder, SparseConfig
-from dejavu_lab.engine_bytes import step_bytes
-from dejavu_lab.engine_weights import decoder_weights
+from dejavu_lab.engine import (
+    SITES,
+    Decoder,
+    EngineError,
+    SparseConfig,
+    calibrate_thresholds,
+    decoder_weights,
+    dense_ops,
+    keep_all,
+    step_bytes,
+)
 from dejavu_lab.models import PRESETS, load_model, random_model
 
-MODELS = ["opt-30b", "llama-2-13b", "opt-13b", "opt-6.7b"]  # most important first
+MODELS = ["opt-30b", "llama-2-13b", "llama-3-8b", "opt-13b", "opt-6.7b"]  # most important first
 PROMPTS = [128, 256, 512, 1024]
+ALL_METHODS = ("dense", "dense_triton", "dense_auto", "dejavu", "teal", "wina", "cats")
 SPARSITY = {"opt": (0.85, 0.5), "llama": (0.5, 0.5)}  # (MLP, heads) removed: §5.1; TEAL range
 ROWS: list[dict] = []
+CHECK = [32, 8]  # the keep-all check: prompt tokens, then tokens decoded and compared
 
 
 def cuda() -> bool:
@@ -160,16 +186,33 @@ def check(device: str) -> None:
         gc.collect()
 
 
-def hf_row(model, ids, new_tokens: int) -> dict:
+def hf_row(model, ids, new_tokens: int, compiled: bool = False) -> dict:
+    """HF ``generate``: eager (dynamic cache) or ``cache_implementation="static"``, which
+    torch.compiles the decode step on a GPU; per token from (T(n) - T(1)) / (n - 1).
+
+    The compiled run is timed after a first call that compiles (its extra time is
+    ``compile_s``); the first call uses the longest length, so later calls reuse its cache."""
+    kw = {"cache_implementation": "static"} if compiled else {}
+
     def gen(n):
         return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                              min_new_tokens=n, do_sample=False)  # fmt: skip
+                              min_new_tokens=n, do_sample=False, **kw)  # fmt: skip
 
+    out = {}
     with torch.no_grad():
-        gen(2)  # warm-up
+        if compiled:  # a fresh compilation for this model and prompt, timed on its own
+            torch._dynamo.reset()
+            if hasattr(model, "_previous_max_cache_length"):
+                model._previous_max_cache_length = -1
+            first = timed(lambda: gen(new_tokens))
+            tn = min(timed(lambda: gen(new_tokens)) for _ in range(2))
+            out["compile_s"] = max(first - tn, 0.0) / 1e3
+            out["compiled"] = cuda()  # HF compiles on accelerators only
+        else:
+            gen(2)  # warm-up
+            tn = timed(lambda: gen(new_tokens))
         t1 = min(timed(lambda: gen(1)) for _ in range(2))
-        tn = timed(lambda: gen(new_tokens))
-    return {"ms_per_token": (tn - t1) / (new_tokens - 1), "prefill_ms": t1}
+    return {"ms_per_token": (tn - t1) / (new_tokens - 1), "prefill_ms": t1, **out}
 
 
 def engine_row(dec: Decoder, ids, new_tokens: int) -> dict:
@@ -182,70 +225,223 @@ def engine_row(dec: Decoder, ids, new_tokens: int) -> dict:
     return {"ms_per_token": ms / (new_tokens - 1), "prefill_ms": prefill}
 
 
+def graph_ms(fn) -> float:
+    """Median ms of fn captured in a CUDA graph and replayed (wall clock of fn on CPU)."""
+    with torch.no_grad():
+        fn()
+        fn()
+        if not cuda():
+            return timed(fn)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        return sorted(timed(g.replay) for _ in range(7))[3]
+
+
 def parts_rows(dec: Decoder, base: dict) -> list[dict]:
     """Time each part of the step alone (all layers), captured in a CUDA graph when on a GPU."""
-    out = []
-    for part, fn in dec.parts().items():
-        with torch.no_grad():
-            fn()
-            fn()
-            if cuda():
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    fn()
-                ms = sorted(timed(g.replay) for _ in range(7))[3]
-            else:
-                ms = timed(fn)
-        out.append({**base, "kind": "part", "part": part, "ms": ms})
-    return out
+    return [{**base, "kind": "part", "part": part, "ms": graph_ms(fn)}
+            for part, fn in dec.parts().items()]  # fmt: skip
 
 
-def bench_model(preset, prompts, new_tokens, hf_new, hf_prompts, device, ceiling, parts_at):
+def pick_dense_ops(w, arch, ids, base: dict) -> str:
+    """Time each dense op alone over every layer (CUDA graph) through torch and through our
+    kernels at 100% kept; the ``--dense-ops`` spec of the faster ones. The attention core is
+    timed as the attention block with only the core switched (qkv and o through torch)."""
+    p = ids.shape[1]
+    decs = {impl: Decoder(w, max_seq_len=p + 1, dense_ops=impl)
+            for impl in ("torch", "triton", "attn=triton")}  # fmt: skip
+    for dec in decs.values():
+        dec.prefill(ids)
+    dev, dt, L = w.device, w.dtype, range(arch.n_layers)
+    x = torch.randn(1, arch.d_model, device=dev, dtype=dt) / 8
+    o = torch.randn(1, arch.n_heads * arch.d_head, device=dev, dtype=dt) / 8
+
+    def over_layers(dec, op):
+        if op == "qkv":
+            return lambda: [dec._qkv(i, x) for i in L]
+        if op == "o":
+            return lambda: [dec._out(i, o) for i in L]
+        if op == "mlp":
+            return lambda: [dec._mlp(i, x) for i in L]
+        return lambda: (dec._per_step(), [dec._attn(i, x) for i in L])
+
+    spec = []
+    for op in ("qkv", "attn", "o", "mlp"):
+        ms = {impl: graph_ms(over_layers(decs[key], op))
+              for impl, key in (("torch", "torch"),
+                                ("triton", "attn=triton" if op == "attn" else "triton"))}  # fmt: skip
+        best = min(ms, key=ms.get)
+        spec.append(f"{op}={best}")
+        ROWS.append({**base, "kind": "op", "prompt": p, "op": op, "torch_ms": ms["torch"],
+                     "triton_ms": ms["triton"], "picked": best})  # fmt: skip
+        print(f"{base['model']:>12} dense op {op:>4}: torch {ms['torch']:.3f} ms, ours "
+              f"{ms['triton']:.3f} ms (all layers) -> {best}")  # fmt: skip
+    return ",".join(spec)
+
+
+@dataclass
+class Variant:
+    """One engine configuration timed per prompt: a row ``engine`` of the results."""
+
+    engine: str  # dense, dense_triton, sparse, sparse_fixed_sets, sparse_inline_predictors,
+    #              teal, wina, cats
+    method: str = "dense"  # the SparseConfig method ("dense": sparse=None)
+    sparsity: float = 0.0  # teal/wina/cats: the calibrated fraction of entries dropped per site
+    sparse: SparseConfig | None = None  # dejavu's config (teal/wina/cats: built per prompt)
+    predictors: bool = False  # dejavu: lookahead predictors choose the kept sets
+    ops: str | None = None  # dense_ops of this decoder (None: --dense-ops)
+    only_at_parts: bool = False  # time only at the breakdown's prompt
+
+
+def variants(methods, sparsities, dejavu_budget, preds) -> list[Variant]:
+    """The variants of --methods; rows-layout methods first (TEAL/WINA convert the weights)."""
+    out, ms_, hs_ = [], *dejavu_budget
+    for m in methods:
+        if m == "dense":
+            out.append(Variant("dense"))
+        elif m == "dense_triton":
+            out.append(Variant("dense_triton", ops="triton"))
+        elif m == "dense_auto":  # the faster of torch and ours per op, timed first
+            out.append(Variant("dense_auto", ops="auto"))
+        elif m == "dejavu":
+            sp = SparseConfig(ms_, hs_)
+            if preds is not None:
+                out.append(Variant("sparse", "dejavu", sparse=sp, predictors=True))
+            out.append(Variant("sparse_fixed_sets", "dejavu", sparse=sp))
+            if preds is not None:
+                out.append(Variant("sparse_inline_predictors", "dejavu", predictors=True,
+                                   sparse=SparseConfig(ms_, hs_, side_stream=False),
+                                   only_at_parts=True))  # fmt: skip
+        else:
+            out += [Variant(m, m, sparsity=s) for s in sparsities]
+    return sorted(out, key=lambda v: v.method in ("teal", "wina"))  # stable: rows first
+
+
+def decode_logits(dec: Decoder, ids, n_prompt: int) -> torch.Tensor:
+    """Logits of the last prompt position and of each following token fed one by one."""
+    with torch.no_grad():
+        out = [dec.prefill(ids[:, :n_prompt])]
+        out += [dec.step(int(t)) for t in ids[0, n_prompt:]]
+    return torch.cat(out).float()
+
+
+def make_decoder(v: Variant, w, arch, max_len, preds, dense_ops, thresholds=None):
+    if v.method in ("teal", "wina", "cats"):
+        sp = SparseConfig(method=v.method, thresholds=thresholds)
+    else:
+        sp = v.sparse
+    dec = Decoder(w, max_seq_len=max_len, sparse=sp, predictors=preds if v.predictors else None,
+                  dense_ops=v.ops or dense_ops)  # fmt: skip
+    if v.method == "dejavu" and not v.predictors:  # fixed random kept sets, one per layer
+        g = torch.Generator(device="cpu").manual_seed(0)
+        for i in range(arch.n_layers):
+            dec.set_indices(i, mlp=torch.randperm(arch.d_mlp, generator=g)[: dec.k_mlp],
+                            heads=torch.randperm(arch.n_heads, generator=g)[: dec.k_heads])  # fmt: skip
+    return dec
+
+
+def keep_all_check(v: Variant, w, arch, ids, ref, preds, dense_ops) -> float:
+    """relerr of this variant with everything kept against the dense decoder's logits."""
+    if v.method == "dejavu":
+        kv = Variant(v.engine, "dejavu", sparse=SparseConfig(0.0, 0.0))
+    else:
+        kv = v
+    thr = keep_all(w, v.method) if v.method in ("teal", "wina", "cats") else None
+    dec = make_decoder(kv, w, arch, ids.shape[1] + 1, preds, dense_ops, thr)
+    return relerr(decode_logits(dec, ids, CHECK[0]), ref)
+
+
+def graph_check(dec: Decoder, ids) -> float:
+    """relerr of 4 graph replays against 4 eager steps from the same prefill (GPU only)."""
+    graph, dec.graph = dec.graph, None
+    with torch.no_grad():
+        dec.prefill(ids)
+        eager = torch.cat([dec.step().clone() for _ in range(4)])
+        dec.prefill(ids)
+        dec.graph = graph
+        replay = torch.cat([dec.step().clone() for _ in range(4)])
+    return relerr(replay.float(), eager.float())
+
+
+def bench_model(preset, prompts, new_tokens, hf_new, hf_prompts, device, ceiling, parts_at, *,
+                baselines=("hf", "hf_compiled"), methods=("dense", "dejavu"), sparsities=(0.5,),
+                dejavu_budget=None, dense_ops=None) -> None:  # fmt: skip
     model, arch = build(preset, device)
     vocab = model.get_output_embeddings().weight.shape[0]
     d_embed = model.get_output_embeddings().weight.shape[1]
-    ms_, hs_ = SPARSITY[arch.family]  # Llama-family ids (Mistral, Qwen2) use the Llama budgets
-    preds = make_predictors(model, arch, device)
-    pred_bytes = 0
-    if preds is not None:
-        pred_bytes = sum(p.numel() * p.element_size() for p in preds.parameters())
+    # Llama-family ids (Mistral, Qwen2) use the Llama budgets
+    ms_, hs_ = dejavu_budget or SPARSITY[arch.family]
+    preds = make_predictors(model, arch, device) if "dejavu" in methods else None
+    pred_bytes = sum(p.numel() * p.element_size() for p in preds.parameters()) if preds else 0
     base = {"model": preset, "family": arch.family, "mlp_sparsity": ms_, "head_sparsity": hs_}
+    bw = dict(arch=arch, vocab=vocab, d_embed=d_embed, new_tokens=new_tokens, ceiling=ceiling)
     for p in hf_prompts:
         ids = torch.randint(0, vocab, (1, p), device=device)
-        row = {**base, "kind": "e2e", "engine": "hf", "prompt": p, **hf_row(model, ids, hf_new)}
-        ROWS.append(_bw(row, arch, vocab, d_embed, p, new_tokens, 1.0, 1.0, 0, ceiling))
-        print(_fmt(row))
-    w = decoder_weights(model, arch)
-    configs = [("dense", None, None, 1.0, 1.0, 0)]
-    kept = (1 - ms_, 1 - hs_)
-    if preds is not None:
-        configs.append(("sparse", SparseConfig(ms_, hs_), preds, *kept, pred_bytes))
-    configs.append(("sparse_fixed_sets", SparseConfig(ms_, hs_), None, *kept, 0))
-    if preds is not None:
-        inline = SparseConfig(ms_, hs_, side_stream=False)
-        configs.append(("sparse_inline_predictors", inline, preds, *kept, pred_bytes))
-    for p in prompts:
-        ids = torch.randint(0, vocab, (1, p), device=device)
-        for name, sp, pr, mk, hk, pb in configs:
-            if name == "sparse_inline_predictors" and p != parts_at:
-                continue
-            dec = Decoder(w, max_seq_len=p + new_tokens, sparse=sp, predictors=pr)
-            if sp is not None and pr is None:  # fixed random kept sets, one per layer
-                g = torch.Generator(device="cpu").manual_seed(0)
-                for i in range(arch.n_layers):
-                    dec.set_indices(i, mlp=torch.randperm(arch.d_mlp, generator=g)[: dec.k_mlp],
-                                    heads=torch.randperm(arch.n_heads, generator=g)[: dec.k_heads])  # fmt: skip
+        for name in baselines:
             row = {**base, "kind": "e2e", "engine": name, "prompt": p}
             try:
-                row.update(engine_row(dec, ids, new_tokens))
-            except Exception as exc:  # record and go on: one failure must not lose the run
+                row.update(hf_row(model, ids, hf_new, compiled=name == "hf_compiled"))
+            except Exception as exc:  # e.g. a torch.compile failure: record it, go on
                 print(f"{preset} {name} prompt {p} failed: {exc!r}")
                 ROWS.append({**row, "error": repr(exc)[:300]})
                 continue
-            ROWS.append(_bw(row, arch, vocab, d_embed, p, new_tokens, mk, hk, pb, ceiling))
+            ROWS.append(_bw(row, prompt=p, **bw))
             print(_fmt(row))
-            if p == parts_at and name in ("dense", "sparse"):
-                ROWS.extend(parts_rows(dec, {**base, "engine": name, "prompt": p}))
+    torch._dynamo.reset()  # drop HF's compiled graphs and their memory before our weights
+    gc.collect()
+    torch.cuda.empty_cache() if cuda() else None
+    w = decoder_weights(model, arch)
+    check_ids = torch.randint(0, vocab, (1, sum(CHECK)), device=device)
+    ref = decode_logits(Decoder(w, max_seq_len=sum(CHECK) + 1, dense_ops=dense_ops), check_ids,
+                        CHECK[0])  # fmt: skip
+    for v in variants(methods, sparsities, (ms_, hs_), preds):
+        if v.method in ("teal", "wina") and w.layout == "rows":
+            w.set_layout("columns")  # TEAL/WINA read W_QKV^T and W_in^T (one copy at a time)
+            torch.cuda.empty_cache() if cuda() else None
+        if v.ops == "auto":
+            p = parts_at if parts_at in prompts else prompts[-1]
+            v.ops = pick_dense_ops(w, arch, torch.randint(0, vocab, (1, p), device=device), base)
+        try:
+            keep_err = keep_all_check(v, w, arch, check_ids, ref, preds, dense_ops)
+        except Exception as exc:
+            print(f"{preset} {v.engine} keep-all check failed: {exc!r}")
+            ROWS.append({**base, "kind": "e2e", "engine": v.engine, "error": repr(exc)[:300]})
+            continue
+        ok = keep_err < 3e-2
+        print(f"{preset:>12} {v.engine:>25} keep-all vs dense: relerr {keep_err:.1e} "
+              f"{'ok' if ok else 'FAILED'}")  # fmt: skip
+        for p in prompts:
+            if v.only_at_parts and p != parts_at:
+                continue
+            ids = torch.randint(0, vocab, (1, p), device=device)
+            row = {**base, "kind": "e2e", "engine": v.engine, "prompt": p, "method": v.method,
+                   "sparsity": v.sparsity, "dense_ops": v.ops or dense_ops or "torch",
+                   "keep_all_vs_dense": keep_err, "check_ok": ok}  # fmt: skip
+            try:
+                thr = None
+                if v.method in ("teal", "wina", "cats"):
+                    thr = calibrate_thresholds(w, ids, v.sparsity, method=v.method)
+                dec = make_decoder(v, w, arch, p + new_tokens, preds, dense_ops, thr)
+                row.update(engine_row(dec, ids, new_tokens))
+                if cuda():
+                    row["graph_vs_eager"] = graph_check(dec, ids)
+            except Exception as exc:  # record and go on: one failure must not lose the run
+                print(f"{preset} {v.engine} prompt {p} failed: {exc!r}")
+                ROWS.append({**row, "error": repr(exc)[:300]})
+                continue
+            kept = dict(mlp_kept=1.0, head_kept=1.0, predictors=0, site_kept=None)
+            if v.method == "dejavu":
+                kept.update(mlp_kept=1 - ms_, head_kept=1 - hs_,
+                            predictors=pred_bytes if v.predictors else 0)  # fmt: skip
+            elif v.method in SITES:
+                kept["site_kept"] = dict.fromkeys(SITES[v.method], 1 - v.sparsity)
+            ROWS.append(_bw(row, prompt=p, **kept, **bw))
+            print(_fmt(row))
+            if p == parts_at and v.engine in ("dense", "dense_triton", "dense_auto", "sparse",
+                                              "teal", "cats"):  # fmt: skip
+                ROWS.extend(parts_rows(dec, {**base, "engine": v.engine, "prompt": p,
+                                             "sparsity": v.sparsity}))  # fmt: skip
             del dec
             gc.collect()
     del model, w, preds
@@ -254,10 +450,11 @@ def bench_model(preset, prompts, new_tokens, hf_new, hf_prompts, device, ceiling
         torch.cuda.empty_cache()
 
 
-def _bw(row, arch, vocab, d_embed, prompt, new_tokens, mk, hk, pb, ceiling) -> dict:
+def _bw(row, *, arch, vocab, d_embed, prompt, new_tokens, ceiling, mlp_kept=1.0, head_kept=1.0,
+        predictors=0, site_kept=None) -> dict:  # fmt: skip
     ctx = prompt + new_tokens // 2  # mean context over the generated tokens
-    b = step_bytes(arch, vocab=vocab, context=ctx, mlp_kept=mk, head_kept=hk, predictors=pb,
-                   d_embed=d_embed)  # fmt: skip
+    b = step_bytes(arch, vocab=vocab, context=ctx, mlp_kept=mlp_kept, head_kept=head_kept,
+                   predictors=predictors, d_embed=d_embed, site_kept=site_kept)  # fmt: skip
     row["bytes_per_token"] = b["total"]
     row["floor_ms"] = b["total"] / (ceiling * 1e12) * 1e3 if ceiling == ceiling else None
     row["tbps"] = b["total"] / (row["ms_per_token"] * 1e-3) / 1e12
@@ -268,41 +465,80 @@ def _bw(row, arch, vocab, d_embed, prompt, new_tokens, mk, hk, pb, ceiling) -> d
 
 
 def _fmt(row) -> str:
-    return (f"{row['model']:>12} {row['engine']:>25} prompt {row['prompt']:5d}: "
+    name = row["engine"] + (f"@{row['sparsity']:.0%}" if row.get("method") in SITES else "")
+    return (f"{row['model']:>12} {name:>25} prompt {row['prompt']:5d}: "
             f"{row['ms_per_token']:8.3f} ms/token, prefill {row['prefill_ms']:8.1f} ms, "
-            f"{row['tbps']:.2f} TB/s")  # fmt: skip
+            f"{row['tbps']:.2f} TB/s"
+            + (f", compile {row['compile_s']:.1f} s" if "compile_s" in row else ""))  # fmt: skip
 
 
 def print_table(ceiling: float) -> None:
+    """One line per (model, prompt, variant): ms/token, ratios, GB/step, floor, checks."""
     e2e = [r for r in ROWS if r.get("kind") == "e2e" and "error" not in r]
-    print(f"\ncopy ceiling {ceiling:.2f} TB/s; ms per token (x: speedup of sparse)")
+    print(f"\ncopy ceiling {ceiling:.2f} TB/s; x = ratio of ms per token (higher: this variant "
+          "is faster); floor = bytes / ceiling")  # fmt: skip
+    print(f"{'model':>12} {'prompt':>6} {'variant':>25} {'ms/tok':>8} {'vs dense':>8} "
+          f"{'vs hf':>6} {'vs hfc':>6} {'GB/step':>8} {'/floor':>6} {'keep-all':>8} "
+          f"{'graph':>7}")  # fmt: skip
     by = {}
     for r in e2e:
-        by.setdefault((r["model"], r["prompt"]), {})[r["engine"]] = r
-    print(f"{'model':>12} {'prompt':>6} {'hf':>8} {'dense':>8} {'/floor':>6} {'sparse':>8} "
-          f"{'vs dense':>8} {'vs hf':>7} {'fixed':>8}")  # fmt: skip
-    for (m, p), e in sorted(by.items()):
-        hf, de, sp = e.get("hf"), e.get("dense"), e.get("sparse") or e.get("sparse_fixed_sets")
-        fx = e.get("sparse_fixed_sets")
+        by.setdefault((r["model"], r["prompt"]), []).append(r)
+    for (m, p), rows in sorted(by.items()):
+        eng = {r["engine"]: r for r in rows}
 
-        def ms(r):
-            return f"{r['ms_per_token']:8.2f}" if r else f"{'-':>8}"
+        def x(ref, r, w):
+            ok = ref is not None and ref is not r
+            return f"{ref['ms_per_token'] / r['ms_per_token']:{w}.2f}" if ok else f"{'-':>{w}}"
 
-        floor = f"{de['ms_per_token'] / de['floor_ms']:6.2f}" if de and de["floor_ms"] else "     -"
-        vs_d = f"{de['ms_per_token'] / sp['ms_per_token']:8.2f}" if de and sp else f"{'-':>8}"
-        vs_h = f"{hf['ms_per_token'] / sp['ms_per_token']:7.2f}" if hf and sp else f"{'-':>7}"
-        print(f"{m:>12} {p:6d} {ms(hf)} {ms(de)} {floor} {ms(sp)} {vs_d} {vs_h} {ms(fx)}")
+        for r in rows:
+            name = r["engine"] + (f"@{r['sparsity']:.0%}" if r.get("method") in SITES else "")
+            floor = r["ms_per_token"] / r["floor_ms"] if r.get("floor_ms") else float("nan")
+            ka = r.get("keep_all_vs_dense")
+            ka = f"{ka:8.1e}" if ka is not None else f"{'-':>8}"
+            ge = r.get("graph_vs_eager")
+            ge = f"{ge:7.1e}" if ge is not None else f"{'-':>7}"
+            print(f"{m:>12} {p:6d} {name:>25} {r['ms_per_token']:8.2f} "
+                  f"{x(eng.get('dense'), r, 8)} {x(eng.get('hf'), r, 6)} "
+                  f"{x(eng.get('hf_compiled'), r, 6)} {r['bytes_per_token'] / 1e9:8.2f} "
+                  f"{floor:6.2f} {ka} {ge}")  # fmt: skip
+    bad = [r for r in ROWS if r.get("check_ok") is False]
+    if bad:
+        print(f"keep-all check FAILED for: {sorted({(r['model'], r['engine']) for r in bad})}")
+    errors = [r for r in ROWS if "error" in r]
+    for r in errors:
+        print(f"error: {r.get('model')} {r.get('engine')}: {r['error'][:160]}")
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(MODELS), help="comma-separated presets or HF ids")
-    ap.add_argument("--prompts", default=",".join(map(str, PROMPTS)))
+    ap.add_argument("--methods", default="dense,dejavu,teal,cats",
+                    help=f"comma-separated among {', '.join(ALL_METHODS)}")  # fmt: skip
+    ap.add_argument(
+        "--sparsity",
+        default="0.5",
+        help="teal/wina/cats: fractions dropped per site, comma-separated (0.4,0.5)",
+    )
+    ap.add_argument(
+        "--dejavu-sparsity",
+        default=None,
+        help="dejavu's 'MLP,heads' removed (default: 0.85,0.5 OPT; 0.5,0.5 Llama)",
+    )
+    ap.add_argument(
+        "--dense-ops",
+        default="torch",
+        help="each dense op through torch or triton: torch, triton, qkv=triton,...",
+    )
+    ap.add_argument("--prompts", default=None, help=f"default {','.join(map(str, PROMPTS))}"
+                    " (--quick: 8,16)")  # fmt: skip
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--hf-new-tokens", type=int, default=32, help="HF is slow: fewer tokens")
     ap.add_argument("--hf-prompts", default=None, help="prompts for HF (default: --prompts)")
+    ap.add_argument("--baselines", default="hf,hf_compiled",
+                    help="HF baselines among hf (eager), hf_compiled (static cache + torch.compile)"
+                    "; '' for none")  # fmt: skip
     ap.add_argument("--parts-at", type=int, default=512, help="prompt of the time breakdown")
-    ap.add_argument("--no-check", action="store_true", help="skip the correctness check")
+    ap.add_argument("--no-check", action="store_true", help="skip the small-model check")
     ap.add_argument("--name", default="engine_e2e", help="results/<name>.json")
     ap.add_argument("--quick", action="store_true", help="CPU plumbing check at tiny shapes")
     args = ap.parse_args(argv)
@@ -312,14 +548,33 @@ def main(argv=None):
     device = "cuda" if cuda() else "cpu"
     if not cuda() and not args.quick:
         sys.exit("bench_engine.py needs an NVIDIA GPU (or --quick for a CPU plumbing check).")
+    methods = [m for m in args.methods.split(",") if m]
+    if set(methods) - set(ALL_METHODS):
+        sys.exit(f"--methods takes {', '.join(ALL_METHODS)}, got {args.methods!r}.")
+    baselines = [b for b in args.baselines.split(",") if b]
+    if set(baselines) - {"hf", "hf_compiled"}:
+        sys.exit(f"--baselines takes hf and hf_compiled, got {args.baselines!r}.")
+    try:
+        sparsities = [float(s) for s in args.sparsity.split(",")]
+        budget = ([float(s) for s in args.dejavu_sparsity.split(",")]
+                  if args.dejavu_sparsity else None)  # fmt: skip
+        if budget is not None and len(budget) != 2:
+            raise ValueError
+        dense_ops(args.dense_ops)
+    except (ValueError, EngineError) as exc:
+        sys.exit(f"bad --sparsity, --dejavu-sparsity or --dense-ops: {exc or 'MLP,heads'}")
+    if not all(0 <= s < 1 for s in sparsities + (budget or [])):
+        sys.exit("sparsities are fractions removed, in [0, 1).")
     models = args.models.split(",") if not args.quick else ["tiny-opt", "tiny-llama"]
-    prompts = [int(p) for p in args.prompts.split(",")] if not args.quick else [8, 16]
+    prompts = [int(p) for p in (args.prompts or ",".join(map(str, PROMPTS))).split(",")]
+    prompts = [8, 16] if args.quick and not args.prompts else prompts
     hf_prompts = [int(p) for p in (args.hf_prompts or ",".join(map(str, prompts))).split(",")]
     new, hf_new = (args.new_tokens, args.hf_new_tokens) if not args.quick else (4, 3)
-    parts_at = args.parts_at if not args.quick else 16
+    parts_at = args.parts_at if not args.quick else prompts[-1]
     if args.quick:
         hf_prompts = prompts
         SPARSITY.update({"opt": (0.5, 0.5), "llama": (0.5, 0.5)})
+        CHECK[:] = [8, 3]
     ceiling = copy_ceiling()
     print(f"copy ceiling: {ceiling:.2f} TB/s")
     if not args.no_check:
@@ -331,7 +586,9 @@ def main(argv=None):
     for preset in models:
         t0 = time.perf_counter()
         try:
-            bench_model(preset, prompts, new, hf_new, hf_prompts, device, ceiling, parts_at)
+            bench_model(preset, prompts, new, hf_new, hf_prompts, device, ceiling, parts_at,
+                        baselines=baselines, methods=methods, sparsities=sparsities,
+                        dejavu_budget=budget, dense_ops=args.dense_ops)  # fmt: skip
         except Exception as exc:
             print(f"{preset} failed: {exc!r}")
             ROWS.append({"kind": "e2e", "model": preset, "error": repr(exc)[:300]})

@@ -1,14 +1,18 @@
-"""Sparse MLP kernels vs dense cuBLAS and a torch gather baseline (Deja Vu §4.4, Appendix E).
+"""Sparse MLP kernels vs dense cuBLAS, contiguous cuBLAS and a torch gather (Deja Vu §4.4, App. E).
 
-For d in {4096, 8192, 12288} (OPT-6.7B, -66B, -175B; hidden 4d), kept fraction in
-{50, 20, 10, 5}% and batch 1 plus union batches 4 and 16, times the up-projection
-(fc1 + bias + ReLU, selected rows only) and the down-projection (fc2 over W2 stored
-transposed) three ways — dense cuBLAS, torch ``index_select`` + matmul, our Triton kernel —
-with ``do_bench`` (events, L2 flushed) and ``do_bench_cudagraph`` (graph replay). Reports
-achieved bandwidth over the bytes that must move and speedup over dense against the ideal
-1 / kept. Writes ``results/sparse_mlp.json`` (``--tune``: also ``results/sparse_mlp_tuning.json``).
+For the OPT shapes d in {4096, 8192, 12288} (hidden 4d) and the Llama shapes (d, hidden) =
+(4096, 11008), (5120, 13824), (4096, 14336), kept fraction in {50, 20, 10, 5}% and batch 1
+plus union batches 4 and 16, times the up-projection (fc1 + bias + ReLU, selected rows only;
+at Llama shapes the gate/up direction d -> hidden) and the down-projection (fc2 over W2 stored
+transposed, hidden -> d) four ways — dense cuBLAS, cuBLAS on the same number of rows made
+contiguous (``contig``: the gather-free reference our gather must match), torch
+``index_select`` + matmul, our Triton kernel — with ``do_bench`` (events, L2 flushed) and
+``do_bench_cudagraph`` (graph replay; ``--fast``: graph replay only). Reports achieved
+bandwidth over the bytes that must move and speedup over dense against the ideal 1 / kept.
+Writes ``results/sparse_mlp.json`` (``--tune``: also ``results/sparse_mlp_tuning.json``;
+``--tune-llama``: ``results/kernel_tuning_sparse_mlp.json``, read at run time).
 
-    PYTHONPATH=. python kernels/bench_sparse_mlp.py [--tune] [--quick]
+    PYTHONPATH=. python kernels/bench_sparse_mlp.py [--shapes all|opt|llama] [--tune] [--quick]
 """
 
 from __future__ import annotations
@@ -21,12 +25,16 @@ import triton
 import triton.testing
 
 from dejavu_lab import results
+from dejavu_lab.kernels import tuning
 from dejavu_lab.kernels.bench import MlpCase, copy_ceiling, mlp_row
 
-DIMS = [4096, 8192, 12288]
+OPT_SHAPES = [(4096, 16384), (8192, 32768), (12288, 49152)]  # (d, hidden)
+LLAMA_SHAPES = [(4096, 11008), (5120, 13824), (4096, 14336)]
+SHAPES = OPT_SHAPES + LLAMA_SHAPES
 KEPT = [0.5, 0.2, 0.1, 0.05]
 BATCHES = [1, 4, 16]
-PROVIDERS = ["dense", "torch", "triton"]
+PROVIDERS = ["dense", "contig", "torch", "triton"]
+FAST = False  # --fast: graph replay only (graph_us)
 
 # Candidate tile shapes for --tune (batch 1 uses the FMA path; batches > 1 the tl.dot path).
 TUNE = {
@@ -86,34 +94,35 @@ TUNE = {
 BEST: dict[tuple[str, bool], dict] = {}
 
 ROWS: list[dict] = []
-_CASE: dict[int, MlpCase] = {}
+_CASE: dict[tuple[int, int], MlpCase] = {}
 _DENSE: dict[tuple, tuple[float, float]] = {}
 
 
-def case_for(d: int) -> MlpCase:
-    if d not in _CASE:
+def case_for(d: int, n: int | None = None) -> MlpCase:
+    key = (d, n or 4 * d)
+    if key not in _CASE:
         _CASE.clear()  # one shape's weights on the GPU at a time
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
-        _CASE[d] = MlpCase(d, min_kept=min(KEPT))
-    return _CASE[d]
+        _CASE[key] = MlpCase(d, hidden=key[1], min_kept=min(KEPT))
+    return _CASE[key]
 
 
-def measure(op, d, kept, batch, provider, config=None, graph_only=False) -> dict:
+def measure(op, d, kept, batch, provider, config=None, graph_only=False, n=None) -> dict:
     if provider == "triton" and config is None:
         config = BEST.get((op, batch == 1))
-    return mlp_row(case_for(d), op, kept, batch, provider, dense_cache=_DENSE, config=config,
-                   graph_only=graph_only)  # fmt: skip
+    return mlp_row(case_for(d, n), op, kept, batch, provider, dense_cache=_DENSE, config=config,
+                   graph_only=graph_only, fast=FAST)  # fmt: skip
 
 
-def make_benchmarks(dims, kept, batches):
-    x_vals = [(d, k, b) for d in dims for b in batches for k in kept]
+def make_benchmarks(shapes, kept, batches):
+    x_vals = [(d, n, k, b) for d, n in shapes for b in batches for k in kept]
     return [
         triton.testing.Benchmark(
-            x_names=["d", "kept", "batch"],
+            x_names=["d", "n", "kept", "batch"],
             x_vals=x_vals,
             line_arg="provider",
             line_vals=PROVIDERS,
-            line_names=["dense cuBLAS", "torch gather", "Triton (ours)"],
+            line_names=["dense cuBLAS", "contiguous cuBLAS", "torch gather", "Triton (ours)"],
             ylabel="TB/s over bytes that must move (graph replay)",
             plot_name=f"sparse_mlp_{op}",
             args={"op": op},
@@ -122,16 +131,16 @@ def make_benchmarks(dims, kept, batches):
     ]
 
 
-def check_correctness(dims):
+def check_correctness(shapes):
     """Kernels vs the fp32 reference on fresh inputs before any timing (fp16; bf16 once)."""
     worst = 0.0
-    for d in dims:
+    for d, n in shapes:
         for op in ("up", "down"):
             for batch in (1, 16):
-                err = case_for(d).check(op, 0.1, batch)
+                err = case_for(d, n).check(op, 0.1, batch)
                 worst = max(worst, err)
                 assert err < 5e-3, f"{op} d={d} batch={batch}: relative error {err:.2e}"
-    small = MlpCase(min(1024, dims[0]), dtype=torch.bfloat16, min_kept=0.5)
+    small = MlpCase(min(1024, shapes[0][0]), dtype=torch.bfloat16, min_kept=0.5)
     for op in ("up", "down"):
         for batch in (1, 8):
             err = small.check(op, 0.3, batch)
@@ -164,34 +173,139 @@ def tune(ops, d=12288):
 
 
 def print_table(rows):
-    print(f"\n{'op':4s} {'d':>5s} {'B':>2s} {'kept':>5s} | {'dense':>7s} {'torch':>7s} "
-          f"{'ours':>7s} us (graph) | ours TB/s | speedup ideal frac | event frac")  # fmt: skip
+    print(f"\n{'op':4s} {'d':>5s} {'n':>5s} {'B':>2s} {'kept':>5s} | {'dense':>7s} {'contig':>7s} "
+          f"{'torch':>7s} {'ours':>7s} us (graph) | ours TB/s | speedup ideal frac | vs contig")  # fmt: skip
     key = {}
     for r in rows:
-        key[(r["op"], r["d"], r["batch"], r["kept"], r["provider"])] = r
-    for (op, d, b, k, p), r in sorted(key.items()):
+        key[(r["op"], r["d"], r["hidden"], r["batch"], r["kept"], r["provider"])] = r
+    for (op, d, n, b, k, p), r in sorted(key.items()):
         if p != "triton":
             continue
-        dn, tc = key[(op, d, b, k, "dense")], key[(op, d, b, k, "torch")]
-        print(f"{op:4s} {d:5d} {b:2d} {k:5.2f} | {dn['graph_ms'] * 1e3:7.1f} "
-              f"{tc['graph_ms'] * 1e3:7.1f} {r['graph_ms'] * 1e3:7.1f}    | "
+        dn, tc = key[(op, d, n, b, k, "dense")], key[(op, d, n, b, k, "torch")]
+        cg = key.get((op, d, n, b, k, "contig"))
+        cg_ms = cg["graph_ms"] if cg else float("nan")
+        print(f"{op:4s} {d:5d} {n:5d} {b:2d} {k:5.2f} | {dn['graph_ms'] * 1e3:7.1f} "
+              f"{cg_ms * 1e3:7.1f} {tc['graph_ms'] * 1e3:7.1f} {r['graph_ms'] * 1e3:7.1f}    | "
               f"{r['graph_tbps']:9.2f} | {r['speedup_graph']:7.2f} {r['ideal']:5.1f} "
-              f"{r['frac_ideal_graph']:4.2f} | {r['frac_ideal_event']:4.2f}")  # fmt: skip
+              f"{r['frac_ideal_graph']:4.2f} | {cg_ms / r['graph_ms']:9.2f}")  # fmt: skip
+
+
+# --tune-llama: candidates for the Llama shapes, recorded for run-time lookup (.tuning)
+TUNE_LLAMA = {
+    ("up", True): [
+        {"BLOCK_N": 1, "BLOCK_D": 2048, "num_warps": 8, "prefetch": True},
+        {"BLOCK_N": 1, "BLOCK_D": 1024, "num_warps": 4, "prefetch": True},
+        {"BLOCK_N": 2, "BLOCK_D": 1024, "num_warps": 8, "prefetch": True},
+        {"BLOCK_N": 4, "BLOCK_D": 512, "num_warps": 4, "prefetch": True},
+        {"BLOCK_N": 1, "BLOCK_D": 4096, "num_warps": 8, "prefetch": False},
+    ],
+    ("up", False): [
+        {"BLOCK_N": 32, "BLOCK_D": 256, "num_warps": 4, "num_stages": 4},
+        {"BLOCK_N": 16, "BLOCK_D": 512, "num_warps": 4, "num_stages": 4},
+        {"BLOCK_N": 64, "BLOCK_D": 128, "num_warps": 4, "num_stages": 3},
+    ],
+    ("down", True): [
+        {"BLOCK_R": 32, "BLOCK_D": 256, "num_warps": 4, "programs_per_sm": 4, "fused": True},
+        {"BLOCK_R": 16, "BLOCK_D": 256, "num_warps": 4, "programs_per_sm": 2, "fused": True},
+        {"BLOCK_R": 32, "BLOCK_D": 256, "num_warps": 8, "programs_per_sm": 1, "fused": True},
+        {"BLOCK_R": 16, "BLOCK_D": 256, "num_warps": 1, "programs_per_sm": 16, "fused": True},
+        {
+            "dot": True,
+            "BLOCK_R": 64,
+            "BLOCK_D": 256,
+            "num_warps": 8,
+            "num_stages": 4,
+            "programs_per_sm": 1,
+            "fused": True,
+        },  # fmt: skip
+        {
+            "dot": True,
+            "BLOCK_R": 32,
+            "BLOCK_D": 128,
+            "num_warps": 4,
+            "num_stages": 3,
+            "programs_per_sm": 2,
+            "fused": True,
+        },  # fmt: skip
+    ],
+    ("down", False): [
+        {
+            "BLOCK_R": 64,
+            "BLOCK_D": 64,
+            "num_warps": 4,
+            "num_stages": 4,
+            "programs_per_sm": 8,
+            "fused": False,
+        },  # fmt: skip
+        {
+            "BLOCK_R": 64,
+            "BLOCK_D": 128,
+            "num_warps": 4,
+            "num_stages": 4,
+            "programs_per_sm": 2,
+            "fused": True,
+        },  # fmt: skip
+        {
+            "BLOCK_R": 64,
+            "BLOCK_D": 256,
+            "num_warps": 8,
+            "num_stages": 4,
+            "programs_per_sm": 1,
+            "fused": True,
+        },  # fmt: skip
+    ],
+}
+
+
+def tune_llama(command, batches=(1, 16)):
+    """Sweep TUNE_LLAMA at the Llama shapes; record the timings for run-time lookup."""
+    rows = []
+    for d, n in LLAMA_SHAPES:
+        for op in ("up", "down"):
+            for batch in batches:
+                for kept in (0.5, 0.2, 0.1):
+                    best = None
+                    for cfg in TUNE_LLAMA[(op, batch == 1)]:
+                        try:
+                            r = measure(op, d, kept, batch, "triton", cfg, n=n)
+                        except Exception as exc:  # a candidate that fails to compile is skipped
+                            print(f"  {cfg}: {type(exc).__name__}: {str(exc)[:200]}")
+                            continue
+                        d_in, d_out = (d, n) if op == "up" else (n, d)
+                        rows.append({"op": f"sparse_mlp_{op}", "d_in": d_in, "d_out": d_out,
+                                     "kept": kept, "batch": batch, "config": cfg,
+                                     "us": r["graph_ms"] * 1e3,
+                                     "frac_ideal": r["frac_ideal_graph"]})  # fmt: skip
+                        best = max(best or 0.0, r["frac_ideal_graph"])
+                    print(f"tune {op:4s} {d}x{n} B={batch:2d} kept={kept:.2f}: best {best:.2f} "
+                          "of ideal", flush=True)  # fmt: skip
+    path = results.save("kernel_tuning_sparse_mlp", rows, command=command)
+    tuning.reload()
+    print(f"wrote {path}")
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tune", nargs="*", choices=["up", "down"], help="sweep tiles at d=12288")
     ap.add_argument("--tune-only", action="store_true", help="sweep, record, stop")
+    ap.add_argument("--tune-llama", action="store_true", help="sweep the Llama shapes first")
+    ap.add_argument("--shapes", choices=["all", "opt", "llama"], default="all")
+    ap.add_argument("--batches", type=int, nargs="*", help="union batches to time (default 1 4 16)")
+    ap.add_argument("--fast", action="store_true", help="graph replay only (short GPU lease)")
     ap.add_argument("--quick", action="store_true", help="tiny shapes (plumbing check, CPU)")
     args = ap.parse_args(argv)
     command = "python kernels/bench_sparse_mlp.py " + " ".join(argv or sys.argv[1:])
-    global DIMS, KEPT, BATCHES
+    global SHAPES, KEPT, BATCHES, FAST
+    SHAPES = {"all": OPT_SHAPES + LLAMA_SHAPES, "opt": OPT_SHAPES, "llama": LLAMA_SHAPES}[
+        args.shapes
+    ]
+    BATCHES = args.batches or BATCHES
+    FAST = args.fast
     if args.quick:
-        DIMS, KEPT, BATCHES = [64, 128], [0.5, 0.1], [1, 4]
+        SHAPES, KEPT, BATCHES = [(64, 256), (128, 352)], [0.5, 0.1], [1, 4]
     ceiling = copy_ceiling()
     print(f"copy ceiling: {ceiling:.2f} TB/s")
-    check_correctness(DIMS)
+    check_correctness(SHAPES)
     if (args.tune is not None or args.tune_only) and not args.quick:
         ops = args.tune or ["up", "down"]
         trows = tune(ops)
@@ -199,18 +313,23 @@ def main(argv=None):
         results.save(name, trows, command=command, extra={"copy_tbps": ceiling})
         if args.tune_only:
             return
-    for bench in make_benchmarks(DIMS, KEPT, BATCHES):
+    if args.tune_llama and not args.quick:
+        tune_llama(command)
+    for bench in make_benchmarks(SHAPES, KEPT, BATCHES):
         op = bench.args["op"]
 
         @triton.testing.perf_report(bench)
-        def run(d, kept, batch, provider, op=op):
-            row = measure(op, d, kept, batch, provider)
+        def run(d, n, kept, batch, provider, op=op):
+            row = measure(op, d, kept, batch, provider, n=n)
             ROWS.append(row)
             return row["graph_tbps"]
 
         run.run(print_data=False, show_plots=False)
     print_table(ROWS)
-    path = results.save("sparse_mlp", ROWS, command=command, extra={"copy_tbps": ceiling})
+    if args.quick:
+        return
+    name = "sparse_mlp" if args.shapes == "all" else f"sparse_mlp_{args.shapes}"
+    path = results.save(name, ROWS, command=command, extra={"copy_tbps": ceiling})
     print(f"wrote {path}")
 
 

@@ -10,8 +10,7 @@ from transformers import Qwen3Config
 
 from dejavu_lab.arch import get_arch
 from dejavu_lab.collect import fingerprint
-from dejavu_lab.engine import Decoder, EngineError, SparseConfig
-from dejavu_lab.engine_bytes import predictor_bytes, step_bytes
+from dejavu_lab.engine import Decoder, EngineError, SparseConfig, predictor_bytes, step_bytes
 from dejavu_lab.models import PRESETS, random_model
 from dejavu_lab.predictors import PredictorConfig, Predictors
 

@@ -6,6 +6,9 @@ One kernel per module, each with a checking wrapper, a plain-PyTorch ``*_ref`` a
 - :func:`sparse_mlp_up`   — selected rows of W1 (or gate/up), fused bias and activation.
 - :func:`sparse_mlp_down` — selected rows of W2 stored transposed (coalesced), reduced.
 - :func:`sparse_attention` — QKV for the selected heads, attention over their KV cache, W_O.
+- :func:`threshold_gemv` — TEAL/WINA input-sparse GEMV, the mask ``|x| > thr`` computed inside.
+- :func:`fused_sparse_mlp` — up (or gate/up), activation and down of the kept neurons, one launch.
+- :func:`cats_mlp` — CATS: dense gate with the threshold fused, up/down of the kept neurons only.
 
 All take a union batch of 1-32 tokens that share one index set (Knowl 12). :mod:`.bench` is the
 timing harness of ``kernels/bench_*.py`` (recorded in ``results/``); :mod:`.report` draws those
@@ -23,6 +26,13 @@ gives the dense MLP:
 True
 """
 
+from .fused_mlp import (
+    FUSED_ACTIVATIONS,
+    cats_mlp,
+    cats_mlp_ref,
+    fused_sparse_mlp,
+    fused_sparse_mlp_ref,
+)
 from .kv_window import kv_window_write, kv_window_write_ref
 from .row_norm import row_norm, row_norm_ref
 from .sparse_attention import (
@@ -33,9 +43,15 @@ from .sparse_attention import (
 )
 from .sparse_mlp_down import sparse_mlp_down, sparse_mlp_down_ref
 from .sparse_mlp_up import ACTIVATIONS, sparse_mlp_up, sparse_mlp_up_ref
+from .threshold_gemv import threshold_gemv, threshold_gemv_ref
 
 __all__ = [
     "ACTIVATIONS",
+    "FUSED_ACTIVATIONS",
+    "cats_mlp",
+    "cats_mlp_ref",
+    "fused_sparse_mlp",
+    "fused_sparse_mlp_ref",
     "kv_window_write",
     "kv_window_write_ref",
     "row_norm",
@@ -48,4 +64,6 @@ __all__ = [
     "sparse_mlp_down_ref",
     "sparse_mlp_up",
     "sparse_mlp_up_ref",
+    "threshold_gemv",
+    "threshold_gemv_ref",
 ]

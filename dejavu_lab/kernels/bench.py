@@ -35,6 +35,7 @@ __all__ = [
     "MlpCase",
     "attention_row",
     "copy_ceiling",
+    "graph_us",
     "mlp_row",
     "relerr",
     "time_both",
@@ -70,6 +71,48 @@ def time_both(fn: Callable[[], object], *, rep_ms: int = 60) -> tuple[float, flo
     event = do_bench(fn, warmup=10, rep=rep_ms, return_mode="median")
     graph = do_bench_cudagraph(fn, rep=max(20, rep_ms // 2), return_mode="median")
     return float(event), float(graph)
+
+
+def graph_us(calls: list[Callable[[], object]], *, n_calls: int = 120, reps: int = 9) -> float:
+    """Median µs per call of ``calls`` (cycled: one weight copy each) replayed in a CUDA graph.
+
+    ``n_calls`` calls are captured in one graph (fewer replays than ``do_bench_cudagraph`` at
+    the same noise, so a sweep of many configs fits a short GPU lease); the median over
+    ``reps`` replays is divided by ``n_calls``. Wall clock on the CPU.
+
+    >>> x = torch.randn(32, 32)
+    >>> graph_us([lambda: x @ x, lambda: x @ x.T], n_calls=4) > 0
+    True
+    """
+    order = [calls[i % len(calls)] for i in range(max(n_calls, len(calls)))]
+    if not _cuda():
+        t0 = time.perf_counter()
+        for fn in order:
+            fn()
+        return (time.perf_counter() - t0) * 1e6 / len(order)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in calls:  # compile, allocate workspaces, warm up, outside the capture
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in order:
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(order))
+    del graph
+    return statistics.median(times)
 
 
 def copy_ceiling(nbytes: int = 2**31) -> float:
@@ -118,7 +161,7 @@ def _copies(selected_bytes: float, copy_bytes: float) -> int:
 
 
 class MlpCase:
-    """One MLP shape (d, hidden 4d) with stacked weight copies for cold-cache timing.
+    """One MLP shape (d, hidden 4d or ``hidden``) with stacked weight copies for cold-cache timing.
 
     ``w1``/``b1``: fc1 [copies*n, d] / [copies*n]; ``w2t``: fc2 weight transposed [copies*n, d];
     ``b2``: [d]. ``min_kept`` sizes the rotation so the smallest selection still misses L2.
@@ -130,9 +173,10 @@ class MlpCase:
     True
     """
 
-    def __init__(self, d: int, *, min_kept: float = 0.05, dtype=torch.float16, device=None):
+    def __init__(self, d: int, *, hidden: int | None = None, min_kept: float = 0.05,
+                 dtype=torch.float16, device=None):  # fmt: skip
         device = device or ("cuda" if _cuda() else "cpu")
-        self.d, self.n, self.dtype, self.device = d, 4 * d, dtype, torch.device(device)
+        self.d, self.n, self.dtype, self.device = d, hidden or 4 * d, dtype, torch.device(device)
         esize = torch.finfo(dtype).bits // 8
         self.copies = _copies(min_kept * self.n * d * esize, self.n * d * esize)
         rows = self.copies * self.n
@@ -159,7 +203,11 @@ class MlpCase:
         return k, idx, x, h, h_full
 
     def calls(self, op: str, kept: float, batch: int, config: dict | None = None) -> dict:
-        """{'dense', 'torch', 'triton'} -> rotating zero-argument callables, plus metadata."""
+        """{'dense', 'torch', 'contig', 'triton'} -> rotating zero-argument callables, plus metadata.
+
+        'contig' is cuBLAS on the same number of rows made contiguous (the first k rows of each
+        copy): what a gather-free sparse layout would cost, the reference our gather must match.
+        """
         n, d = self.n, self.d
         k, idx, x, h, h_full = self._inputs(kept, batch)
         sl = [slice(r * n, (r + 1) * n) for r in range(self.copies)]
@@ -176,6 +224,10 @@ class MlpCase:
                 )
                 for i in idx
             ]
+            contig = [
+                lambda s=s: F.linear(x, w1[s.start : s.start + k], b1[s.start : s.start + k])
+                for s in sl
+            ]
         elif op == "down":
             dense = [lambda s=s: torch.addmm(b2, h_full, w2t[s]) for s in sl]
             gather = [lambda i=i: torch.addmm(b2, h, w2t.index_select(0, i)) for i in idx]
@@ -183,6 +235,7 @@ class MlpCase:
                 lambda i=i: sparse_mlp_down(h, w2t, i, bias=b2, validate=False, config=config)
                 for i in idx
             ]
+            contig = [lambda s=s: torch.addmm(b2, h, w2t[s.start : s.start + k]) for s in sl]
         else:
             raise ValueError(f"op {op!r} is not 'up' or 'down'.")
         esize = torch.finfo(self.dtype).bits // 8
@@ -193,8 +246,15 @@ class MlpCase:
             "dense": _rotating(dense),
             "torch": _rotating(gather),
             "triton": _rotating(ours),
+            "contig": _rotating(contig),
+            "lists": {"dense": dense, "torch": gather, "triton": ours, "contig": contig},
             "k": k,
-            "bytes": {"dense": dense_bytes, "torch": sparse_bytes, "triton": sparse_bytes},
+            "bytes": {
+                "dense": dense_bytes,
+                "torch": sparse_bytes,
+                "triton": sparse_bytes,
+                "contig": sparse_bytes,
+            },  # fmt: skip
         }
 
     def check(self, op: str, kept: float, batch: int, config: dict | None = None) -> float:
@@ -316,25 +376,34 @@ def _row(base: dict, calls: dict, provider: str, timed: tuple, dense: tuple, ide
 
 
 def mlp_row(case: MlpCase, op: str, kept: float, batch: int, provider: str, *,
-            dense_cache: dict, config: dict | None = None, graph_only: bool = False) -> dict:  # fmt: skip
+            dense_cache: dict, config: dict | None = None, graph_only: bool = False,
+            fast: bool = False) -> dict:  # fmt: skip
     """Time one (op, kept, batch, provider) on fresh inputs; dense times are cached per shape.
+
+    ``fast`` times graph replay only, with :func:`graph_us` (a short GPU lease's sweep).
 
     >>> row = mlp_row(MlpCase(16), "up", 0.25, 1, "triton", dense_cache={})  # wall clock on CPU
     >>> row["k"], row["ideal"], row["bytes"], "speedup_graph" in row
     (16, 4.0, 672, True)
     """
     calls = case.calls(op, kept, batch, config)
-    key = (op, case.d, batch)
+    key = (op, case.d, case.n, batch)
+
+    def timer(p):
+        if fast and _cuda():
+            return float("nan"), graph_us(calls["lists"][p]) * 1e-3
+        return time_both(calls[p])
+
     if key not in dense_cache:
-        dense_cache[key] = time_both(calls["dense"])
+        dense_cache[key] = timer("dense")
     if provider == "dense":
         timed = dense_cache[key]
-    elif graph_only and _cuda():
+    elif graph_only and _cuda() and not fast:
         from triton.testing import do_bench_cudagraph
 
         timed = (float("nan"), do_bench_cudagraph(calls[provider], rep=20, return_mode="median"))
     else:
-        timed = time_both(calls[provider])
+        timed = timer(provider)
     base = {"op": op, "d": case.d, "hidden": case.n, "kept": kept, "k": calls["k"],
             "batch": batch, "copies": case.copies, "config": config}  # fmt: skip
     return _row(base, calls, provider, timed, dense_cache[key], case.n / max(calls["k"], 1))

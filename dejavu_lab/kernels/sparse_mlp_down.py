@@ -218,14 +218,22 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def default_config(batch: int, k: int, d: int, device: torch.device) -> dict:
-    """Tile shapes from the H200 sweeps in results/sparse_mlp_tuning*.json (d = 12288); they
-    are the configs results/sparse_mlp.json was measured with.
+def default_config(batch: int, k: int, d: int, device: torch.device,
+                   n_rows: int | None = None) -> dict:  # fmt: skip
+    """Tile shapes: tuned for this GPU and shape in results/kernel_tuning*.json (:mod:`.tuning`,
+    when ``n_rows`` is given), else from the H200 sweeps in results/sparse_mlp_tuning*.json
+    (d = 12288), the configs results/sparse_mlp.json was measured with.
 
     >>> cfg = default_config(1, 4096, 12288, torch.device("cpu"))
     >>> cfg["BLOCK_R"], cfg["BLOCK_D"], cfg["fused"]
     (32, 256, True)
     """
+    if n_rows:
+        from . import tuning
+
+        tuned = tuning.lookup("sparse_mlp_down", n_rows, d, k / n_rows, batch, device)
+        if tuned is not None:
+            return tuned
     sms = _sm_count(device.index or 0) if device.type == "cuda" else 2
     if batch == 1:  # FMA path, 4 programs per SM; index prefetch measured no faster
         cfg = {"BLOCK_R": 32, "BLOCK_D": 256, "num_warps": 4, "fused": True, "programs": 4 * sms}
@@ -307,7 +315,10 @@ def sparse_mlp_down(
     if not use_triton(device):
         res2.copy_(sparse_mlp_down_ref(hb, weight_t, idx, bias=bias, rows_per_index=g))
         return res
-    cfg = {**default_config(batch, k, d, device), **(config or {})}
+    cfg = {**default_config(batch, k, d, device, n_rows), **(config or {})}
+    if "programs_per_sm" in cfg:  # tuned tables record programs per multiprocessor
+        sms = _sm_count(device.index or 0) if device.type == "cuda" else 2
+        cfg["programs"] = max(1, round(cfg["programs_per_sm"] * sms))
     block_b = max(16, batch_block(batch)) if cfg.get("dot") else batch_block(batch)
     if block_b > 1 and cfg["BLOCK_R"] < 16:
         raise ValueError("config BLOCK_R must be >= 16 for batches above 1 (tensor-core path).")

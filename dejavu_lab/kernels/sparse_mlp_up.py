@@ -199,15 +199,24 @@ def sparse_mlp_up_ref(
     return h.to(x.dtype)
 
 
-def default_config(batch: int, k: int, d: int) -> dict:
-    """Tile shapes from the H200 sweeps in results/sparse_mlp_tuning.json (d = 12288); any
-    valid choice computes the same thing, these only decide the speed.
+def default_config(batch: int, k: int, d: int, device: torch.device | None = None,
+                   n_rows: int | None = None) -> dict:  # fmt: skip
+    """Tile shapes: tuned for this GPU and shape in results/kernel_tuning*.json (:mod:`.tuning`,
+    when ``device`` and ``n_rows`` are given), else from the H200 sweeps in
+    results/sparse_mlp_tuning.json (d = 12288); any valid choice computes the same thing,
+    these only decide the speed.
 
     >>> default_config(1, 4096, 12288)  # batch 1: one row per program, FMA path
     {'BLOCK_N': 1, 'BLOCK_D': 2048, 'num_warps': 8, 'prefetch': True}
     >>> default_config(16, 4096, 12288)["BLOCK_N"]  # union batch: tensor-core tiles
     32
     """
+    if device is not None and n_rows:
+        from . import tuning
+
+        tuned = tuning.lookup("sparse_mlp_up", d, n_rows, k / n_rows, batch, device)
+        if tuned is not None:
+            return tuned
     if batch == 1:  # one selected row per program, two tiles in flight per thread
         block_d = min(2048, max(16, next_pow2(d)))
         return {"BLOCK_N": 1, "BLOCK_D": block_d, "num_warps": 8 if block_d >= 2048 else 4,
@@ -286,7 +295,7 @@ def sparse_mlp_up(
         )  # fmt: skip
         res2.copy_(ref)
         return res
-    cfg = {**default_config(batch, k, d), **(config or {})}
+    cfg = {**default_config(batch, k, d, device, n_rows), **(config or {})}
     block_b = batch_block(batch)
     if block_b > 1 and cfg["BLOCK_N"] < 16:
         raise ValueError("config BLOCK_N must be >= 16 for batches above 1 (tensor-core path).")

@@ -11,23 +11,18 @@ GEMV for both ``d -> r`` halves, then each ``r -> n`` — the same function as
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 
-from .engine_weights import EngineError
-from .sparsify import n_keep
-
-if TYPE_CHECKING:
-    from .engine import SparseConfig
+from ..sparsify import n_keep
+from .config import EngineError, SparseConfig
 
 __all__ = ["KeptSets"]
 
 
 class KeptSets:
     """Kept-set buffers and their update; expects the Decoder's ``w``, ``arch``, ``H``, ``Hkv``,
-    ``window`` and ``predictors`` attributes.
+    ``window``, ``_kv_all`` and ``predictors`` attributes.
 
     >>> from dejavu_lab.engine import Decoder, SparseConfig
     >>> from dejavu_lab.models import random_model
@@ -51,7 +46,6 @@ class KeptSets:
         )
         self._mlp_val = torch.zeros(L, self.k_mlp, device=dev)
         self._head_val = torch.zeros(L, self.k_heads, device=dev)
-        self._kv_all = torch.arange(self.Hkv, device=dev)
         self._kv_off = torch.tensor([[self.H], [self.H + self.Hkv]], device=dev)  # K, V blocks
         for i in range(L):
             self._fill_qkv(i)
@@ -67,8 +61,10 @@ class KeptSets:
 
     def set_indices(self, layer: int, *, mlp=None, heads=None) -> None:
         """Fix the kept neurons / heads of ``layer`` (used when no predictors are given)."""
-        if self.sparse is None:
-            raise EngineError("set_indices needs a sparse decoder (pass sparse=SparseConfig(...)).")
+        if self.method != "dejavu":
+            raise EngineError(
+                "set_indices fixes DejaVu's kept sets; pass sparse=SparseConfig(method='dejavu', ...)."
+            )
         for name, idx, buf, n in (("mlp", mlp, self.mlp_idx, self.arch.d_mlp),
                                   ("heads", heads, self.head_idx, self.H)):  # fmt: skip
             if idx is None:

@@ -9,6 +9,13 @@
 - ``w_in`` — ``fc1.weight`` (ReLU MLPs) or ``cat(gate, up)`` (SwiGLU): the sparse kernel reads
   the two halves as views, the dense path reads it as one matrix.
 
+That is the ``"rows"`` layout: a kept head or neuron is a block of contiguous rows (DejaVu's
+gather-GEMVs, CATS). TEAL and WINA skip input *columns* instead (:func:`~dejavu_lab.kernels.
+threshold_gemv` reads row i of ``W^T`` iff input entry i passes), so the ``"columns"`` layout
+stores ``w_qkv_t`` and ``w_in_t`` (the transposes, contiguous) in their place; ``W_O^T`` and
+``W2^T`` serve both. ``"both"`` keeps the two, for dense, DejaVu and TEAL decoders sharing one
+copy.
+
 Tensors that need no new layout (norms, ``fc1``, embeddings, ``lm_head``) are shared with the
 HF model, not copied, so building an engine next to a 60 GB model costs the copies only.
 """
@@ -18,25 +25,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from .arch import Arch, get_arch
+from ..arch import Arch, get_arch
+from .config import EngineError
 
-__all__ = ["DecoderWeights", "EngineError", "LayerWeights", "decoder_weights"]
+__all__ = ["DecoderWeights", "LayerWeights", "decoder_weights"]
 
 ENGINE_TYPES = ("opt", "llama", "mistral", "qwen2")  # Arch tables whose blocks the engine runs
-
-
-class EngineError(ValueError):
-    """The engine cannot run this model or this request; the message says what to do.
-
-    >>> from dejavu_lab.engine import Decoder
-    >>> from dejavu_lab.models import random_model
-    >>> Decoder(random_model("tiny-opt").model, max_seq_len=4096)
-    Traceback (most recent call last):
-    ...
-    dejavu_lab.engine_weights.EngineError: max_seq_len=4096 exceeds the model's 2048 positions.
-    """
 
 
 @dataclass
@@ -50,18 +47,40 @@ class LayerWeights:
     ((192, 64), (256, 64))
     >>> torch.equal(lw.w_down_t, m.model.decoder.layers[0].fc2.weight.T)  # one row per neuron
     True
+    >>> x = torch.randn(1, 64)
+    >>> q = m.model.decoder.layers[0].self_attn.q_proj(x)  # the first 64 outputs of W_QKV
+    >>> torch.allclose(lw.qkv(x)[:, :64], q, atol=1e-6)
+    True
     """
 
     ln_attn: tuple  # (weight [d], bias [d] or None, eps)
     ln_mlp: tuple
-    w_qkv: torch.Tensor  # [(H + 2 Hkv) dh, d]
+    w_qkv: torch.Tensor | None  # [(H + 2 Hkv) dh, d]  (rows layout)
+    w_qkv_t: torch.Tensor | None  # [d, (H + 2 Hkv) dh]  (columns layout: w_qkv.T, contiguous)
     b_qkv: torch.Tensor | None  # [(H + 2 Hkv) dh]
     w_o_t: torch.Tensor  # [H dh, d]  (o_proj.weight.T, contiguous)
     b_o: torch.Tensor | None  # [d]
-    w_in: torch.Tensor  # [n, d] (fc1) or [2n, d] (gate rows, then up rows)
+    w_in: torch.Tensor | None  # [n, d] (fc1) or [2n, d] (gate rows, then up rows)
+    w_in_t: torch.Tensor | None  # [d, n] or [d, 2n]  (columns layout: w_in.T, contiguous)
     b_in: torch.Tensor | None  # [n] or [2n]
     w_down_t: torch.Tensor  # [n, d]  (fc2/down_proj.weight.T, contiguous)
     b_down: torch.Tensor | None  # [d]
+
+    def qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """Dense ``x @ W_QKV^T + b`` (cuBLAS) from whichever layout is stored; x [S, d]."""
+        if self.w_qkv is not None:
+            return F.linear(x, self.w_qkv, self.b_qkv)
+        return _mm(x, self.w_qkv_t, self.b_qkv)
+
+    def mlp_in(self, x: torch.Tensor) -> torch.Tensor:
+        """Dense ``x @ W_in^T + b`` (fc1, or gate then up), either layout; x [S, d]."""
+        if self.w_in is not None:
+            return F.linear(x, self.w_in, self.b_in)
+        return _mm(x, self.w_in_t, self.b_in)
+
+
+def _mm(x: torch.Tensor, w_t: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return x @ w_t if b is None else torch.addmm(b, x, w_t)
 
 
 @dataclass
@@ -91,6 +110,40 @@ class DecoderWeights:
     max_positions: int  # longest sequence the position scheme supports
 
     @property
+    def layout(self) -> str:
+        """``"rows"``, ``"columns"`` or ``"both"``: the stored layouts of W_QKV (see module doc)."""
+        lw = self.layers[0]
+        return {(True, False): "rows", (False, True): "columns", (True, True): "both"}[
+            (lw.w_qkv is not None, lw.w_qkv_t is not None)
+        ]
+
+    def set_layout(self, layout: str) -> DecoderWeights:
+        """Convert in place to ``layout`` one matrix at a time (peak: one extra matrix), e.g.
+        after timing DejaVu on a model too large for ``"both"``; returns self.
+
+        >>> from dejavu_lab.models import random_model
+        >>> w = decoder_weights(random_model("tiny-llama").model)
+        >>> w.set_layout("columns").layout, w.layers[0].w_in is None
+        ('columns', True)
+        >>> w.set_layout("both").layout
+        'both'
+        """
+        if layout not in ("rows", "columns", "both"):
+            raise EngineError(f"layout={layout!r} must be 'rows', 'columns' or 'both'.")
+        rows, cols = layout != "columns", layout != "rows"
+        for lw in self.layers:
+            for r, c in (("w_qkv", "w_qkv_t"), ("w_in", "w_in_t")):
+                if cols and getattr(lw, c) is None:
+                    setattr(lw, c, getattr(lw, r).T.contiguous())
+                if rows and getattr(lw, r) is None:
+                    setattr(lw, r, getattr(lw, c).T.contiguous())
+                if not rows and not (r == "w_in" and self.arch.family == "opt"):
+                    setattr(lw, r, None)  # (OPT's fc1 is the HF model's own tensor: kept)
+                if not cols:
+                    setattr(lw, c, None)
+        return self
+
+    @property
     def dtype(self) -> torch.dtype:
         return self.embed.dtype
 
@@ -99,16 +152,17 @@ class DecoderWeights:
         return self.embed.device
 
     def nbytes(self, part: str = "all") -> int:
-        """Bytes a dense decode step reads: "layers", "lm_head" or "all" (both)."""
+        """Bytes a dense decode step reads: "layers", "lm_head" or "all" (both); a matrix
+        stored in both layouts is read once."""
         layer = sum(
             t.numel() * t.element_size()
             for lw in self.layers
             for t in (
-                lw.w_qkv,
+                lw.w_qkv if lw.w_qkv is not None else lw.w_qkv_t,
                 lw.b_qkv,
                 lw.w_o_t,
                 lw.b_o,
-                lw.w_in,
+                lw.w_in if lw.w_in is not None else lw.w_in_t,
                 lw.b_in,
                 lw.w_down_t,
                 lw.b_down,
@@ -132,6 +186,18 @@ def _cat(*ts: torch.Tensor | None) -> torch.Tensor | None:
     return torch.cat([t.detach() for t in ts])
 
 
+def _cat_t(ws) -> torch.Tensor:
+    """``cat(ws).T`` made contiguous, written block by block (no second full-size temporary)."""
+    ws = [w.detach() for w in ws]
+    out = torch.empty(ws[0].shape[1], sum(w.shape[0] for w in ws), dtype=ws[0].dtype,
+                      device=ws[0].device)  # fmt: skip
+    col = 0
+    for w in ws:
+        out[:, col : col + w.shape[0]].copy_(w.T)
+        col += w.shape[0]
+    return out
+
+
 def _activation(arch: Arch) -> str:
     act = {"relu": "relu", "gelu": "gelu", "silu": "silu", "swish": "silu"}.get(arch.activation)
     if act is None:
@@ -142,15 +208,26 @@ def _activation(arch: Arch) -> str:
     return act
 
 
-def decoder_weights(model: nn.Module, arch: Arch | None = None) -> DecoderWeights:
+def decoder_weights(
+    model: nn.Module, arch: Arch | None = None, *, layout: str = "rows"
+) -> DecoderWeights:
     """Rearrange ``model``'s weights for :class:`dejavu_lab.engine.Decoder` (see module doc).
+
+    ``layout``: ``"rows"`` (dense, DejaVu, CATS), ``"columns"`` (TEAL, WINA: W_QKV and the MLP
+    input stored transposed instead) or ``"both"``.
 
     >>> from dejavu_lab.models import random_model
     >>> w = decoder_weights(random_model("tiny-llama").model)  # 4 query heads, 2 KV heads of 16
     >>> lw = w.layers[0]
     >>> tuple(lw.w_qkv.shape), tuple(lw.w_in.shape)  # (4 + 2 + 2) x 16 rows; gate then up rows
     ((128, 64), (384, 64))
+    >>> lw = decoder_weights(random_model("tiny-llama").model, layout="columns").layers[0]
+    >>> lw.w_qkv is None, tuple(lw.w_qkv_t.shape), tuple(lw.w_in_t.shape)
+    (True, (64, 128), (64, 384))
     """
+    if layout not in ("rows", "columns", "both"):
+        raise EngineError(f"layout={layout!r} must be 'rows', 'columns' or 'both'.")
+    rows, cols = layout != "columns", layout != "rows"
     arch = arch or get_arch(model)
     if arch.model_type not in ENGINE_TYPES:
         raise EngineError(
@@ -166,24 +243,30 @@ def decoder_weights(model: nn.Module, arch: Arch | None = None) -> DecoderWeight
             q, k, v, o = (arch.part(model, i, p) for p in "qkvo")
             w_in = arch.mlp_in(model, i)
             down = arch.part(model, i, "mlp_out")
+            qkv = (q.weight, k.weight, v.weight)
+            # fc1 alone is HF's own tensor (shared, free); gate/up are concatenated (a copy)
+            w1 = w_in[0].weight.detach() if len(w_in) == 1 else None
             layers.append(
                 LayerWeights(
                     ln_attn=_norm(arch.part(model, i, "ln_attn")),
                     ln_mlp=_norm(arch.part(model, i, "ln_mlp")),
-                    w_qkv=_cat(q.weight, k.weight, v.weight),
+                    w_qkv=_cat(*qkv) if rows else None,
+                    w_qkv_t=_cat_t(qkv) if cols else None,
                     b_qkv=_cat(q.bias, k.bias, v.bias),
                     w_o_t=o.weight.detach().T.contiguous(),
                     b_o=None if o.bias is None else o.bias.detach(),
-                    w_in=w_in[0].weight.detach()
-                    if len(w_in) == 1
-                    else _cat(*(m.weight for m in w_in)),
+                    w_in=w1
+                    if w1 is not None
+                    else (_cat(*(m.weight for m in w_in)) if rows else None),
+                    w_in_t=_cat_t([m.weight for m in w_in]) if cols else None,
                     b_in=_cat(*(m.bias for m in w_in)),
                     w_down_t=down.weight.detach().T.contiguous(),
                     b_down=None if down.bias is None else down.bias.detach(),
                 )
             )
     lw = layers[0]
-    if lw.w_qkv.shape[0] != (arch.n_heads + 2 * arch.n_kv_heads) * arch.d_head:
+    n_qkv = (lw.w_qkv if rows else lw.w_qkv_t.T).shape[0]
+    if n_qkv != (arch.n_heads + 2 * arch.n_kv_heads) * arch.d_head:
         raise EngineError("q/k/v projections do not match the model's head counts.")
     if lw.w_down_t.shape != (arch.d_mlp, arch.d_model):
         raise EngineError("the MLP's down projection does not match d_mlp x d_model.")

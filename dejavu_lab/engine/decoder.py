@@ -1,6 +1,6 @@
 """A batch-1 decoder with a static KV cache, dense or contextually sparse (Deja Vu §4.3–4.4, §5.1).
 
-Built from a Hugging Face OPT or Llama-family model's weights (:mod:`dejavu_lab.engine_weights`
+Built from a Hugging Face OPT or Llama-family model's weights (:mod:`dejavu_lab.engine.weights`
 lays them out once: fused QKV, ``W_O`` and ``W2`` transposed). Dense and sparse decoding share
 the embedding, the norms (:func:`dejavu_lab.kernels.row_norm`), residual stream, KV cache and
 ``lm_head``; only the block internals differ:
@@ -29,48 +29,19 @@ torch.Size([1, 7])
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from .engine_sets import KeptSets
-from .engine_weights import DecoderWeights, EngineError, decoder_weights
-from .kernels import (
-    kv_window_write,
-    row_norm,
-    sparse_attention_core,
-    sparse_mlp_down,
-    sparse_mlp_up,
-)
-from .sparsify import budgets
+from ..kernels import fused_sparse_mlp, row_norm, sparse_attention_core, sparse_mlp_down
+from ..kernels.qkv_rope import qkv_rope
+from .config import EngineError, SparseConfig
+from .sets import KeptSets
+from .threshold_blocks import ThresholdBlocks
+from .threshold_blocks import dense_ops as _resolve_ops
+from .weights import DecoderWeights, decoder_weights
 
-__all__ = ["Decoder", "EngineError", "SparseConfig"]
-
-
-@dataclass(frozen=True)
-class SparseConfig:
-    """What the sparse path keeps per token (sparsity = fraction removed, as in the paper).
-
-    >>> from dejavu_lab.models import random_model
-    >>> m = random_model("tiny-opt", dtype=torch.float16).model  # 256 neurons, 4 heads
-    >>> dec = Decoder(m, max_seq_len=16, sparse=SparseConfig(mlp_sparsity=0.75, head_sparsity=0.5))
-    >>> dec.k_mlp, dec.k_heads, dec.window  # kept per token; deferred-KV window
-    (64, 2, 16)
-    >>> dec.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3).shape  # the sparse kernels
-    torch.Size([1, 6])
-    """
-
-    mlp_sparsity: float = 0.0  # MLP neurons removed (OPT-175B in §5.1: 0.85)
-    head_sparsity: float = 0.0  # query heads removed (§5.1: 0.5)
-    kv_window: int = 16  # deferred KV window (1-32 tokens); 0 computes every head's K/V each step
-    side_stream: bool = True  # lookahead predictors on a second CUDA stream (else inline)
-
-    def __post_init__(self):
-        budgets(self.mlp_sparsity, 1, "mlp_sparsity")
-        budgets(self.head_sparsity, 1, "head_sparsity")
-        if not 0 <= self.kv_window <= 32:
-            raise EngineError(f"kv_window={self.kv_window} must lie in [0, 32] tokens.")
+__all__ = ["Decoder"]
 
 
 def _norm(x: torch.Tensor, p: tuple, kind: str) -> torch.Tensor:
@@ -78,24 +49,46 @@ def _norm(x: torch.Tensor, p: tuple, kind: str) -> torch.Tensor:
     return row_norm(x, w, b if kind == "layer" else None, eps=eps, kind=kind)
 
 
+def _layout_for(method: str, sparse: SparseConfig | None) -> str:
+    """The weights layout a method reads: TEAL/WINA thresholds W_QKV's and W_in's columns."""
+    return "columns" if method in ("teal", "wina") else "rows"
+
+
+def _check_layout(w: DecoderWeights, method: str, sparse: SparseConfig | None) -> None:
+    lw, need = w.layers[0], []
+    if method in ("dejavu", "cats"):
+        need = [("w_in", "rows")] + ([("w_qkv", "rows")] if method == "dejavu" else [])
+    elif method in ("teal", "wina"):
+        sites = {site for _, site in sparse.thresholds}
+        need = [(m, "columns") for m, s in (("w_qkv_t", "attn_in"), ("w_in_t", "mlp_in"))
+                if s in sites]  # fmt: skip
+    for name, layout in need:
+        if getattr(lw, name) is None:
+            raise EngineError(
+                f"method {method!r} reads the {layout} layout of the weights but these were built "
+                f"with layout={w.layout!r}; build them with decoder_weights(model, "
+                f"layout={layout!r}) (or 'both', to share them between methods)."
+            )
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE in HF's half-split form; x [..., dh], cos/sin broadcastable to x."""
+    """RoPE in HF's half-split form; x [..., dh], cos/sin broadcastable to x (prefill, flush)."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-_ACT = {"relu": torch.relu, "gelu": F.gelu, "silu": F.silu}
-
-
-class Decoder(KeptSets):
+class Decoder(KeptSets, ThresholdBlocks):
     """Greedy batch-1 decoding of one sequence of up to ``max_seq_len`` tokens.
 
     ``model`` is a HF model or the :class:`DecoderWeights` of one (to share them between
-    decoders). ``sparse=None`` runs the dense path; a :class:`SparseConfig` runs the sparse kernels (fp16 or
-    bf16 weights). ``predictors`` is any object with ``mlp_scores(layer, x)`` and
+    decoders; TEAL and WINA need its ``"columns"`` layout, see :func:`decoder_weights`).
+    ``sparse=None`` runs the dense path; a :class:`SparseConfig` runs its method's kernels (fp16
+    or bf16 weights). ``predictors`` (DejaVu) is any object with ``mlp_scores(layer, x)`` and
     ``head_scores(layer, x)`` returning [1, n] scores (``dejavu_lab.predictors.Predictors``,
     lookahead mode); without it the kept sets are the ones given to :meth:`set_indices`
-    (default: the first k units).
+    (default: the first k units). ``dense_ops`` picks, per dense op (``qkv``, ``attn``, ``o``,
+    ``mlp``), torch (cuBLAS) or our kernels at 100% kept: ``"torch"``, ``"triton"`` or e.g.
+    ``"qkv=triton,mlp=triton"`` (:func:`~dejavu_lab.engine.threshold_blocks.dense_ops`).
 
     >>> from dejavu_lab.models import random_model
     >>> m = random_model("tiny-opt").model
@@ -107,23 +100,33 @@ class Decoder(KeptSets):
     """
 
     def __init__(self, model, *, max_seq_len: int, sparse: SparseConfig | None = None,
-                 predictors=None, arch=None):  # fmt: skip
+                 predictors=None, arch=None, dense_ops: str | dict | None = None):  # fmt: skip
+        method = "dense" if sparse is None else sparse.method
+        self.method = method  # "dense", "dejavu", "teal", "wina" or "cats"
+        self.ops = _resolve_ops(dense_ops)
         # a DecoderWeights is shared as is (dense and sparse decoders over one copy)
-        self.w = model if isinstance(model, DecoderWeights) else decoder_weights(model, arch)
+        if isinstance(model, DecoderWeights):
+            self.w = model
+        else:
+            self.w = decoder_weights(model, arch, layout=_layout_for(method, sparse))
         a = self.arch = self.w.arch
         self.sparse = sparse
         self.predictors = predictors
-        if sparse is not None and self.w.dtype not in (torch.float16, torch.bfloat16):
+        kernels = method != "dense" or "triton" in self.ops.values()
+        if kernels and self.w.dtype not in (torch.float16, torch.bfloat16):
             raise EngineError(
-                f"the sparse path runs the fp16/bf16 kernels but the weights are {self.w.dtype}; "
-                "load the model with dtype=torch.float16 (or bfloat16)."
+                f"the {method} path runs the fp16/bf16 kernels but the weights are "
+                f"{self.w.dtype}; load the model with dtype=torch.float16 (or bfloat16)."
             )
+        _check_layout(self.w, method, sparse)
         if predictors is not None and getattr(predictors, "mode", "lookahead") != "lookahead":
             raise EngineError(
                 "the engine runs lookahead predictors (Knowl 2); train mode='lookahead'."
             )
-        if predictors is not None and sparse is None:
-            raise EngineError("predictors were given without a SparseConfig; pass sparse=...")
+        if predictors is not None and method != "dejavu":
+            raise EngineError(
+                "predictors choose DejaVu's kept sets; pass sparse=SparseConfig(method='dejavu', ...)."
+            )
         if max_seq_len > self.w.max_positions:
             raise EngineError(
                 f"max_seq_len={max_seq_len} exceeds the model's {self.w.max_positions} positions."
@@ -134,7 +137,8 @@ class Decoder(KeptSets):
         self.scale = 1.0 / math.sqrt(self.dh)
         # deferred KV needs one KV head per query head; GQA computes all (few) KV heads instead
         mha = self.H == self.Hkv
-        self.window = sparse.kv_window if (sparse and mha and sparse.head_sparsity > 0) else 0
+        dejavu_heads = method == "dejavu" and sparse.head_sparsity > 0
+        self.window = sparse.kv_window if (dejavu_heads and mha) else 0
         t_alloc = self.max_seq_len + max(self.window, 1)
         # kv: [L, 2, Hkv, T, dh] static cache (zeros: never NaN, even where deferred)
         self.kv = torch.zeros(a.n_layers, 2, self.Hkv, t_alloc, self.dh, dtype=dt, device=dev)
@@ -156,7 +160,13 @@ class Decoder(KeptSets):
         self.base = 0
         self.graph = None
         self._side = None
-        if sparse is not None:
+        self._taps = None  # a callable (layer, site, tensor) the prefill reports to (calibration)
+        self._kv_all = torch.arange(self.Hkv, device=dev)
+        # the step's blocks: DejaVu's kept-set kernels, else every head + thresholded columns
+        self._attn = self._attn_sparse if method == "dejavu" else self._attn_all
+        self._mlp = {"dejavu": self._mlp_sparse, "cats": self._mlp_cats}.get(method, self._mlp_all)
+        self._init_thresholds()
+        if method == "dejavu":
             self._init_sparse(sparse)
 
     # ----------------------------------------------------------------------------- the blocks
@@ -184,85 +194,41 @@ class Decoder(KeptSets):
         h = _norm(x + attn(i, x), lw.ln_attn, kind)  # post-LN (OPT-350m)
         return _norm(h + mlp(i, h), lw.ln_mlp, kind)
 
-    def _mlp_dense(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        lw = self.w.layers[i]
-        if (
-            self.w.activation == "relu"
-            and not self.arch.gated
-            and lw.b_in is not None
-            and x.is_cuda
-        ):
-            h = torch._addmm_activation(lw.b_in, x, lw.w_in.t())  # cuBLASLt bias+ReLU epilogue
-            return (
-                torch.addmm(lw.b_down, h, lw.w_down_t) if lw.b_down is not None else h @ lw.w_down_t
-            )
-        a = F.linear(x, lw.w_in, lw.b_in)
-        act = _ACT[self.w.activation]
-        h = (
-            act(a[..., : self.arch.d_mlp]) * a[..., self.arch.d_mlp :]
-            if self.arch.gated
-            else act(a)
-        )
-        return h @ lw.w_down_t if lw.b_down is None else torch.addmm(lw.b_down, h, lw.w_down_t)
-
     def _mlp_sparse(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        lw, n, idx = self.w.layers[i], self.arch.d_mlp, self.mlp_idx[i]
-        gated, b = self.arch.gated, lw.b_in
-        h = sparse_mlp_up(
-            x, lw.w_in[:n], idx, bias=None if b is None else b[:n], activation=self.w.activation,
-            up_weight=lw.w_in[n:] if gated else None,
-            up_bias=None if (b is None or not gated) else b[n:], validate=False,
-        )  # fmt: skip
-        return sparse_mlp_down(h, lw.w_down_t, idx, bias=lw.b_down, validate=False)
+        """DejaVu's MLP over the kept neurons: up (or gate/up), activation and down, one launch."""
+        lw = self.w.layers[i]
+        return fused_sparse_mlp(x, lw.w_in, lw.w_down_t, self.mlp_idx[i],
+                                activation=self.w.activation, gated=self.arch.gated,
+                                b_in=lw.b_in, b_down=lw.b_down, validate=False)  # fmt: skip
 
     def _per_step(self) -> None:
-        """Tensors every layer of this step shares, computed once: mask or length, RoPE rows."""
-        if self.sparse is None:  # the dense attention masks the static cache
+        """Tensors every layer of this step shares, computed once: mask or length, positions."""
+        if self.method != "dejavu" and self.ops["attn"] == "torch":  # torch masks the cache
             self._cur_mask = torch.where(self.ar_t <= self.pos_t, self._zero, self._ninf)  # [T]
-        else:  # the sparse attention kernel reads positions < seqlen
+        else:  # our attention kernel reads positions < seqlen
             self._seqlen = self.pos_t + 1  # [1] tokens in the cache with this one
         if self.window:
             self._slot = self.pos_t - self.base_t  # [1] row of this token in the window
-        if self.cos is not None:
-            # [B, 1, dh]: one row per projected token (the window rows, or this token)
-            positions = self.base_t + self.ar_w if self.window else self.pos_t
-            self._cos_b = self.cos[positions, None]
-            self._sin_b = self.sin[positions, None]
-
-    def _attend(self, i: int, q: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """One query per head over layer i's cache; q [H, dh] -> [H, dh] (GQA by grouping)."""
-        k, v = self.kv[i, 0], self.kv[i, 1]  # [Hkv, T, dh]
-        qg = q.view(self.Hkv, self.H // self.Hkv, self.dh)
-        s = torch.baddbmm(mask.view(1, 1, -1), qg, k.transpose(1, 2), alpha=self.scale)
-        return torch.bmm(torch.softmax(s, dim=-1), v).view(self.H, self.dh)
-
-    def _attn_dense(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        lw, H, Hkv, dh = self.w.layers[i], self.H, self.Hkv, self.dh
-        qkv = F.linear(x, lw.w_qkv, lw.b_qkv).view(H + 2 * Hkv, dh)
-        if self.cos is not None:
-            qk = _rotate(qkv[: H + Hkv], self._cos_b[0], self._sin_b[0])
-            q, new = qk[:H], torch.stack((qk[H:], qkv[H + Hkv :]))
-        else:
-            q, new = qkv[:H], qkv[H:].view(2, Hkv, dh)
-        self.kv[i].index_copy_(2, self.pos_t, new.unsqueeze(2))
-        o = self._attend(i, q, self._cur_mask).view(1, H * dh)
-        return o @ lw.w_o_t if lw.b_o is None else torch.addmm(lw.b_o, o, lw.w_o_t)
+        # [B]: the position of each projected token (the window's rows, or this token)
+        self._positions = self.base_t + self.ar_w if self.window else self.pos_t
 
     def _attn_sparse(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        lw, dh, k, nkv = self.w.layers[i], self.dh, self.k_heads, self.n_kv_sel
-        heads = self.head_idx[i]
+        lw, dh, heads = self.w.layers[i], self.dh, self.head_idx[i]
         if self.window:  # union batch: this token plus the window's stored inputs (Knowl 5)
             self.hwin[i].index_copy_(0, self._slot, x)
             xb = self.hwin[i]
         else:
             xb = x
-        qkv = sparse_mlp_up(xb, lw.w_qkv, self.qkv_idx[i], bias=lw.b_qkv, activation="none",
-                            rows_per_index=dh, validate=False)  # [B, (k + 2 nkv) dh]  # fmt: skip
-        blocks = qkv.view(xb.shape[0], k + 2 * nkv, dh)
-        if self.cos is not None:  # row b sits at positions[b]; this token's row is at pos
-            blocks[:, : k + nkv] = _rotate(blocks[:, : k + nkv], self._cos_b, self._sin_b)
-        if self.window:  # the kept heads' K/V over the whole window, then this token's row
-            kv_window_write(qkv, self.kv[i, 0], self.kv[i, 1], heads, self.base_t, n_q=k)
+        # [B, (k + 2 nkv) dh]: the kept blocks of W_QKV, queries and keys rotated (row b at
+        # its position) and, with deferred KV, the kept heads' K/V over the window written to
+        # the cache, all in one launch
+        win = self.window > 0
+        qkv = qkv_rope(xb, lw.w_qkv, self.qkv_idx[i], n_heads=self.H, n_kv_heads=self.Hkv,
+                       positions=self._positions,
+                       bias=lw.b_qkv, cos=self.cos, sin=self.sin,
+                       k_cache=self.kv[i, 0] if win else None,
+                       v_cache=self.kv[i, 1] if win else None)  # fmt: skip
+        if win:  # this token's row
             qkv = qkv.index_select(0, self._slot)  # [1, (k + 2 nkv) dh]
         # appends this token's K/V (again, in the window case) and attends, kept heads only
         o = sparse_attention_core(
@@ -273,17 +239,15 @@ class Decoder(KeptSets):
                                validate=False)  # fmt: skip
 
     def _flush(self) -> None:
-        """Dense K/V of every head for the window's tokens, then open a new window (Knowl 5)."""
-        H, Hkv, dh, W, b = self.H, self.Hkv, self.dh, self.window, self.base
+        """Dense K/V of every head for the window's tokens, then open a new window (Knowl 5):
+        the step's own kernel over every K/V block, so both write the same numbers."""
+        blocks = torch.arange(self.H, self.H + 2 * self.Hkv, device=self.w.device)
+        positions = self.base_t + self.ar_w
         for i, lw in enumerate(self.w.layers):
-            bias = None if lw.b_qkv is None else lw.b_qkv[H * dh :]
-            kv = F.linear(self.hwin[i], lw.w_qkv[H * dh :], bias).view(W, 2, Hkv, dh)
-            kk = kv[:, 0]
-            if self.cos is not None:
-                kk = _rotate(kk, self.cos[b : b + W, None], self.sin[b : b + W, None])
-            self.kv[i, 0, :, b : b + W] = kk.transpose(0, 1)
-            self.kv[i, 1, :, b : b + W] = kv[:, 1].transpose(0, 1)
-        self.base += W
+            qkv_rope(self.hwin[i], lw.w_qkv, blocks, n_heads=self.H, n_kv_heads=self.Hkv,
+                     positions=positions, bias=lw.b_qkv, cos=self.cos, sin=self.sin,
+                     k_cache=self.kv[i, 0], v_cache=self.kv[i, 1])  # fmt: skip
+        self.base += self.window
         self.base_t.fill_(self.base)
 
     # ----------------------------------------------------------------------------- steps
@@ -292,10 +256,8 @@ class Decoder(KeptSets):
         """One greedy decode step on the static buffers (what the CUDA graph records)."""
         x = self._embed(self.tok_t, self.pos_t)  # [1, d]
         self._per_step()
-        sparse = self.sparse is not None
-        attn = self._attn_sparse if sparse else self._attn_dense
-        mlp = self._mlp_sparse if sparse else self._mlp_dense
-        pred = sparse and self.predictors is not None
+        attn, mlp = self._attn, self._mlp
+        pred = self.predictors is not None
         side = self._side if (pred and x.is_cuda and self.sparse.side_stream) else None
         if pred:
             self._predict(0, x)
@@ -332,10 +294,12 @@ class Decoder(KeptSets):
         H, Hkv, dh = self.H, self.Hkv, self.dh
         pos = self.ar_t[:S]
         x = self._embed(ids, pos)
+        tap = self._taps or (lambda i, site, t: None)
 
         def attn(i, xn):
             lw = self.w.layers[i]
-            qkv = F.linear(xn, lw.w_qkv, lw.b_qkv).view(S, H + 2 * Hkv, dh)
+            tap(i, "attn_in", xn)
+            qkv = lw.qkv(xn).view(S, H + 2 * Hkv, dh)
             q, k, v = qkv[:, :H], qkv[:, H : H + Hkv], qkv[:, H + Hkv :]
             if self.cos is not None:
                 c, s = self.cos[:S, None], self.sin[:S, None]
@@ -346,10 +310,21 @@ class Decoder(KeptSets):
                 q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                 is_causal=True, enable_gqa=H != Hkv,
             )[0].transpose(0, 1).reshape(S, H * dh)  # fmt: skip
+            tap(i, "o_in", o)
             return o @ lw.w_o_t if lw.b_o is None else torch.addmm(lw.b_o, o, lw.w_o_t)
 
+        def mlp(i, xn):
+            lw, n = self.w.layers[i], self.arch.d_mlp
+            tap(i, "mlp_in", xn)
+            a = lw.mlp_in(xn)
+            g = self._gate_act(a)  # act(gate), or act(fc1 x): what CATS thresholds
+            h = g * a[:, n:] if self.arch.gated else g
+            tap(i, "gate", g)
+            tap(i, "down_in", h)
+            return h @ lw.w_down_t if lw.b_down is None else torch.addmm(lw.b_down, h, lw.w_down_t)
+
         for i in range(self.arch.n_layers):
-            x = self._block(i, x, attn, self._mlp_dense)
+            x = self._block(i, x, attn, mlp)
         logits = self._head(x[-1:])
         self.pos, self.base = S, S
         self.pos_t.fill_(S)
@@ -358,7 +333,7 @@ class Decoder(KeptSets):
         self.tok_t.copy_(nxt)
         self.tokens[:S] = ids
         self.tokens[S : S + 1] = nxt
-        if self.sparse is not None and self.window and not hasattr(self, "hwin"):
+        if self.window and not hasattr(self, "hwin"):
             self.hwin = torch.zeros(self.arch.n_layers, self.window, self.arch.d_model,
                                     dtype=self.w.dtype, device=self.w.device)  # fmt: skip
         return logits
@@ -445,9 +420,7 @@ class Decoder(KeptSets):
     def parts(self) -> dict:
         """Zero-argument callables running one part of a decode step over every layer, for
         timing by :mod:`kernels.bench_engine` (each replays on the current static buffers)."""
-        L, sparse = self.arch.n_layers, self.sparse is not None
-        attn = self._attn_sparse if sparse else self._attn_dense
-        mlp = self._mlp_sparse if sparse else self._mlp_dense
+        L, attn, mlp = self.arch.n_layers, self._attn, self._mlp
         d = self.arch.d_model
         x = torch.randn(1, d, dtype=self.w.dtype, device=self.w.device)
 
@@ -461,6 +434,6 @@ class Decoder(KeptSets):
                 mlp(i, _norm(x, self.w.layers[i].ln_mlp, self.w.norm))
 
         out = {"attention": run_attn, "mlp": run_mlp, "lm_head": lambda: self._head(x)}
-        if sparse and self.predictors is not None:
+        if self.predictors is not None:
             out["predictors"] = lambda: [self._predict(i, x) for i in range(L)]
         return out

@@ -3,7 +3,7 @@
 Reads what ``kernels/bench_engine.py`` recorded (``results/engine_e2e.json``) — or runs it live
 on a GPU box — and shapes it: the latency table beside the paper's ratios, where a token's time
 goes (attention, MLP, predictors, lm_head, overhead), and the bytes-per-token prediction
-(:mod:`dejavu_lab.engine_bytes`) beside the measured speedup.
+(:mod:`dejavu_lab.engine.nbytes`) beside the measured speedup.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 import pandas as pd
 import plotly.express as px
 
-from . import results
+from .. import results
 
 __all__ = [
     "PAPER",
@@ -23,6 +23,7 @@ __all__ = [
     "breakdown_figure",
     "latency_table",
     "load",
+    "method_table",
     "part_floors",
     "speedup_table",
     "summary",
@@ -33,7 +34,8 @@ PAPER = {"vs FasterTransformer": "1.8-2.0x", "vs Hugging Face": "4.8-6.0x"}
 NAME = "engine_e2e"
 
 
-def load(live: bool | None = None, models: str = "opt-6.7b", prompts: str = "128,512"):
+def load(live: bool | None = None, models: str = "opt-6.7b", prompts: str = "128,512",
+         methods: str = "dense,dejavu"):  # fmt: skip
     """(rows, provenance, live): measure now when a GPU is here (``live=None``), else read the
     recorded run. A live run writes ``results/engine_e2e_live.json`` via the benchmark script.
 
@@ -46,10 +48,11 @@ def load(live: bool | None = None, models: str = "opt-6.7b", prompts: str = "128
     live = torch.cuda.is_available() if live is None else live
     name = NAME
     if live:
-        script = Path(__file__).resolve().parent.parent / "kernels" / "bench_engine.py"
+        script = Path(__file__).resolve().parents[2] / "kernels" / "bench_engine.py"
         name = NAME + "_live"
         cmd = [sys.executable, str(script), "--models", models, "--prompts", prompts,
-               "--parts-at", prompts.split(",")[-1], "--name", name, "--no-check"]  # fmt: skip
+               "--parts-at", prompts.split(",")[-1], "--name", name, "--no-check",
+               "--methods", methods]  # fmt: skip
         subprocess.run(cmd, check=True)
     frame, prov = results.load(name)
     return frame, prov, live
@@ -61,7 +64,8 @@ def _e2e(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def latency_table(frame: pd.DataFrame, model: str) -> pd.DataFrame:
-    """ms per token by prompt length: HF, dense, sparse, and the ratios, beside Knowl 8.
+    """ms per token by prompt length: HF (eager; compiled when recorded), dense, sparse, and the
+    ratios, beside Knowl 8.
 
     >>> t = latency_table(load(live=False)[0], "opt-6.7b")
     >>> t.index.name, list(t.columns)
@@ -73,16 +77,46 @@ def latency_table(frame: pd.DataFrame, model: str) -> pd.DataFrame:
     t = e.pivot_table(index="prompt", columns="engine", values="ms_per_token")
     t.index = t.index.astype(int)
     out = pd.DataFrame(index=t.index)
-    for col, name in (("hf", "HF generate (ms)"), ("dense", "dense engine (ms)"),
-                      ("sparse", "sparse engine (ms)")):  # fmt: skip
+    for col, name in (("hf", "HF generate (ms)"), ("hf_compiled", "HF compiled (ms)"),
+                      ("dense", "dense engine (ms)"), ("sparse", "sparse engine (ms)")):  # fmt: skip
         if col in t:
             out[name] = t[col]
     if {"dense", "sparse"} <= set(t):
         out["sparse vs dense"] = t["dense"] / t["sparse"]
     if {"hf", "sparse"} <= set(t):
         out["sparse vs HF"] = t["hf"] / t["sparse"]
+    if {"hf_compiled", "sparse"} <= set(t):
+        out["sparse vs HF compiled"] = t["hf_compiled"] / t["sparse"]
     for k, v in PAPER.items():
         out[f"paper {k}"] = v
+    return out
+
+
+def method_table(frame: pd.DataFrame, model: str, prompt: int) -> pd.DataFrame:
+    """Every variant at one model and prompt (issue 11's methods beside DejaVu): ms per token,
+    the ratios to our dense engine and to both HF baselines, GB read per step (at the target
+    kept fractions) and that over the copy ceiling.
+
+    >>> rows = [dict(kind="e2e", model="m", prompt=512, engine=e, sparsity=s, ms_per_token=t,
+    ...              bytes_per_token=b, floor_ms=f)
+    ...         for e, s, t, b, f in (("hf", 0, 30.0, 26e9, 6.2), ("hf_compiled", 0, 10.0, 26e9, 6.2),
+    ...                               ("dense", 0, 8.5, 26e9, 6.2), ("teal", 0.5, 5.0, 13e9, 3.1))]
+    >>> t = method_table(pd.DataFrame(rows), "m", 512)
+    >>> t.loc[("teal", 0.5), ["vs dense", "vs HF compiled"]].round(2).tolist()
+    [1.7, 2.0]
+    """
+    e = _e2e(frame)
+    e = e[(e["model"] == model) & (e["prompt"] == prompt)].copy()
+    if "sparsity" not in e:
+        e["sparsity"] = 0.0
+    e["sparsity"] = e["sparsity"].fillna(0.0)
+    ms = e.set_index("engine")["ms_per_token"].groupby(level=0).first()
+    out = pd.DataFrame({"ms per token": e["ms_per_token"].values,
+                        "GB per step": e["bytes_per_token"].values / 1e9,
+                        "/ its floor": (e["ms_per_token"] / e["floor_ms"]).values},
+                       index=pd.MultiIndex.from_frame(e[["engine", "sparsity"]]))  # fmt: skip
+    for ref, col in (("dense", "vs dense"), ("hf", "vs HF"), ("hf_compiled", "vs HF compiled")):
+        out[col] = ms[ref] / out["ms per token"] if ref in ms else float("nan")
     return out
 
 
@@ -201,6 +235,9 @@ def summary(frame: pd.DataFrame, model: str, prompt: int) -> pd.DataFrame:
         "sparse vs Hugging Face": (PAPER["vs Hugging Face"],
                                    f"{e.loc['hf', 'ms_per_token'] / s['ms_per_token']:.2f}x"
                                    if "hf" in e.index else "not measured"),
+        "sparse vs Hugging Face compiled": ("-",
+                                            f"{e.loc['hf_compiled', 'ms_per_token'] / s['ms_per_token']:.2f}x"
+                                            if "hf_compiled" in e.index else "not measured"),
         "dense baseline vs its bandwidth floor": ("-", f"{d['ms_per_token'] / d['floor_ms']:.2f}x"),
         "ideal speedup from bytes per token": ("-", f"{d['bytes_per_token'] / s['bytes_per_token']:.2f}x"),
     }  # fmt: skip

@@ -1,0 +1,73 @@
+"""A static-KV-cache decoder built from Hugging Face weights, dense or contextually sparse (§5.1).
+
+One module per idea; the imports run one way (``config -> weights -> sets, threshold_blocks ->
+decoder -> thresholds``; ``nbytes`` and ``report`` stand alone):
+
+- :mod:`~dejavu_lab.engine.config`  — :class:`SparseConfig` (what a step keeps) and
+  :class:`EngineError`;
+- :mod:`~dejavu_lab.engine.weights` — :func:`decoder_weights`: the weights laid out once for the
+  kernels (fused QKV, ``W_O`` and ``W2`` transposed);
+- :mod:`~dejavu_lab.engine.sets`    — :class:`KeptSets`: the kept neurons/heads per layer, set by
+  hand or by DejaVu's lookahead predictors inside the step;
+- :mod:`~dejavu_lab.engine.threshold_blocks` — :class:`ThresholdBlocks`: attention over every
+  head and the MLP with TEAL/WINA/CATS thresholds, or dense (torch or our kernels per op);
+- :mod:`~dejavu_lab.engine.decoder` — :class:`Decoder`: prefill, the decode step, CUDA graphs;
+- :mod:`~dejavu_lab.engine.thresholds` — :func:`calibrate_thresholds` for a target sparsity from
+  a dense prefill (speed benchmarks on random weights);
+- :mod:`~dejavu_lab.engine.nbytes`  — :func:`step_bytes`: the bytes a step reads (its floor);
+- :mod:`~dejavu_lab.engine.report`  — tables and figures of the end-to-end chapter (imported on
+  first use: it needs pandas and plotly).
+
+>>> import torch
+>>> from dejavu_lab.engine import METHODS, Decoder
+>>> from dejavu_lab.models import random_model
+>>> dec = Decoder(random_model("tiny-llama").model, max_seq_len=16)  # dense; sparse=SparseConfig
+>>> dec.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4).shape
+torch.Size([1, 7])
+>>> METHODS  # what SparseConfig(method=...) runs
+('dejavu', 'teal', 'wina', 'cats', 'dense')
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from .config import METHODS, SITES, EngineError, SparseConfig
+from .decoder import Decoder
+from .nbytes import predictor_bytes, step_bytes
+from .sets import KeptSets
+from .threshold_blocks import DENSE_OPS, ThresholdBlocks, dense_ops
+from .thresholds import calibrate_thresholds, column_norms, keep_all
+from .weights import DecoderWeights, LayerWeights, decoder_weights
+
+_REPORT = ("PAPER", "breakdown", "breakdown_figure", "latency_table", "load", "method_table",
+           "part_floors", "speedup_table", "summary")  # fmt: skip
+
+__all__ = [
+    "DENSE_OPS",
+    "METHODS",
+    "SITES",
+    "Decoder",
+    "DecoderWeights",
+    "EngineError",
+    "KeptSets",
+    "LayerWeights",
+    "SparseConfig",
+    "ThresholdBlocks",
+    "calibrate_thresholds",
+    "column_norms",
+    "decoder_weights",
+    "dense_ops",
+    "keep_all",
+    "predictor_bytes",
+    "step_bytes",
+    *_REPORT,
+]
+
+
+def __getattr__(name: str):
+    """The report helpers load pandas and plotly, so they are imported when first asked for."""
+    if name in _REPORT or name == "report":
+        report = importlib.import_module(".report", __name__)
+        return report if name == "report" else getattr(report, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

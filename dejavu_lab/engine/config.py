@@ -1,0 +1,122 @@
+"""What a user asks of the engine, and the one error it raises when it cannot (Deja Vu §5.1).
+
+:class:`SparseConfig` says what the sparse decode step keeps per token; :class:`EngineError`
+is raised, with one sentence saying what to do, for any model or request the engine cannot
+run. Both sit below every other engine module, so the arrows between them run one way:
+``config -> weights -> sets -> decoder``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..sparsify import budgets
+
+__all__ = ["METHODS", "SITES", "EngineError", "SparseConfig"]
+
+
+class EngineError(ValueError):
+    """The engine cannot run this model or this request; the message says what to do.
+
+    >>> from dejavu_lab.engine import Decoder
+    >>> from dejavu_lab.models import random_model
+    >>> Decoder(random_model("tiny-opt").model, max_seq_len=4096)
+    Traceback (most recent call last):
+    ...
+    dejavu_lab.engine.config.EngineError: max_seq_len=4096 exceeds the model's 2048 positions.
+    """
+
+
+METHODS = ("dejavu", "teal", "wina", "cats", "dense")
+# input-sparsity sites per layer (the contracts' canonical names) and what each one's vector
+# is indexed by: attention input, o_proj input, MLP input, down_proj input; CATS: the neurons
+SITES = {
+    "teal": ("attn_in", "o_in", "mlp_in", "down_in"),
+    "wina": ("attn_in", "o_in", "mlp_in", "down_in"),
+    "cats": ("gate",),
+}
+
+
+@dataclass(frozen=True)
+class SparseConfig:
+    """What the sparse path keeps per token (sparsity = fraction removed, as in the paper).
+
+    ``method="dejavu"`` keeps the top-k neurons and heads of DejaVu's predictors (or fixed sets);
+    ``"teal"``/``"wina"`` read column i of a linear layer's weight only where the input entry
+    passes its threshold, |x_i| > thr_i, at the four sites of every layer (attention over every
+    head); ``"cats"`` computes the gate densely and the up/down rows of the neurons with
+    |act(gate)| > thr only; ``"dense"`` runs the dense path. ``thresholds`` is the dict of the
+    calibrated object's ``engine_thresholds(model)``: ``{(layer, site): fp32 [d_in]}``; a layer
+    or site missing from it runs dense.
+
+    >>> import torch
+    >>> from dejavu_lab.engine import Decoder
+    >>> from dejavu_lab.models import random_model
+    >>> m = random_model("tiny-opt", dtype=torch.float16).model  # 256 neurons, 4 heads
+    >>> dec = Decoder(m, max_seq_len=16, sparse=SparseConfig(mlp_sparsity=0.75, head_sparsity=0.5))
+    >>> dec.k_mlp, dec.k_heads, dec.window  # kept per token; deferred-KV window
+    (64, 2, 16)
+    >>> dec.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3).shape  # the sparse kernels
+    torch.Size([1, 6])
+    >>> SparseConfig(method="teal", thresholds={(0, "mlp_in"): torch.zeros(64)}).method
+    'teal'
+    >>> SparseConfig(method="teal", thresholds={(0, "gate"): torch.zeros(256)})
+    Traceback (most recent call last):
+    ...
+    dejavu_lab.engine.config.EngineError: thresholds has site 'gate', which method 'teal' does not use; its sites are attn_in, o_in, mlp_in, down_in.
+    """
+
+    mlp_sparsity: float = 0.0  # MLP neurons removed (OPT-175B in §5.1: 0.85); dejavu only
+    head_sparsity: float = 0.0  # query heads removed (§5.1: 0.5); dejavu only
+    kv_window: int = 16  # deferred KV window (1-32 tokens); 0 computes every head's K/V each step
+    side_stream: bool = True  # lookahead predictors on a second CUDA stream (else inline)
+    method: str = "dejavu"  # one of METHODS
+    # {(layer, site): fp32 [d_in]} per-input-column thresholds (teal, wina, cats); not compared
+    thresholds: dict | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self):
+        budgets(self.mlp_sparsity, 1, "mlp_sparsity")
+        budgets(self.head_sparsity, 1, "head_sparsity")
+        if not 0 <= self.kv_window <= 32:
+            raise EngineError(f"kv_window={self.kv_window} must lie in [0, 32] tokens.")
+        if self.method not in METHODS:
+            raise EngineError(
+                f"method={self.method!r} is not one the engine runs; choose one of "
+                f"{', '.join(METHODS)}."
+            )
+        if self.method in ("dejavu", "dense"):
+            if self.thresholds is not None:
+                raise EngineError(
+                    f"thresholds apply to methods teal, wina and cats, not {self.method!r}; "
+                    "drop them or pick one of those methods."
+                )
+            if self.method == "dense" and (self.mlp_sparsity or self.head_sparsity):
+                raise EngineError("method='dense' keeps everything; leave the sparsities at 0.")
+            return
+        if self.mlp_sparsity or self.head_sparsity:
+            raise EngineError(
+                f"method {self.method!r} keeps what passes its thresholds; mlp_sparsity and "
+                "head_sparsity are DejaVu's budgets: leave them at 0."
+            )
+        if not isinstance(self.thresholds, dict):
+            raise EngineError(
+                f"method {self.method!r} needs thresholds: a dict {{(layer, site): fp32 tensor}} "
+                "(e.g. calibrated.engine_thresholds(model), or engine.calibrate_thresholds)."
+            )
+        sites = SITES[self.method]
+        for key, thr in self.thresholds.items():
+            if not (isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], int)):
+                raise EngineError(
+                    f"thresholds has the key {key!r}; its keys are (layer: int, site: str) pairs."
+                )
+            if key[1] not in sites:
+                raise EngineError(
+                    f"thresholds has site {key[1]!r}, which method {self.method!r} does not use; "
+                    f"its sites are {', '.join(sites)}."
+                )
+            if not isinstance(thr, torch.Tensor) or thr.dim() != 1:
+                raise EngineError(
+                    f"thresholds[{key!r}] must be a 1-D tensor (one threshold per input column)."
+                )

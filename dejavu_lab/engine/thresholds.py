@@ -1,0 +1,129 @@
+"""Thresholds for a target sparsity from one dense prefill's activations (TEAL §3, WINA, CATS §3).
+
+The methods helper calibrates thresholds on real text (:mod:`dejavu_lab.sparsify`, streamed
+quantile sketches, cached). Speed benchmarks run random-weight models at real shapes, where
+only the *fraction* of columns each step reads matters; :func:`calibrate_thresholds` gets it
+from the activations of one dense prefill of the prompt, per layer and site:
+
+- TEAL: ``thr = q_s(|x|)`` over every token and entry of the site (one constant per site);
+- WINA: ``t = q_s(|x_i| * ||W[:, i]||)`` and ``thr_i = t / ||W[:, i]||`` (the site's
+  concatenated weight: ``[Wq; Wk; Wv]``, ``W_O``, ``[W_gate; W_up]`` or ``fc1``, ``W_down``);
+- CATS: ``thr = q_s(|act(gate)|)`` per layer (``|relu(fc1 x)|`` for ReLU OPT).
+
+The result is the dict :class:`~dejavu_lab.engine.SparseConfig` takes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import SITES, EngineError
+from .decoder import Decoder
+from .weights import DecoderWeights, decoder_weights
+
+__all__ = ["calibrate_thresholds", "column_norms", "keep_all"]
+
+_MAX_SAMPLE = 1 << 24  # torch.quantile's input limit; larger sites are subsampled
+
+
+def column_norms(w: DecoderWeights, layer: int, site: str) -> torch.Tensor:
+    """``||W[:, i]||_2`` of the site's weight, per input column i (fp32), either layout.
+
+    >>> from dejavu_lab.models import random_model
+    >>> w = decoder_weights(random_model("tiny-llama").model)
+    >>> [tuple(column_norms(w, 0, s).shape) for s in ("attn_in", "o_in", "mlp_in", "down_in")]
+    [(64,), (64,), (64,), (192,)]
+    """
+    lw = w.layers[layer]
+    if site == "attn_in":
+        return (lw.w_qkv.float().norm(dim=0) if lw.w_qkv is not None
+                else lw.w_qkv_t.float().norm(dim=1))  # fmt: skip
+    if site == "mlp_in":
+        return (lw.w_in.float().norm(dim=0) if lw.w_in is not None
+                else lw.w_in_t.float().norm(dim=1))  # fmt: skip
+    if site == "o_in":
+        return lw.w_o_t.float().norm(dim=1)
+    if site == "down_in":
+        return lw.w_down_t.float().norm(dim=1)
+    raise EngineError(f"site {site!r} has no weight columns; use attn_in, o_in, mlp_in, down_in.")
+
+
+def keep_all(model_or_weights, method: str = "teal") -> dict:
+    """Thresholds that keep every column (-1 at every site): the method's path, all kept.
+
+    >>> from dejavu_lab.models import random_model
+    >>> thr = keep_all(random_model("tiny-opt").model, "cats")
+    >>> sorted(thr)[:2], float(thr[(0, "gate")].max())
+    ([(0, 'gate'), (1, 'gate')], -1.0)
+    """
+    w = _weights(model_or_weights)
+    a = w.arch
+    width = {"attn_in": a.d_model, "o_in": a.n_heads * a.d_head, "mlp_in": a.d_model,
+             "down_in": a.d_mlp, "gate": a.d_mlp}  # fmt: skip
+    return {(i, s): torch.full((width[s],), -1.0, device=w.device)
+            for i in range(a.n_layers) for s in _sites(method)}  # fmt: skip
+
+
+def calibrate_thresholds(model_or_weights, ids: torch.Tensor, sparsity: float, *,
+                         method: str = "teal", sites=None, seed: int = 0) -> dict:  # fmt: skip
+    """``{(layer, site): fp32 thresholds}`` that drop a fraction ``sparsity`` of each site's
+    entries (scores, for WINA) on the dense prefill of ``ids`` [1, S] (see module doc).
+
+    >>> from dejavu_lab.models import random_model
+    >>> m = random_model("tiny-llama", dtype=torch.float16).model
+    >>> ids = torch.randint(0, 128, (1, 32), generator=torch.Generator().manual_seed(0))
+    >>> thr = calibrate_thresholds(m, ids, 0.5, method="teal")
+    >>> len(thr), tuple(thr[(0, "attn_in")].shape)  # 2 layers x 4 sites; one per column
+    (8, (64,))
+    >>> from dejavu_lab.engine import Decoder, SparseConfig
+    >>> dec = Decoder(m, max_seq_len=48, sparse=SparseConfig(method="teal", thresholds=thr))
+    >>> dec.generate(ids, 4).shape
+    torch.Size([1, 36])
+    """
+    if not 0 <= sparsity < 1:
+        raise EngineError(f"sparsity={sparsity} must lie in [0, 1) (the fraction removed).")
+    wanted = set(sites or _sites(method))
+    if wanted - set(SITES[method]):
+        raise EngineError(
+            f"method {method!r} thresholds the sites {', '.join(SITES[method])}; "
+            f"got {sorted(wanted - set(SITES[method]))}."
+        )
+    w = _weights(model_or_weights)
+    ids = ids.reshape(-1)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    out: dict = {}
+
+    def tap(i, site, x):  # x [S, n] at layer i's site, during the prefill
+        if site not in wanted:
+            return
+        a = x.detach().float().abs()
+        norms = column_norms(w, i, site) if method == "wina" else None
+        t = _quantile((a * norms if norms is not None else a).flatten(), sparsity, g)
+        thr = t / norms.clamp_min(1e-12) if norms is not None else torch.full_like(a[0], t)
+        out[(i, site)] = thr.contiguous()
+
+    dense = Decoder(w, max_seq_len=ids.numel() + 1)
+    dense._taps = tap
+    with torch.no_grad():
+        dense.prefill(ids)
+    return out
+
+
+def _quantile(v: torch.Tensor, q: float, g: torch.Generator) -> float:
+    if v.numel() > _MAX_SAMPLE:
+        v = v[torch.randperm(v.numel(), generator=g)[:_MAX_SAMPLE].to(v.device)]
+    return float(torch.quantile(v, q)) if q > 0 else -1.0
+
+
+def _sites(method: str) -> tuple[str, ...]:
+    if method not in SITES:
+        raise EngineError(f"method {method!r} has no thresholds; use one of {', '.join(SITES)}.")
+    return SITES[method]
+
+
+def _weights(model_or_weights) -> DecoderWeights:
+    if isinstance(model_or_weights, DecoderWeights):
+        return model_or_weights
+    if isinstance(model_or_weights, Decoder):
+        return model_or_weights.w
+    return decoder_weights(model_or_weights)

@@ -1,0 +1,309 @@
+"""Fused sparse MLP and CATS vs dense cuBLAS, contiguous cuBLAS and the two-kernel path.
+
+Deja Vu §4.4 runs a sparse MLP as an up gather then a down gather; issue 12 fuses them:
+:func:`dejavu_lab.kernels.fused_sparse_mlp` reads the kept neurons' gate/up rows, applies the
+activation and accumulates their down rows in one launch. :func:`~dejavu_lab.kernels.cats_mlp`
+is CATS (dense gate, threshold fused, up/down of the kept neurons only). For Llama SwiGLU
+shapes (d, n) = (4096, 11008), (5120, 13824), (4096, 14336) plus d = 2048, 8192 and OPT-175B's
+ReLU MLP (12288, 49152), at 50 / 20 / 10% kept, batch 1 and a union batch of 16, in CUDA-graph
+replay on weights rotated through more than 4x the L2:
+
+- ``dense``: cuBLAS gate/up GEMV, activation, cuBLAS down GEMV (every neuron);
+- ``contig``: the same on the kept neurons' rows stored contiguously (gather-free layout);
+- ``two``: our ``sparse_mlp_up`` then ``sparse_mlp_down`` (two launches over ``idx``);
+- ``ours``: the fused kernel; ``cats``: CATS with a threshold keeping the same fraction.
+
+Targets (issue 12): at 10% kept the fused MLP within 1.3x of (bytes / copy ceiling) + 3 µs.
+``--tune`` sweeps tilings first (``results/kernel_tuning_fused.json``, read at run time).
+Writes ``results/fused_mlp.json``.
+
+    PYTHONPATH=. python kernels/bench_fused_mlp.py [--tune] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from dejavu_lab import results
+from dejavu_lab.kernels import (
+    cats_mlp,
+    cats_mlp_ref,
+    fused_sparse_mlp,
+    fused_sparse_mlp_ref,
+    sparse_mlp_down,
+    sparse_mlp_up,
+    tuning,
+)
+from dejavu_lab.kernels.bench import copy_ceiling, graph_us, relerr
+
+SHAPES = [  # (name, d, n, gated, activation)
+    ("llama3.2-1b", 2048, 8192, True, "silu"),
+    ("llama2-7b", 4096, 11008, True, "silu"),
+    ("llama3-8b", 4096, 14336, True, "silu"),
+    ("llama2-13b", 5120, 13824, True, "silu"),
+    ("llama3-70b", 8192, 28672, True, "silu"),
+    ("opt-175b", 12288, 49152, False, "relu"),
+]
+KEPT = [0.5, 0.2, 0.1]
+BATCHES = [1, 16]
+
+
+def _cfg(n, k, c, w, **kw):
+    return {"BLOCK_N": n, "BLOCK_K": k, "BLOCK_C": c, "num_warps": w, **kw}
+
+
+CANDIDATES = {  # (op, batch 1?) -> configs swept by --tune (each checked first)
+    ("fused", True): [
+        _cfg(8, 1024, 1024, 8),
+        _cfg(4, 1024, 1024, 4),
+        _cfg(16, 512, 512, 8),
+        _cfg(4, 2048, 2048, 8),
+        _cfg(16, 128, 128, 4, dot=True, num_stages=4, preload=False),
+        _cfg(8, 1024, 1024, 8, mode="two"),
+    ],
+    ("fused", False): [
+        _cfg(16, 128, 128, 4, num_stages=3),
+        _cfg(32, 128, 256, 8, num_stages=3),
+        _cfg(16, 128, 128, 4, num_stages=3, mode="two"),
+        _cfg(32, 128, 128, 4, num_stages=3, mode="two"),
+    ],
+    ("cats", True): [
+        _cfg(32, 512, 512, 8),
+        _cfg(16, 1024, 1024, 8),
+        _cfg(64, 256, 256, 8),
+        _cfg(32, 512, 512, 8, mode="two"),
+    ],
+    ("cats", False): [
+        _cfg(32, 128, 128, 4, num_stages=3),
+        _cfg(64, 128, 128, 8, num_stages=3),
+        _cfg(32, 128, 128, 4, num_stages=3, mode="two"),
+    ],
+}
+for (_op, _b1), _cs in CANDIDATES.items():
+    for _c in _cs:
+        _c.setdefault("mode", "atomic")
+        _c.setdefault("preload", _b1)
+
+
+L2_ROTATE_BYTES = 4 * 60e6
+MAX_BYTES = 6e9
+
+
+class MlpWeights:
+    """Weight copies of one MLP: w_in [copies, 2n or n, d], w_down_t [copies, n, d].
+
+    >>> m = MlpWeights(32, 64, True, "silu", device="cpu")
+    >>> m.copies, m.check("ours", 0.25, 2) < 1e-2, m.check("cats", 0.25, 1) < 1e-2
+    (64, True, True)
+    """
+
+    def __init__(self, d, n, gated, act, *, dtype=torch.float16, min_kept=0.1, device=None):
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.d, self.n, self.gated, self.act, self.dtype = d, n, gated, act, dtype
+        rows = (3 if gated else 2) * n
+        full = rows * d * 2
+        self.copies = max(1, min(math.ceil(L2_ROTATE_BYTES / (min_kept * full)),
+                                 int(MAX_BYTES // full), 64))  # fmt: skip
+        dev = self.device
+        self.w_in = torch.randn(self.copies, (2 if gated else 1) * n, d, dtype=dtype, device=dev)
+        self.w_in.mul_(d**-0.5)
+        self.w_down_t = torch.randn(self.copies, n, d, dtype=dtype, device=dev).mul_(n**-0.5)
+
+    def _act(self, z):
+        return F.silu(z) if self.act == "silu" else torch.relu(z)
+
+    def inputs(self, kept, batch):
+        k = round(kept * self.n)
+        x0 = torch.randn(self.copies, self.d, dtype=self.dtype, device=self.device)
+        xs = [x0[c].expand(batch, self.d).contiguous() for c in range(self.copies)]
+        idx = [torch.randperm(self.n, device=self.device)[:k].to(torch.int32) for _ in xs]
+        thr = []  # CATS: |act(gate)| above this keeps ~kept of the neurons
+        for c in range(self.copies):
+            a = self._act(x0[c].float() @ self.w_in[c, : self.n].float().T).abs()
+            thr.append(
+                torch.full((self.n,), float(torch.quantile(a, 1 - kept)), device=self.device)
+            )
+        return k, xs, idx, thr
+
+    def calls(self, kept, batch, config=None, cats_config=None):
+        k, xs, idx, thr = self.inputs(kept, batch)
+        n, gated, act = self.n, self.gated, self.act
+        w_in, w_dt = self.w_in, self.w_down_t
+        out = [torch.empty(batch, self.d, dtype=self.dtype, device=self.device) for _ in xs]
+        cs = range(self.copies)
+
+        def mlp(x, w, wd, kk):
+            if gated:
+                return (self._act(F.linear(x, w[:kk])) * F.linear(x, w[n : n + kk])) @ wd[:kk]
+            return self._act(F.linear(x, w[:kk])) @ wd[:kk]
+
+        def two(c):
+            up = dict(up_weight=w_in[c, n:]) if gated else {}
+            h = sparse_mlp_up(xs[c], w_in[c, :n], idx[c], activation=act, validate=False, **up)
+            return sparse_mlp_down(h, w_dt[c], idx[c], validate=False, out=out[c])
+
+        return k, {
+            "dense": [lambda c=c: mlp(xs[c], w_in[c], w_dt[c], n) for c in cs],
+            "contig": [lambda c=c: mlp(xs[c], w_in[c], w_dt[c], k) for c in cs],
+            "two": [lambda c=c: two(c) for c in cs],
+            "ours": [
+                lambda c=c: fused_sparse_mlp(
+                    xs[c],
+                    w_in[c],
+                    w_dt[c],
+                    idx[c],
+                    activation=act,
+                    gated=gated,
+                    out=out[c],
+                    validate=False,
+                    config=config,
+                )  # fmt: skip
+                for c in cs
+            ],
+            "cats": [
+                lambda c=c: cats_mlp(
+                    xs[c], w_in[c], w_dt[c], thr[c], activation=act, out=out[c], config=cats_config
+                )  # fmt: skip
+                for c in cs
+            ],
+        }
+
+    def check(self, provider, kept, batch, config=None):
+        _, xs, idx, thr = self.inputs(kept, batch)
+        x, w, wd = xs[0], self.w_in[0], self.w_down_t[0]
+        if provider == "cats":
+            got = cats_mlp(x, w, wd, thr[0], activation=self.act, config=config)
+            ref = cats_mlp_ref(x, w, wd, thr[0], activation=self.act)
+        else:
+            kw = dict(activation=self.act, gated=self.gated)
+            got = fused_sparse_mlp(x, w, wd, idx[0], config=config, **kw)
+            ref = fused_sparse_mlp_ref(x, w, wd, idx[0], **kw)
+        return float("inf") if got.isnan().any() else relerr(got, ref)
+
+    def nbytes(self, k, batch, cats=False):
+        mats = 2 if self.gated else 1
+        rows = (self.n + mats * k) if cats else (mats + 1) * k
+        return rows * self.d * 2 + (0 if cats else 4 * k) + 2 * batch * self.d * 2
+
+
+def check_correctness():
+    worst = 0.0
+    for name, d, n, gated, act in SHAPES[1:2] + SHAPES[-1:]:
+        m = MlpWeights(d, n, gated, act, min_kept=1.0)
+        for batch in (1, 16, 32):
+            for p in ("ours", "cats"):
+                for extra in ({}, {"mode": "two"}):
+                    err = m.check(p, 0.1, batch, extra or None)
+                    worst = max(worst, err)
+                    if not err < 5e-3:
+                        print(f"WRONG: {p} {name} B={batch} {extra}: error {err:.2e}")
+        del m
+    small = MlpWeights(1024, 2816, True, "silu", dtype=torch.bfloat16, min_kept=1.0)
+    for batch in (1, 8):
+        for p in ("ours", "cats"):
+            err = small.check(p, 0.3, batch)
+            assert err < 2e-2, f"bf16 {p} batch={batch}: relative error {err:.2e}"
+    print(f"correctness: worst fp16 relative error {worst:.2e} (bf16 checked too)")
+
+
+def tune(command):
+    rows = []
+    for name, d, n, gated, act in SHAPES:
+        m = MlpWeights(d, n, gated, act, min_kept=min(KEPT))
+        for batch in BATCHES:
+            for kept in KEPT:
+                k, calls = m.calls(kept, batch)
+                dense = graph_us(calls["dense"])
+                for op in ("fused", "cats"):
+                    best = None
+                    for cfg in CANDIDATES[(op, batch == 1)]:
+                        _, c2 = m.calls(kept, batch, cfg, cfg)
+                        try:
+                            err = m.check("ours" if op == "fused" else "cats", kept, batch, cfg)
+                            if not err < 5e-3:  # a wrong candidate is never recorded
+                                print(f"  {op} {cfg}: WRONG, relative error {err:.2e}")
+                                continue
+                            us = graph_us(c2["ours" if op == "fused" else "cats"])
+                        except Exception as exc:  # a candidate that fails to compile is skipped
+                            print(f"  {cfg}: {type(exc).__name__}: {str(exc)[:200]}")
+                            continue
+                        nb = m.nbytes(k, batch, cats=op == "cats")
+                        rows.append({"op": f"{op}_mlp", "shape": name, "d_in": d, "d_out": n,
+                                     "kept": kept, "k": k, "batch": batch, "config": cfg,
+                                     "us": us, "dense_us": dense, "bytes": nb})  # fmt: skip
+                        best = us if best is None else min(best, us)
+                    print(f"tune {op:5s} {name:12s} B={batch:2d} kept={kept:.2f}: dense {dense:7.1f}"
+                          f" best {best or float('nan'):7.1f} us", flush=True)  # fmt: skip
+        del m
+        torch.cuda.empty_cache()
+    path = results.save("kernel_tuning_fused", rows, command=command)
+    tuning.reload()
+    print(f"wrote {path}")
+
+
+def table(ceiling):
+    rows = []
+    for name, d, n, gated, act in SHAPES:
+        m = MlpWeights(d, n, gated, act, min_kept=min(KEPT))
+        for batch in BATCHES:
+            dense = None
+            for kept in KEPT:
+                k, calls = m.calls(kept, batch)
+                dense = dense or graph_us(calls["dense"])
+                t = {p: graph_us(calls[p]) for p in ("contig", "two", "ours", "cats")}
+                nb, nb_cats = m.nbytes(k, batch), m.nbytes(k, batch, cats=True)
+                floor = nb / (ceiling * 1e12) * 1e6 + 3.0
+                rows.append({"shape": name, "d": d, "n": n, "gated": gated, "kept": kept, "k": k,
+                             "batch": batch, "dense_us": dense, **{f"{p}_us": v for p, v in t.items()},
+                             "bytes": nb, "cats_bytes": nb_cats, "frac_ideal": dense * kept / t["ours"],
+                             "vs_contig": t["contig"] / t["ours"], "vs_two": t["two"] / t["ours"],
+                             "target_us": 1.3 * floor, "vs_target": 1.3 * floor / t["ours"],
+                             "ours_tbps": nb / (t["ours"] * 1e-6) / 1e12,
+                             "cats_tbps": nb_cats / (t["cats"] * 1e-6) / 1e12,
+                             "copy_tbps": ceiling})  # fmt: skip
+        del m
+        torch.cuda.empty_cache()
+    return rows
+
+
+def print_table(rows):
+    print(f"\n{'shape':12s} {'B':>2s} {'kept':>4s} | {'dense':>6s} {'contig':>6s} {'two':>6s} "
+          f"{'ours':>6s} {'cats':>6s} us | frac ideal | vs contig | target us | TB/s ours cats")  # fmt: skip
+    for r in rows:
+        print(f"{r['shape']:12s} {r['batch']:2d} {r['kept']:4.2f} | {r['dense_us']:6.1f} "
+              f"{r['contig_us']:6.1f} {r['two_us']:6.1f} {r['ours_us']:6.1f} {r['cats_us']:6.1f}    | "
+              f"{r['frac_ideal']:10.2f} | {r['vs_contig']:9.2f} | {r['target_us']:9.1f} | "
+              f"{r['ours_tbps']:4.2f} {r['cats_tbps']:4.2f}")  # fmt: skip
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tune", action="store_true", help="sweep tilings first (kernel_tuning)")
+    ap.add_argument("--quick", action="store_true", help="tiny shapes (plumbing check, CPU)")
+    args = ap.parse_args(argv)
+    command = "python kernels/bench_fused_mlp.py " + " ".join(argv or sys.argv[1:])
+    global SHAPES, KEPT, BATCHES
+    if args.quick:
+        SHAPES, KEPT, BATCHES = [("tiny", 32, 96, True, "silu")], [0.5, 0.1], [1, 4]
+        print_table(table(1.0))
+        return
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_fused_mlp needs a CUDA GPU (use --quick for a CPU check).")
+    ceiling = copy_ceiling()
+    print(f"copy ceiling: {ceiling:.2f} TB/s")
+    check_correctness()
+    if args.tune:
+        tune(command)
+    rows = table(ceiling)
+    print_table(rows)
+    path = results.save("fused_mlp", rows, command=command, extra={"copy_tbps": ceiling})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""kernels/bench_engine.py's plumbing on CPU (``--quick``): every variant runs, checks and is
+recorded, so the one GPU call that times them all does not fail on a typo."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "kernels" / "bench_engine.py"
+
+
+def test_quick_run_records_every_variant(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the kernels' references: plumbing only
+    monkeypatch.setenv("DEJAVU_LAB_RESULTS", str(tmp_path))
+    spec = importlib.util.spec_from_file_location("bench_engine", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_engine", bench)  # its dataclass looks itself up
+    spec.loader.exec_module(bench)
+    methods = "dense,dense_auto,dejavu,teal,wina,cats"
+    bench.main(["--quick", "--no-check", "--methods", methods, "--sparsity", "0.5", "--prompts", "8",
+                "--baselines", "hf,hf_compiled", "--name", "quick"])  # fmt: skip
+    rows = json.loads((tmp_path / "quick.json").read_text())["rows"]
+    assert not [r for r in rows if "error" in r]
+    e2e = [r for r in rows if r["kind"] == "e2e"]
+    for model in ("tiny-opt", "tiny-llama"):
+        got = {r["engine"] for r in e2e if r["model"] == model}
+        assert got >= {"hf", "hf_compiled", "dense", "dense_auto", "sparse", "teal", "wina",
+                       "cats"}, got  # fmt: skip
+    assert all(r["check_ok"] for r in e2e if "check_ok" in r)
+    assert {r["op"] for r in rows if r["kind"] == "op"} == {"qkv", "attn", "o", "mlp"}
+    assert "vs hfc" in capsys.readouterr().out  # the table was printed

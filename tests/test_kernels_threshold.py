@@ -1,0 +1,247 @@
+"""The TEAL/WINA threshold GEMV against its PyTorch reference, run through TRITON_INTERPRET=1.
+
+Fresh random inputs every run (the seed is in each failure message), thresholds set to keep a
+target fraction (one constant: TEAL; per column: WINA), outputs poisoned with NaN so an
+unwritten element fails, fp16 and bf16, batch 1 and union batches up to 32, every reduction
+and tiling variant. On a GPU box the same tests check the compiled kernel:
+
+    DEJAVU_TEST_DEVICE=cuda TRITON_INTERPRET=0 pytest tests/test_kernels_threshold.py
+"""
+
+import os
+import random
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are decorated
+
+import pytest
+import torch
+
+from dejavu_lab.kernels import threshold_gemv, threshold_gemv_ref
+from dejavu_lab.kernels.threshold_gemv import default_config, threshold_gemv_kernel
+
+DEVICE = os.environ.get("DEJAVU_TEST_DEVICE", "cpu")
+DTYPES = [torch.float16, torch.bfloat16]
+TOL = {torch.float16: 3e-3, torch.bfloat16: 3e-2}  # relative Frobenius error
+D_IN, D_OUT = 200, 80  # neither a multiple of the tiles: masked tails
+SMALL = {"BLOCK_R": 16, "BLOCK_D": 32, "num_warps": 4, "programs": 9}  # 3 column tiles x 3 splits
+
+
+@pytest.fixture(autouse=True)
+def on_device():
+    if DEVICE != "cpu" and not torch.cuda.is_available():
+        pytest.skip(f"DEJAVU_TEST_DEVICE={DEVICE} but torch sees no CUDA GPU; unset it on a CPU")
+    with torch.device(DEVICE):
+        yield
+
+
+@pytest.fixture
+def seed():
+    s = random.randrange(2**31)
+    torch.manual_seed(s)
+    return s
+
+
+def relerr(out, ref):
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+
+
+def assert_close(out, ref, dtype, seed):
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    assert not out.isnan().any(), f"unwritten (NaN) output elements; seed={seed}"
+    if ref.abs().max() == 0:
+        assert (out == 0).all(), f"nonzero output where every entry was dropped; seed={seed}"
+        return
+    err = relerr(out, ref)
+    assert err < TOL[dtype], f"relative error {err:.2e}; seed={seed}"
+
+
+def problem(dtype, batch, kept, *, per_column=False, bias=True):
+    """x [B, D_IN], w_t, thr keeping about ``kept`` of each token's entries, bias, NaN out."""
+    x = torch.randn(batch, D_IN, dtype=dtype)
+    w_t = (torch.randn(D_IN, D_OUT) / D_IN**0.25).to(dtype)
+    q = torch.quantile(x.float().abs().flatten(), 1 - kept) if 0 < kept < 1 else None
+    thr = torch.full((D_IN,), float("inf") if kept == 0 else -1.0 if kept == 1 else float(q))
+    if per_column and 0 < kept < 1:  # WINA: t / ||W[:, i]||, a different threshold per column
+        thr = thr * (torch.rand(D_IN) + 0.5)
+    b = torch.randn(D_OUT, dtype=dtype) if bias else None
+    out = torch.full((batch, D_OUT), float("nan"), dtype=dtype)
+    return x, w_t, thr.float(), b, out
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="on a GPU the compiled kernels run")
+def test_kernel_runs_in_the_interpreter():
+    assert type(threshold_gemv_kernel).__name__ == "InterpretedFunction"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch", [1, 5, 32])
+@pytest.mark.parametrize("kept", [0.0, 0.1, 0.5, 1.0])
+def test_threshold_gemv(dtype, batch, kept, seed):
+    x, w_t, thr, b, out = problem(dtype, batch, kept, per_column=batch == 5)
+    assert threshold_gemv(x, w_t, thr, bias=b, out=out, config=SMALL) is out
+    ref = threshold_gemv_ref(x, w_t, thr, bias=b)
+    assert_close(out, ref, dtype, seed)
+    # the reference is the dense layer fed the masked input
+    xm = torch.where(x.float().abs() > thr, x.float(), 0.0).to(dtype)
+    assert_close(ref, threshold_gemv_ref(xm, w_t, torch.full_like(thr, -1.0), bias=b), dtype, seed)
+
+
+VARIANTS = {
+    "atomic": {"reduce": "atomic"},
+    "masked": {"compact": False},
+    "masked-atomic": {"compact": False, "reduce": "atomic"},
+    "one-split": {"split": 1},
+    "no-prefetch-acc1d": {"prefetch": False, "acc2d": False},
+    "many-splits-chunked": {"BLOCK_D": 64, "split": 13, "num_warps": 1, "SCAN": 16},
+    "prefetch-rows-only": {"prefetch": 1},
+    "prefetch-weights": {"prefetch": 2, "compact": True, "BLOCK_R": 16},
+    "dot-pipelined": {"dot": True, "num_stages": 3, "programs_per_sm": 2.5},
+    "dot-no-prefetch": {"dot": True, "prefetch": False},
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch", [1, 7])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_threshold_gemv_variants(dtype, batch, variant, seed):
+    x, w_t, thr, b, out = problem(dtype, batch, 0.3, per_column=True)
+    threshold_gemv(x, w_t, thr, bias=b, out=out, config={**SMALL, **VARIANTS[variant]})
+    assert_close(out, threshold_gemv_ref(x, w_t, thr, bias=b), dtype, seed)
+
+
+def test_union_batch_masks_each_token_by_its_own_rule(seed):
+    """A row read for one token must not leak the other tokens' sub-threshold entries."""
+    dtype = torch.float16
+    x, w_t, thr, _, _ = problem(dtype, 4, 0.2)
+    x[1] = 0.01  # token 1 keeps nothing; the others keep their own 20%
+    y = threshold_gemv(x, w_t, thr, config=SMALL)
+    for b in range(4):
+        alone = threshold_gemv(x[b], w_t, thr, config=SMALL)
+        assert_close(y[b], alone, dtype, seed)
+    assert (y[1] == 0).all()
+
+
+def test_default_config_1d_and_no_bias(seed):
+    dtype = torch.bfloat16
+    x, w_t, thr, _, _ = problem(dtype, 1, 0.25, bias=False)
+    y = threshold_gemv(x[0], w_t, thr)
+    assert y.shape == (D_OUT,)
+    assert_close(y, threshold_gemv_ref(x[0], w_t, thr), dtype, seed)
+    cfg = default_config(1, D_IN, D_OUT, device=x.device)
+    assert cfg["reduce"] == "serial" and cfg["compact"]
+
+
+def test_deterministic_is_bitwise_repeatable(seed):
+    x, w_t, thr, b, _ = problem(torch.float16, 3, 0.4)
+    cfg = {**SMALL, "reduce": "atomic"}
+    first = threshold_gemv(x, w_t, thr, bias=b, deterministic=True, config=cfg)
+    for _ in range(2):
+        again = threshold_gemv(x, w_t, thr, bias=b, deterministic=True, config=cfg)
+        assert torch.equal(first, again), f"seed={seed}"
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="CUDA graphs need a GPU")
+def test_cuda_graph_capture_and_replay(seed):
+    x, w_t, thr, b, out = problem(torch.float16, 2, 0.3)
+    threshold_gemv(x, w_t, thr, bias=b, out=out)  # allocates the workspaces, compiles
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        threshold_gemv(x, w_t, thr, bias=b, out=out)
+    for kept in (0.1, 0.6):  # new inputs, same graph: the mask is computed inside
+        x.copy_(torch.randn_like(x))
+        thr.fill_(float(torch.quantile(x.float().abs().flatten(), 1 - kept)))
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert_close(out, threshold_gemv_ref(x, w_t, thr, bias=b), torch.float16, seed)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="checks the CPU fallback")
+def test_cpu_without_interpreter_runs_the_reference(monkeypatch, seed):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    x, w_t, thr, b, _ = problem(torch.float16, 2, 0.5)
+    assert torch.equal(threshold_gemv(x, w_t, thr, bias=b), threshold_gemv_ref(x, w_t, thr, bias=b))
+
+
+def _ok():
+    x = torch.randn(2, 32, dtype=torch.float16)
+    return x, torch.randn(32, 24, dtype=torch.float16), torch.zeros(32)
+
+
+@pytest.mark.parametrize(
+    "mutate, exc, message",
+    [
+        (lambda x, w, t: (x.float(), w, t), TypeError, "float16 or bfloat16"),
+        (lambda x, w, t: (x, w.bfloat16(), t), TypeError, "cast it to match"),
+        (lambda x, w, t: (x, w, t.half()), TypeError, "pass float32 thresholds"),
+        (lambda x, w, t: (x, w, t[:31]), ValueError, r"thr has shape \(31,\); expected \(32,\)"),
+        (lambda x, w, t: (x, w, t.view(1, 32)), ValueError, "thr has shape"),
+        (lambda x, w, t: (x[:, :31], w, t), ValueError, r"expected \[32\] or \[B, 32\]"),
+        (lambda x, w, t: (x[:1].expand(33, 32), w, t), ValueError, "1 to 32 tokens"),
+        (lambda x, w, t: (x, w.T.contiguous().T, t), ValueError, "row-major"),
+        (lambda x, w, t: (x.to("meta"), w, t), ValueError, "on meta"),
+        (lambda x, w, t: (x, w, t.to("meta")), ValueError, "thr is on meta"),
+        (lambda x, w, t: (x, w, [0.0] * 32), TypeError, "thr must be a torch.Tensor"),
+    ],
+    ids=[
+        "dtype",
+        "mixed-dtype",
+        "thr-dtype",
+        "thr-length",
+        "thr-dim",
+        "shape",
+        "batch",
+        "layout",
+        "device",
+        "thr-device",
+        "thr-type",
+    ],  # fmt: skip
+)
+def test_rejects_bad_inputs(mutate, exc, message):
+    x, w, t = mutate(*_ok())
+    with pytest.raises(exc, match=message):
+        threshold_gemv(x, w, t)
+
+
+def test_rejects_bad_options():
+    x, w, t = _ok()
+    with pytest.raises(ValueError, match=r"bias has shape \(23,\); expected \(24,\)"):
+        threshold_gemv(x, w, t, bias=torch.zeros(23, dtype=torch.float16))
+    with pytest.raises(ValueError, match="out has shape"):
+        threshold_gemv(x, w, t, out=torch.empty(2, 23, dtype=torch.float16))
+    with pytest.raises(ValueError, match="reduce='tree'"):
+        threshold_gemv(x, w, t, config={**SMALL, "reduce": "tree"})
+    with pytest.raises(ValueError, match="BLOCK_R must be >= 16"):
+        threshold_gemv(x, w, t, config={**SMALL, "BLOCK_R": 8})
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="table logic only")
+def test_tuning_lookup_reads_recorded_tables(tmp_path, monkeypatch):
+    from dejavu_lab import results
+    from dejavu_lab.kernels import tuning
+
+    fast, slow = {"BLOCK_R": 16, "tag": "fast"}, {"BLOCK_R": 32, "tag": "slow"}
+    rows = [
+        {"op": "threshold_gemv", "d_in": 11008, "d_out": 4096, "batch": 1, "kept": kept,
+         "config": cfg, "us": us}
+        for kept, cfg, us in [(0.1, fast, 5.0), (0.1, slow, 6.0), (0.5, fast, 14.0),
+                              (0.5, slow, 12.0), (0.2, slow, 9.0), (0.2, fast, 7.0)]
+    ]  # fmt: skip
+    monkeypatch.setenv(results.ENV_DIR, str(tmp_path))
+    path = results.save("kernel_tuning_test", rows, command="test")
+    gpu = results.provenance("x")["gpu"]
+    monkeypatch.setenv(tuning.ENV, str(path))
+    tuning.reload()
+    try:
+        assert tuning._lookup("threshold_gemv", 11008, 4096, 0.5, 1, gpu)["tag"] == "slow"
+        assert tuning._lookup("threshold_gemv", 11008, 4096, 0.12, 1, gpu)["tag"] == "fast"
+        assert tuning._lookup("threshold_gemv", 11008, 4096, None, 1, gpu)["tag"] == "fast"
+        assert tuning._lookup("threshold_gemv", 14336, 4096, 0.1, 1, gpu)["tag"] == "fast"  # near
+        assert tuning._lookup("threshold_gemv", 2048, 512, 0.1, 1, gpu) is None  # too far
+        assert tuning._lookup("threshold_gemv", 11008, 4096, 0.1, 16, gpu) is None  # batch path
+        assert tuning._lookup("threshold_gemv", 11008, 4096, 0.1, 1, "other GPU") is None
+    finally:
+        monkeypatch.delenv(tuning.ENV)
+        tuning.reload()
