@@ -36,9 +36,16 @@ from transformers import (
 )
 
 from . import assets
-from .arch import Arch, get_arch
+from .arch import SUPPORTED, Arch, UnsupportedArchitectureError, get_arch
 
-__all__ = ["LoadedModel", "ModelNotFoundError", "PRESETS", "load_model", "random_model"]
+__all__ = [
+    "LoadedModel",
+    "ModelNotFoundError",
+    "PRESETS",
+    "gguf_file",
+    "load_model",
+    "random_model",
+]
 
 DEMO_ASSET = "smollm2-135m-instruct.gguf"
 DEMO_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised to fp32)"
@@ -209,7 +216,7 @@ def random_model(
 
 
 def load_model(
-    spec: str = "demo",
+    spec: str | os.PathLike = "demo",
     *,
     dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
@@ -217,8 +224,11 @@ def load_model(
 ) -> LoadedModel:
     """Load ``spec`` ("demo", an HF id, a local path, or "random:<preset>") for analysis.
 
-    ``attn_implementation="eager"`` (the default) makes attention patterns observable by
-    :mod:`dejavu_lab.hooks`; pass ``"sdpa"`` for speed when patterns are not needed.
+    A local path is a folder with ``config.json`` and weights, a ``.gguf`` file, or a folder
+    holding one ``.gguf`` file (read through transformers' GGUF reader and dequantised, to fp32
+    unless ``dtype`` says otherwise). ``attn_implementation="eager"`` (the default) makes
+    attention patterns observable by :mod:`dejavu_lab.hooks`; pass ``"sdpa"`` for speed when
+    patterns are not needed.
 
     >>> model, tokenizer, arch = load_model("demo")
     >>> arch.n_layers, arch.d_mlp
@@ -227,6 +237,8 @@ def load_model(
     >>> tokenizer.decode(model.generate(ids, max_new_tokens=2, do_sample=False)[0])
     'The capital of France is Paris.'
     """
+    if isinstance(spec, os.PathLike):
+        spec = os.fspath(spec)
     if not isinstance(spec, str) or not spec:
         raise ModelNotFoundError(f"Model spec must be a non-empty string, got {spec!r}.")
     if spec.startswith("random:"):
@@ -235,11 +247,14 @@ def load_model(
         )
     if spec == "demo":
         path = _demo_dir()
+    elif (gguf := gguf_file(spec)) is not None:
+        return _load_gguf(gguf, spec, dtype, device, attn_implementation)
     elif Path(spec).expanduser().is_dir():
         path = Path(spec).expanduser()
     elif Path(spec).exists() or spec.startswith((".", "/", "~")):
         raise ModelNotFoundError(
-            f"{spec!r} is not a model directory; pass a folder holding config.json and weights."
+            f"{spec!r} is not a model directory; pass a folder holding config.json and weights, "
+            "or a .gguf file."
         )
     else:
         path = spec  # a Hugging Face hub id
@@ -251,6 +266,76 @@ def load_model(
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = model.to(device).eval()
     return LoadedModel(model, tokenizer, get_arch(model))
+
+
+def gguf_file(spec: str | os.PathLike) -> Path | None:
+    """The GGUF file ``spec`` names: itself, or the one ``.gguf`` in a folder without config.json.
+
+    None when ``spec`` is not about a GGUF (a model folder, a hub id); a folder holding several
+    GGUF files, or neither config.json nor a GGUF, is refused in one sentence.
+
+    >>> import tempfile
+    >>> folder = Path(tempfile.mkdtemp())
+    >>> (folder / "model.Q4_K_M.gguf").touch()
+    >>> gguf_file(folder).name, gguf_file(folder / "model.Q4_K_M.gguf").name
+    ('model.Q4_K_M.gguf', 'model.Q4_K_M.gguf')
+    >>> gguf_file("facebook/opt-125m") is None  # a hub id
+    True
+    """
+    p = Path(spec).expanduser()
+    if p.is_file():
+        return p if p.suffix.lower() == ".gguf" else None
+    if not p.is_dir() or (p / "config.json").exists():
+        return None
+    found = sorted(f for f in p.iterdir() if f.suffix.lower() == ".gguf" and f.is_file())
+    if len(found) > 1:
+        names = ", ".join(f.name for f in found[:4]) + (", …" if len(found) > 4 else "")
+        raise ModelNotFoundError(
+            f"{str(spec)!r} holds {len(found)} GGUF files ({names}); pass the one to load."
+        )
+    if not found:
+        raise ModelNotFoundError(
+            f"{str(spec)!r} holds neither config.json nor a .gguf file; pass a folder with "
+            "config.json and weights, or a GGUF file."
+        )
+    return found[0]
+
+
+def _load_gguf(
+    file: Path, spec: str, dtype: torch.dtype | None, device, attn_implementation: str
+) -> LoadedModel:
+    """A GGUF file through transformers' reader: config first (refuse before dequantising)."""
+    where = dict(pretrained_model_name_or_path=file.parent, gguf_file=file.name)
+    try:
+        cfg = AutoConfig.from_pretrained(**where)
+    except ValueError as e:
+        if "not supported" in str(e):  # transformers' GGUF reader lacks the architecture
+            raise UnsupportedArchitectureError(
+                f"transformers cannot read {file.name!r}: {str(e).splitlines()[0].rstrip('.')}; "
+                f"convert it to a Hugging Face folder, or use a GGUF of a supported family "
+                f"({', '.join(SUPPORTED)})."
+            ) from None
+        raise _bad_gguf(spec, e) from None
+    except Exception as e:  # the gguf reader raises many kinds for a damaged file
+        raise _bad_gguf(spec, e) from None
+    get_arch(cfg)  # unsupported family: fail before dequantising the weights
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            **where, dtype=dtype or torch.float32, attn_implementation=attn_implementation
+        )
+        tokenizer = AutoTokenizer.from_pretrained(**where)
+    except Exception as e:
+        raise _bad_gguf(spec, e) from None
+    model = model.to(device).eval()
+    return LoadedModel(model, tokenizer, get_arch(model))
+
+
+def _bad_gguf(spec: str, e: Exception) -> ModelNotFoundError:
+    why = str(e).splitlines()[0][:200] if str(e) else ""
+    return ModelNotFoundError(
+        f"Cannot read {spec!r} as a GGUF model ({type(e).__name__}{': ' + why if why else ''}); "
+        "check that the file is complete (re-download it) and that the gguf package is installed."
+    )
 
 
 def _config(path, spec: str) -> PretrainedConfig:
