@@ -32,6 +32,7 @@ __all__ = [
     "ArchTable",
     "UnsupportedArchitectureError",
     "get_arch",
+    "require_plain_blocks",
     "SUPPORTED",
 ]
 
@@ -313,6 +314,34 @@ def get_arch(model_or_config) -> Arch:
     if isinstance(model_or_config, nn.Module):
         arch.check(model_or_config)
     return arch
+
+
+def require_plain_blocks(arch: Arch, what: str = "the engine") -> None:
+    """Refuse, in one sentence, a model whose blocks are more than pre-LN attention + MLP.
+
+    For code that re-implements a block instead of running the model's own forward — the
+    decoder in :mod:`dejavu_lab.engine`, the K/V recomputation of :mod:`dejavu_lab.deferred_kv`
+    — and knows neither sandwich norms, nor per-head q/k norms, nor layers that mix local
+    (sliding-window) and global attention.
+
+    >>> from dejavu_lab.models import random_model
+    >>> require_plain_blocks(random_model("tiny-llama").arch)  # fine: returns None
+    >>> require_plain_blocks(random_model("tiny-gemma3").arch, "deferred KV")
+    Traceback (most recent call last):
+    ...
+    dejavu_lab.arch.UnsupportedArchitectureError: deferred KV runs plain pre-LN blocks, but ...
+    """
+    extra = [
+        "sandwich norms" if arch.sandwich else "",
+        "per-head q/k norms" if arch.table.qk_norm else "",
+        "sliding-window layers" if "sliding_attention" in arch.layer_types else "",
+    ]
+    if any(extra):
+        raise UnsupportedArchitectureError(
+            f"{what} runs plain pre-LN blocks, but this {arch.model_type!r} model has "
+            f"{' and '.join(e for e in extra if e)}; use dejavu_lab.sparsify (the model's own "
+            "forward) for quality runs on it."
+        )
 
 
 def _from_config(cfg, model_type: str, table: ArchTable) -> Arch:

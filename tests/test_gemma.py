@@ -19,8 +19,14 @@ from transformers import (
 )
 
 from dejavu_lab import arch as arch_mod
-from dejavu_lab.arch import ARCH_TABLES, ArchMismatchError, get_arch
-from dejavu_lab.corpus import perplexity
+from dejavu_lab.arch import (
+    ARCH_TABLES,
+    ArchMismatchError,
+    UnsupportedArchitectureError,
+    get_arch,
+    require_plain_blocks,
+)
+from dejavu_lab.corpus import perplexity, token_windows, wants_bos
 from dejavu_lab.hooks import hooks, run_with_cache, run_with_hooks
 from dejavu_lab.measure import contextual_sparsity, head_stats, layer_cosine, residual_norms
 from dejavu_lab.models import random_model
@@ -244,3 +250,52 @@ def test_measurements_run_on_gemma3():
     assert cos.cosine.between(-1.0001, 1.0001).all()
     stats = head_stats(model, torch.randint(0, 128, (1, 20)))  # queries 15..19 see 16+ keys
     assert stats["head"].nunique() == arch.n_heads and stats.entropy.between(0, 1.0001).all()
+
+
+@pytest.mark.parametrize("preset", ["tiny-gemma3", "tiny-llama", "tiny-opt"])
+def test_code_that_rebuilds_blocks_refuses_gemma3(preset):
+    arch = random_model(preset).arch
+    if preset != "tiny-gemma3":
+        assert require_plain_blocks(arch, "deferred KV") is None
+        return
+    with pytest.raises(UnsupportedArchitectureError) as e:
+        require_plain_blocks(arch, "deferred KV")
+    assert str(e.value) == (
+        "deferred KV runs plain pre-LN blocks, but this 'gemma3_text' model has sandwich norms "
+        "and per-head q/k norms and sliding-window layers; use dejavu_lab.sparsify (the model's "
+        "own forward) for quality runs on it."
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# BOS: windows start with it when the tokenizer asks, and perplexity records it
+
+
+class BosTokenizer:
+    """One token per byte, BOS = 0, and asks for BOS as Gemma's tokenizer does."""
+
+    bos_token_id = 0
+    add_bos_token = True
+
+    def __call__(self, text, return_tensors=None, add_special_tokens=True):
+        ids = ([0] if add_special_tokens else []) + list(text.encode())
+
+        class Out:
+            input_ids = torch.tensor([ids]) if return_tensors == "pt" else ids
+
+        return Out()
+
+
+def test_windows_start_with_bos_when_the_tokenizer_asks():
+    tok = BosTokenizer()
+    assert wants_bos(tok)
+    w = token_windows(tok, "abcdefghij", window=3)  # BOS + 2 text tokens per window
+    assert w.add_bos and w.tolist() == [[0, 97, 98], [0, 99, 100], [0, 101, 102], [0, 103, 104],
+                                        [0, 105, 106]]  # fmt: skip
+    plain = token_windows(tok, "abcdefghij", window=3, add_bos=False)
+    assert not plain.add_bos and plain.tolist()[0] == [97, 98, 99]
+    model, _, _ = gemma()
+    model.config.bos_token_id = 0
+    ppl = perplexity(model, w[1:], progress=False)  # a slice: read from the first column
+    assert ppl.add_bos and not perplexity(model, plain, progress=False).add_bos
+    assert isinstance(ppl, float) and f"{ppl:.2f}" == f"{float(ppl):.2f}"
