@@ -456,6 +456,7 @@ def cmd_eval_tasks(args) -> None:
         limit=args.limit,
         num_fewshot=args.num_fewshot,
         batch_size=args.batch_size,
+        progress=not args.no_progress,
         **kw,
     )
     seconds = time.perf_counter() - t0

@@ -15,14 +15,16 @@ task in LAMBADA's own format (:func:`local_task_dir`). It needs the optional ``e
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import logging
 import os
 import re
+import sys
 import tempfile
-from collections.abc import Sequence
-from contextlib import nullcontext
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from functools import cache
 from pathlib import Path
 
@@ -65,7 +67,7 @@ def demo_lambada() -> list[dict[str, str]]:
 
     >>> docs = demo_lambada()
     >>> len(docs), docs[0]["text"].split(" ")[-1]  # the word to predict
-    (253, 'Engadine')
+    (259, 'shire')
     """
     articles = assets.fetch("lee_background.cor").read_text(encoding="utf-8").splitlines()
     articles = [a.strip() for a in articles if a.strip()][TRAIN_ARTICLES:]
@@ -149,6 +151,7 @@ def lm_eval_tasks(
     num_fewshot: int | None = None,
     batch_size: int = 1,
     add_bos: bool | None = None,
+    progress: bool = True,
     require_network: bool | None = None,
     **sparsified_kwargs,
 ) -> dict[str, dict[str, float]]:
@@ -157,15 +160,17 @@ def lm_eval_tasks(
     ``method`` and ``sparsified_kwargs`` (``mlp_sparsity``, ``head_sparsity``, ``static``,
     ``sparsity``, ``thresholds``, …) go to :func:`dejavu_lab.sparsify.sparsified`; with neither
     the model runs dense. ``limit``: examples per task (lm-eval's ``limit``). ``add_bos``
-    (default: :func:`dejavu_lab.corpus.wants_bos`) prepends BOS to every request.
+    (default: :func:`dejavu_lab.corpus.wants_bos`) prepends BOS to every request. The
+    harness's progress bars go to stderr (none with ``progress=False``); stdout stays ours.
     :data:`LOCAL_TASK` runs offline; any other task name is lm-eval's and needs its dataset
     (a network or a filled ``HF_DATASETS`` cache). Returns task -> {metric: value}, lm-eval's
     aggregated metrics without their ``,none`` filter suffix, plus ``n`` (examples scored).
 
     >>> from dejavu_lab.models import load_model
     >>> model, tok, _ = load_model("demo")
-    >>> dense = lm_eval_tasks(model, tok, limit=20)
-    >>> sparse = lm_eval_tasks(model, tok, limit=20, method="oracle", mlp_sparsity=0.8)
+    >>> dense = lm_eval_tasks(model, tok, limit=20, progress=False)
+    >>> sparse = lm_eval_tasks(model, tok, limit=20, progress=False, method="oracle",
+    ...                        mlp_sparsity=0.8)
     >>> dense[LOCAL_TASK]["n"], dense[LOCAL_TASK]["acc"] > sparse[LOCAL_TASK]["acc"]
     (20, True)
     """
@@ -184,8 +189,8 @@ def lm_eval_tasks(
     tasks = [tasks] if isinstance(tasks, str) else list(tasks)
     if not tasks:
         raise LmEvalError(f"No task given; pass lm-eval task names, e.g. {LOCAL_TASK!r}.")
-    for name in ("lm_eval", "lm-eval", "datasets", "evaluate"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+    for name in ("lm_eval", "lm-eval", "datasets", "evaluate"):  # e.g. "pretrained is not a str"
+        logging.getLogger(name).setLevel(logging.ERROR)
     manager = _task_manager(any(t != LOCAL_TASK for t in tasks))
     unknown = [t for t in tasks if not manager.match_tasks([t])]
     if unknown:
@@ -202,7 +207,7 @@ def lm_eval_tasks(
         )
     bos = wants_bos(tokenizer) if add_bos is None else bool(add_bos)
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, add_bos_token=bos)
-    with torch.no_grad(), _sparse(model, method, sparsified_kwargs):
+    with torch.no_grad(), _quiet(progress), _sparse(model, method, sparsified_kwargs):
         try:
             out = lm_eval.simple_evaluate(
                 model=lm,
@@ -211,7 +216,7 @@ def lm_eval_tasks(
                 limit=limit,
                 task_manager=manager,
                 log_samples=False,
-                verbosity="WARNING",
+                verbosity="ERROR",
             )
         except (ConnectionError, OSError) as e:
             raise LmEvalError(
@@ -231,6 +236,23 @@ def lm_eval_tasks(
         }
         for task, metrics in out["results"].items()
     }
+
+
+@contextmanager
+def _quiet(progress: bool) -> Iterator[None]:
+    """The harness prints to stdout (e.g. "bootstrapping for stddev"): send that to stderr,
+    and without ``progress`` switch its tqdm bars off."""
+    old = os.environ.get("TQDM_DISABLE")
+    if not progress:
+        os.environ["TQDM_DISABLE"] = "1"
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        if old is None:
+            os.environ.pop("TQDM_DISABLE", None)
+        else:
+            os.environ["TQDM_DISABLE"] = old
 
 
 @cache
