@@ -15,7 +15,7 @@ VENDOR := _static/vendor
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check --upgrade pip
-	$(BIN)/pip install -q --disable-pip-version-check -e ".[dev,book,kernels]"
+	$(BIN)/pip install -q --disable-pip-version-check -e ".[dev,book,kernels,eval]"
 	touch $(STAMP)
 
 # The rendered-page tests drive Debian's chromium; install it where we can (root + apt).

@@ -8,6 +8,7 @@
     dejavu-lab collect --model demo --max-tokens 8192            # resumable; prints the folder
     dejavu-lab train-predictors --model demo --mode both         # collects first if needed
     dejavu-lab eval --model demo --predictors P.safetensors --mlp-sparsity 0.5
+    dejavu-lab eval-tasks --model demo --method oracle --sparsity 0.5 --limit 50  # lm-eval
 
 Every subcommand prints its result on stdout, progress bars on stderr, and on a bad input one
 line ``dejavu-lab: error: ...`` with exit status 2.
@@ -219,6 +220,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--windows", type=int, default=2, help="held-out windows to evaluate on")
     p.add_argument("--skip-windows", type=int, default=16, help="skip the training windows")
     p.add_argument("--per-layer", action="store_true", help="print every layer's row")
+
+    _eval_tasks_parser(sub)
     return ap
 
 
@@ -575,11 +578,176 @@ def cmd_eval(args) -> None:
         print(df.groupby(["mode", "kind"])[cols].mean().to_string(float_format="%.3f"))
 
 
+# ---------------------------------------------------------------------------------------------
+# eval-tasks: zero-shot tasks through lm-evaluation-harness (dejavu_lab.lm_eval_tasks)
+
+EVAL_METHODS = ("dense", "oracle", "static", "predicted", "dejavu", "teal", "wina", "cats")
+
+
+def _count(what: str, minimum: int):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            v = minimum - 1
+        if v < minimum:
+            raise argparse.ArgumentTypeError(
+                f"{what} must be an integer >= {minimum}, got {text!r}."
+            )
+        return v
+
+    return parse
+
+
+def _eval_tasks_parser(sub) -> None:
+    from .lm_eval_tasks import LOCAL_TASK
+
+    p = sub.add_parser("eval-tasks", help="zero-shot lm-eval tasks, dense or sparsified")
+    _common(p)  # --corpus / --window: the calibration text of static and threshold methods
+    p.add_argument(
+        "--tasks",
+        type=lambda t: [x.strip() for x in t.split(",") if x.strip()],
+        default=[LOCAL_TASK],
+        help=f"comma-separated lm-eval task names (offline: {LOCAL_TASK})",
+    )
+    p.add_argument("--method", choices=EVAL_METHODS, default="oracle", help="sparsity method")
+    p.add_argument(
+        "--sparsity",
+        type=_budget("sparsity"),
+        default=0.0,
+        help="fraction removed: heads and neurons (oracle, static, dejavu), the method's own "
+        "budget (teal, wina, cats); 0 = dense",
+    )
+    for kind, what in (("mlp", "neurons"), ("head", "heads")):  # override --sparsity per kind
+        p.add_argument(
+            f"--{kind}-sparsity", type=_budget(f"{kind}_sparsity"), default=None, help=what
+        )
+    p.add_argument("--dense-layers", type=_layers, default=[], help="e.g. 0,1 (left dense)")
+    p.add_argument("--limit", type=_count("--limit", 1), default=None, help="examples per task")
+    p.add_argument("--num-fewshot", type=_count("--num-fewshot", 0), default=0)
+    p.add_argument("--batch-size", type=_count("--batch-size", 1), default=1)
+    p.add_argument("--predictors", type=Path, help="predictor file (--method dejavu)")
+    p.add_argument(
+        "--calibration-windows",
+        type=_count("--calibration-windows", 1),
+        default=4,
+        help="windows of the corpus's start (training text) for static sets / thresholds",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _eval_tasks_kwargs(args, model, tok, arch) -> dict:
+    """What :func:`dejavu_lab.sparsify.sparsified` gets for ``--method`` at ``--sparsity``."""
+    method = "dejavu" if args.method == "predicted" else args.method
+    if method == "dense":
+        return {}
+    kw: dict = {"dense_layers": args.dense_layers}
+    if method in ("oracle", "static", "dejavu"):
+        kw["mlp_sparsity"] = args.sparsity if args.mlp_sparsity is None else args.mlp_sparsity
+        kw["head_sparsity"] = args.sparsity if args.head_sparsity is None else args.head_sparsity
+    else:
+        kw["sparsity"] = args.sparsity
+    if method in ("static", "teal", "wina", "cats"):
+        calib = _windows(args, tok, args.calibration_windows)
+    if method == "static":
+        from .sparsify import static_sets
+
+        kw["static"] = static_sets(
+            model,
+            calib,
+            mlp_sparsity=kw["mlp_sparsity"],
+            head_sparsity=kw["head_sparsity"],
+            progress=not args.no_progress,
+        )
+    elif method == "dejavu":
+        from .predictors import load_predictors
+
+        if args.predictors is None:
+            raise ValueError("--method dejavu needs --predictors FILE (see train-predictors).")
+        kw["predictors"] = load_predictors(args.predictors, model, arch)
+    elif method in ("teal", "wina", "cats"):
+        from . import sparsify
+
+        if not hasattr(sparsify, "calibrate"):
+            raise ValueError(f"--method {method} needs a dejavu_lab.sparsify with calibration.")
+        kw["thresholds"] = sparsify.calibrate(
+            model, calib, arch=arch, progress=not args.no_progress
+        )
+    return {"method": "predicted" if method == "dejavu" and _old_sparsify() else method, **kw}
+
+
+def _old_sparsify() -> bool:
+    """True for the sparsify module without named methods (``mode=`` only)."""
+    from . import sparsify
+
+    return not hasattr(sparsify, "METHODS")
+
+
+def cmd_eval_tasks(args) -> None:
+    """``dejavu-lab eval-tasks``: lm-eval zero-shot scores, dense or with ``--method``.
+
+    >>> import contextlib, io, json
+    >>> out = io.StringIO()
+    >>> with contextlib.redirect_stdout(out):
+    ...     cmd_eval_tasks(parser().parse_args("eval-tasks --sparsity 0.5 --limit 2 --json "
+    ...         "--no-progress".split()))
+    >>> r = json.loads(out.getvalue())
+    >>> r["method"], r["sparsity"], r["tasks"]["dejavu_demo_lambada"]["n"]
+    ('oracle', 0.5, 2)
+    """
+    import json
+
+    from .lm_eval_tasks import lm_eval_tasks
+
+    if not args.tasks:
+        raise ValueError("--tasks is empty; pass comma-separated lm-eval task names.")
+    model, tok, arch = _load(args)
+    if tok is None:
+        raise ValueError(
+            f"Model {args.model!r} has no tokenizer, so lm-eval cannot feed it text; use "
+            "'demo', a Hugging Face id, a folder with tokenizer files or a GGUF file."
+        )
+    kw = _eval_tasks_kwargs(args, model, tok, arch)
+    t0 = time.perf_counter()
+    results = lm_eval_tasks(
+        model,
+        tok,
+        args.tasks,
+        limit=args.limit,
+        num_fewshot=args.num_fewshot,
+        batch_size=args.batch_size,
+        progress=not args.no_progress,
+        **kw,
+    )
+    seconds = time.perf_counter() - t0
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "model": args.model,
+                    "method": args.method,
+                    "sparsity": args.sparsity,
+                    "mlp_sparsity": kw.get("mlp_sparsity"),
+                    "head_sparsity": kw.get("head_sparsity"),
+                    "limit": args.limit,
+                    "num_fewshot": args.num_fewshot,
+                    "seconds": round(seconds, 1),
+                    "tasks": results,
+                }
+            )
+        )
+        return
+    for task, metrics in results.items():
+        shown = "  ".join(f"{k} {v:.4g}" for k, v in metrics.items() if not k.endswith("_stderr"))
+        print(f"{task}: {shown}")
+
+
 COMMANDS = {
     "perplexity": cmd_perplexity,
     "collect": cmd_collect,
     "train-predictors": cmd_train,
     "eval": cmd_eval,
+    "eval-tasks": cmd_eval_tasks,
 }
 
 

@@ -4,6 +4,11 @@ The paper measures on C4 / Wikitext / the Pile (§3, §5.1). Offline we use the 
 corpus: 300 Australian news articles from 2001 (~76k SmolLM2 tokens), shipped as test data
 inside the gensim wheel (:mod:`dejavu_lab.assets`). ``"wikitext-2"`` and ``"c4"`` load through
 ``datasets`` when a network is present.
+
+Some tokenizers expect every text to start with BOS (Gemma: without it, perplexity is ~2x
+higher); :func:`token_windows` then starts each window with it, and :func:`perplexity` records
+whether it did, so perplexities stay comparable across families. The demo model's tokenizer
+(SmolLM2) does not ask for BOS.
 """
 
 from __future__ import annotations
@@ -15,7 +20,16 @@ from tqdm.auto import tqdm
 
 from . import assets
 
-__all__ = ["CorpusError", "CORPORA", "load_text", "perplexity", "token_windows", "window_nll"]
+__all__ = [
+    "CorpusError",
+    "CORPORA",
+    "Perplexity",
+    "load_text",
+    "perplexity",
+    "token_windows",
+    "wants_bos",
+    "window_nll",
+]
 
 CORPORA = ("demo", "wikitext-2", "c4")
 
@@ -75,23 +89,55 @@ def _hf_dataset_text(name: str, split: str, max_chars: int | None) -> str:
         ) from None
 
 
+def wants_bos(tokenizer) -> bool:
+    """Whether ``tokenizer`` expects texts to start with its BOS token (``add_bos_token``).
+
+    >>> from dejavu_lab.models import load_model
+    >>> wants_bos(load_model("demo").tokenizer)  # SmolLM2: no
+    False
+    """
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return False
+    if getattr(tokenizer, "add_bos_token", False):
+        return True
+    try:  # tokenizers whose post-processor adds it without the flag
+        return tokenizer("a", add_special_tokens=True).input_ids[:1] == [bos]
+    except Exception:
+        return False
+
+
 def token_windows(
-    tokenizer, text: str, window: int = 512, max_windows: int | None = None
+    tokenizer,
+    text: str,
+    window: int = 512,
+    max_windows: int | None = None,
+    add_bos: bool | None = None,
 ) -> torch.Tensor:
     """Tokenise ``text`` once and cut it into non-overlapping windows: LongTensor [n, window].
 
-    The tail shorter than a window is dropped. Raises :class:`CorpusError` when the text holds
-    less than one window.
+    ``add_bos`` (default: :func:`wants_bos`) starts every window with the BOS token followed by
+    ``window - 1`` text tokens; the tensor's ``add_bos`` attribute records the choice (a slice
+    of it loses the attribute; :func:`perplexity` then reads the first column). The tail shorter
+    than a window is dropped. Raises :class:`CorpusError` when the text holds less than one
+    window.
 
     >>> from dejavu_lab.models import load_model
     >>> _, tokenizer, _ = load_model("demo")
-    >>> token_windows(tokenizer, load_text("demo"), window=512).shape  # ~76k tokens
-    torch.Size([147, 512])
+    >>> w = token_windows(tokenizer, load_text("demo"), window=512)  # ~76k tokens
+    >>> w.shape, w.add_bos
+    (torch.Size([147, 512]), False)
+    >>> token_windows(tokenizer, load_text("demo"), 512, add_bos=True)[:, 0].unique().tolist()
+    [1]
     """
     if window < 2:
         raise CorpusError(f"window must be at least 2 tokens, got {window}.")
+    bos = wants_bos(tokenizer) if add_bos is None else bool(add_bos)
+    if bos and getattr(tokenizer, "bos_token_id", None) is None:
+        raise CorpusError("add_bos=True, but the tokenizer has no BOS token; pass add_bos=False.")
     ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
-    n = ids.numel() // window
+    step = window - 1 if bos else window  # text tokens per window
+    n = ids.numel() // step
     if n == 0:
         raise CorpusError(
             f"The text has {ids.numel()} tokens, fewer than one window of "
@@ -99,7 +145,11 @@ def token_windows(
         )
     if max_windows is not None:
         n = min(n, max_windows)
-    return ids[: n * window].view(n, window)
+    out = ids[: n * step].view(n, step)
+    if bos:
+        out = torch.cat([torch.full((n, 1), tokenizer.bos_token_id, dtype=out.dtype), out], 1)
+    out.add_bos = bos
+    return out
 
 
 @torch.no_grad()
@@ -137,15 +187,42 @@ def window_nll(
     return torch.cat(out)
 
 
-def perplexity(model, windows: torch.Tensor, batch_size: int = 1, progress: bool = True) -> float:
+class Perplexity(float):
+    """A perplexity (a float) that remembers whether its windows started with BOS.
+
+    >>> p = Perplexity(29.44, add_bos=False)
+    >>> p, p.add_bos, f"{p:.1f}"
+    (29.44, False, '29.4')
+    """
+
+    add_bos: bool  # every window began with the BOS token (not itself predicted)
+
+    def __new__(cls, value: float, add_bos: bool = False):
+        self = super().__new__(cls, value)
+        self.add_bos = bool(add_bos)
+        return self
+
+
+def perplexity(
+    model, windows: torch.Tensor, batch_size: int = 1, progress: bool = True
+) -> Perplexity:
     """exp(mean next-token NLL) over all windows (each window predicts its tokens 2..n).
 
-    A random model is about as perplexed as a uniform guess over its 128-token vocabulary:
+    Returns a :class:`Perplexity` (a float) whose ``add_bos`` says whether the windows started
+    with BOS: the windows' own ``add_bos`` attribute (from :func:`token_windows`), else whether
+    every window's first token is the model's ``bos_token_id``. A random model is about as
+    perplexed as a uniform guess over its 128-token vocabulary:
 
     >>> from dejavu_lab.models import random_model
     >>> model = random_model("tiny-llama").model
     >>> windows = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(0))
-    >>> round(perplexity(model, windows, progress=False))
-    132
+    >>> ppl = perplexity(model, windows, progress=False)
+    >>> round(ppl), ppl.add_bos
+    (132, False)
     """
-    return math.exp(window_nll(model, windows, batch_size, progress).mean().item())
+    value = math.exp(window_nll(model, windows, batch_size, progress).mean().item())
+    bos = getattr(windows, "add_bos", None)
+    if bos is None:
+        bos_id = getattr(getattr(model, "config", None), "bos_token_id", None)
+        bos = bos_id is not None and bool((windows[:, 0] == bos_id).all())
+    return Perplexity(value, add_bos=bos)

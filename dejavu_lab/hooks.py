@@ -34,6 +34,11 @@ how :mod:`dejavu_lab.sparsify` applies masks).
 ``resid_post == resid_pre + attn_out + mlp_out`` for pre-LN models; for post-LN OPT (350m) the
 architecture's own norms sit between: ``resid_mid = LN_attn(resid_pre + attn_out)`` and
 ``resid_post = LN_mlp(resid_mid + mlp_out)``.
+
+With sandwich norms (Gemma-3: a norm after each sub-block too) ``hook_attn_out`` and
+``hook_mlp_out`` are the post-norms' outputs — what is added to the residual stream, so the
+identity above holds — and ``attn.hook_result`` is each head's share of ``hook_attn_out``: the
+post-norm is linear once its per-token RMS is fixed, so the heads' results still sum to it.
 """
 
 from __future__ import annotations
@@ -233,9 +238,14 @@ def _call(fns: list[HookFn], t: torch.Tensor, name: str, point: str) -> torch.Te
 
 
 def _attach(model: nn.Module, arch: Arch, i: int, points: dict[str, list[HookFn]]) -> list:
+    arch.check(model, layers=[i])  # a table on a layer it does not describe: refuse
     layer = arch.layer(model, i)
     o_proj = arch.part(model, i, "o")
     mlp_out = arch.part(model, i, "mlp_out")
+    # sandwich norms (Gemma-3): the sub-block outputs added to the residual are these norms'
+    post_attn = arch.part(model, i, "ln_attn_post") if arch.sandwich else None
+    post_mlp = arch.part(model, i, "ln_mlp_post") if arch.sandwich else None
+    stash: dict[str, torch.Tensor] = {}  # z of the current call, for hook_result after a post-norm
     shape: dict[str, torch.Size] = {}  # [b, p, d] of the current call, for OPT's flattened MLP
     name = f"blocks.{i}."
     handles = []
@@ -268,7 +278,9 @@ def _attach(model: nn.Module, arch: Arch, i: int, points: dict[str, list[HookFn]
             if fns := want("attn.hook_z"):
                 new = _call(fns, z, name + "attn.hook_z", "attn.hook_z")
                 z = new if new is not None else z
-            if fns := want("attn.hook_result"):
+            if (fns := want("attn.hook_result")) and post_attn is not None:
+                stash["z"] = z  # the post-norm's scale is known only after W_O (result_fwd)
+            elif fns:
                 w = mod.weight.view(mod.out_features, arch.n_heads, arch.d_head)
                 result = torch.einsum("...hk,ohk->...ho", z, w)
                 _call(fns, result, name + "attn.hook_result", "attn.hook_result")
@@ -278,7 +290,19 @@ def _attach(model: nn.Module, arch: Arch, i: int, points: dict[str, list[HookFn]
 
         handles.append(o_proj.register_forward_pre_hook(o_pre))
 
-    if want("attn.hook_pattern") or want("hook_attn_out"):
+    if post_attn is not None and want("attn.hook_result"):
+
+        def result_fwd(mod, args, output):  # args[0]: W_O's output [b, p, d], before the norm
+            z = stash.pop("z")
+            w = o_proj.weight.view(o_proj.out_features, arch.n_heads, arch.d_head)
+            scale = arch.post_norm_scale(mod, args[0])[..., None, :]  # [b, p, 1, d]
+            result = (torch.einsum("...hk,ohk->...ho", z, w).float() * scale).to(z.dtype)
+            _call(want("attn.hook_result"), result, name + "attn.hook_result", "attn.hook_result")
+
+        handles.append(post_attn.register_forward_hook(result_fwd))
+
+    attn_out_at_attn = want("hook_attn_out") and post_attn is None
+    if want("attn.hook_pattern") or attn_out_at_attn:
 
         def attn_fwd(mod, args, output):
             out, weights = (output[0], output[1]) if isinstance(output, tuple) else (output, None)
@@ -289,13 +313,20 @@ def _attach(model: nn.Module, arch: Arch, i: int, points: dict[str, list[HookFn]
                         "attn_implementation='eager' to observe attn.hook_pattern."
                     )
                 _call(fns, weights, name + "attn.hook_pattern", "attn.hook_pattern")
-            if fns := want("hook_attn_out"):
-                new = _call(fns, out, name + "hook_attn_out", "hook_attn_out")
+            if attn_out_at_attn:
+                new = _call(want("hook_attn_out"), out, name + "hook_attn_out", "hook_attn_out")
                 if new is not None:
                     return (new, *output[1:]) if isinstance(output, tuple) else new
             return None
 
         handles.append(arch.part(model, i, "attn").register_forward_hook(attn_fwd))
+
+    if post_attn is not None and want("hook_attn_out"):
+
+        def post_attn_fwd(mod, args, output):
+            return _call(want("hook_attn_out"), output, name + "hook_attn_out", "hook_attn_out")
+
+        handles.append(post_attn.register_forward_hook(post_attn_fwd))
 
     if want("hook_resid_mid"):
         if arch.pre_ln:  # the input of the MLP's norm is the residual after attention
@@ -336,7 +367,7 @@ def _attach(model: nn.Module, arch: Arch, i: int, points: dict[str, list[HookFn]
             new = _call(want("hook_mlp_out"), unflat(output), name + "hook_mlp_out", "hook_mlp_out")
             return None if new is None else new.reshape(output.shape)
 
-        handles.append(mlp_out.register_forward_hook(mlp_fwd))
+        handles.append((post_mlp or mlp_out).register_forward_hook(mlp_fwd))
 
     if want("hook_resid_post"):
 

