@@ -14,8 +14,8 @@ replay on weights rotated through more than 4x the L2:
 - ``ours``: the fused kernel; ``cats``: CATS with a threshold keeping the same fraction.
 
 Targets (issue 12): at 10% kept the fused MLP within 1.3x of (bytes / copy ceiling) + 3 µs.
-``--tune`` sweeps tilings first (``results/kernel_tuning_fused.json``, read at run time).
-Writes ``results/fused_mlp.json``.
+``--tune`` sweeps tilings first (``results/tuning_fused_mlp.json``, read at run time).
+Writes ``results/sparse_mlp_fused.json``.
 
     PYTHONPATH=. python kernels/bench_fused_mlp.py [--tune] [--quick]
 """
@@ -241,7 +241,7 @@ def tune(command):
                           f" best {best or float('nan'):7.1f} us", flush=True)  # fmt: skip
         del m
         torch.cuda.empty_cache()
-    path = results.save("kernel_tuning_fused", rows, command=command)
+    path = results.save("tuning_fused_mlp", rows, command=command)
     tuning.reload()
     print(f"wrote {path}")
 
@@ -283,7 +283,9 @@ def print_table(rows):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tune", action="store_true", help="sweep tilings first (kernel_tuning)")
+    ap.add_argument(
+        "--tune", action="store_true", help="sweep tilings first (results/tuning_*.json)"
+    )
     ap.add_argument("--quick", action="store_true", help="tiny shapes (plumbing check, CPU)")
     args = ap.parse_args(argv)
     command = "python kernels/bench_fused_mlp.py " + " ".join(argv or sys.argv[1:])
@@ -301,7 +303,7 @@ def main(argv=None):
         tune(command)
     rows = table(ceiling)
     print_table(rows)
-    path = results.save("fused_mlp", rows, command=command, extra={"copy_tbps": ceiling})
+    path = results.save("sparse_mlp_fused", rows, command=command, extra={"copy_tbps": ceiling})
     print(f"wrote {path}")
 
 

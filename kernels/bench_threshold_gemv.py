@@ -9,12 +9,12 @@ set), this times in CUDA-graph replay, on weights rotated through more than 4x t
 - ``dense``: cuBLAS ``x @ w_t`` over every row (ideal sparse time = dense x kept);
 - ``contig``: cuBLAS over the same number of rows stored contiguously (a gather-free layout);
 - ``masked``: our kernel without compaction (TEAL's scheme: masked loads of fixed row tiles);
-- ``ours``: the threshold GEMV (tuned config when ``results/kernel_tuning*.json`` has one).
+- ``ours``: the threshold GEMV (tuned config when ``results/tuning_*.json`` has one).
 
 TEAL's own split-K kernel, measured on this H200 for issue 11 (fp16, batch 1, graph replay,
 11008->4096): 17.7 / 15.4 / 14.8 µs at 50 / 20 / 10% kept against a 25.4 µs dense GEMV.
 ``--tune`` first sweeps candidate tilings for d in {2048, 4096, 5120, 8192, 12288} and records
-them in ``results/kernel_tuning_threshold.json`` (read at run time by
+them in ``results/tuning_threshold_gemv.json`` (read at run time by
 :mod:`dejavu_lab.kernels.tuning`). Writes ``results/threshold_gemv.json``.
 
     PYTHONPATH=. python kernels/bench_threshold_gemv.py [--tune] [--quick]
@@ -179,7 +179,7 @@ def tune(shapes, command):
                       f"best {best or math.nan:7.1f} us = {dense * kept / (best or math.nan):.2f} of ideal", flush=True)  # fmt: skip
         del case
         torch.cuda.empty_cache()
-    path = results.save("kernel_tuning_threshold", rows, command=command)
+    path = results.save("tuning_threshold_gemv", rows, command=command)
     tuning.reload()
     print(f"wrote {path}")
     return rows
@@ -215,7 +215,8 @@ def table(shapes, batches, ceiling):
                 if batch == 1:
                     t["masked"] = graph_us(case.calls(kept, batch, masked=True)[1]["ours"])
                 nb = nbytes(k, d_in, d_out, batch)
-                cfg = tuning.lookup("threshold_gemv", d_in, d_out, kept, batch, case.device)
+                # what the wrapper picks (it cannot know the kept fraction: kept=None)
+                cfg = tuning.lookup("threshold_gemv", d_in, d_out, None, batch, case.device)
                 row = {"shape": name, "d_in": d_in, "d_out": d_out, "kept": kept, "k": k,
                        "batch": batch, "dense_us": dense, "bytes": nb, "config": cfg,
                        **{f"{p}_us": v for p, v in t.items()},
@@ -242,7 +243,9 @@ def print_table(rows):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tune", action="store_true", help="sweep tilings first (kernel_tuning)")
+    ap.add_argument(
+        "--tune", action="store_true", help="sweep tilings first (results/tuning_*.json)"
+    )
     ap.add_argument("--quick", action="store_true", help="tiny shapes (plumbing check, CPU)")
     args = ap.parse_args(argv)
     command = "python kernels/bench_threshold_gemv.py " + " ".join(argv or sys.argv[1:])

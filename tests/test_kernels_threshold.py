@@ -230,7 +230,7 @@ def test_tuning_lookup_reads_recorded_tables(tmp_path, monkeypatch):
                               (0.5, slow, 12.0), (0.2, slow, 9.0), (0.2, fast, 7.0)]
     ]  # fmt: skip
     monkeypatch.setenv(results.ENV_DIR, str(tmp_path))
-    path = results.save("kernel_tuning_test", rows, command="test")
+    path = results.save("tuning_test", rows, command="test")
     gpu = results.provenance("x")["gpu"]
     monkeypatch.setenv(tuning.ENV, str(path))
     tuning.reload()

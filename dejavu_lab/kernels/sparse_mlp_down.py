@@ -220,7 +220,7 @@ def _sm_count(device_index: int) -> int:
 
 def default_config(batch: int, k: int, d: int, device: torch.device,
                    n_rows: int | None = None) -> dict:  # fmt: skip
-    """Tile shapes: tuned for this GPU and shape in results/kernel_tuning*.json (:mod:`.tuning`,
+    """Tile shapes: tuned for this GPU and shape in results/tuning_*.json (:mod:`.tuning`,
     when ``n_rows`` is given), else from the H200 sweeps in results/sparse_mlp_tuning*.json
     (d = 12288), the configs results/sparse_mlp.json was measured with.
 

@@ -201,7 +201,7 @@ def sparse_mlp_up_ref(
 
 def default_config(batch: int, k: int, d: int, device: torch.device | None = None,
                    n_rows: int | None = None) -> dict:  # fmt: skip
-    """Tile shapes: tuned for this GPU and shape in results/kernel_tuning*.json (:mod:`.tuning`,
+    """Tile shapes: tuned for this GPU and shape in results/tuning_*.json (:mod:`.tuning`,
     when ``device`` and ``n_rows`` are given), else from the H200 sweeps in
     results/sparse_mlp_tuning.json (d = 12288); any valid choice computes the same thing,
     these only decide the speed.

@@ -24,7 +24,9 @@ Reduction over the splits, fp32 throughout: ``reduce="serial"`` (default, determ
 fp32 partials and the last program of each column tile to arrive (an arrival counter, as
 CUTLASS's serial split-K) sums them in split order; ``reduce="atomic"`` adds into an fp32
 buffer with atomics and the last program converts it (order-dependent rounding, like TEAL's
-atomic split-K). One split writes the output directly.
+atomic split-K). One split writes the output directly. The atomic mode is opt-in only: on
+the H200 with Triton 3.6 it failed correctness checks with the tensor-core tiles (batch > 1,
+``dot``), see :mod:`.tuning`.
 """
 
 from __future__ import annotations
@@ -298,7 +300,7 @@ def sm_count(device: torch.device) -> int:
 
 def default_config(batch: int, d_in: int, d_out: int, kept: float | None = None, *,
                    device: torch.device | None = None) -> dict:  # fmt: skip
-    """The launch configuration: a tuned one from ``results/kernel_tuning*.json`` when this GPU
+    """The launch configuration: a tuned one from ``results/tuning_*.json`` when this GPU
     and shape were tuned (:mod:`.tuning`), else a heuristic sized to fill the GPU.
 
     ``kept`` is the fraction of rows the caller expects to survive (a hint: the wrapper
@@ -317,13 +319,13 @@ def default_config(batch: int, d_in: int, d_out: int, kept: float | None = None,
     if tuned is not None:
         return tuned
     sms = sm_count(device)
-    if batch == 1:  # H200 sweep (results/kernel_tuning_threshold.json): many short programs
-        cfg = {"BLOCK_R": 32, "BLOCK_D": 128, "num_warps": 4, "programs": 8 * sms,
-               "compact": True, "prefetch": 2}  # fmt: skip
-    else:  # union batches: masked row tiles, x read coalesced, loads pipelined for tl.dot
-        cfg = {"BLOCK_R": 64, "BLOCK_D": 128, "num_warps": 4, "num_stages": 4,
-               "programs": 2 * sms, "compact": False, "prefetch": 1}  # fmt: skip
-    cfg.update(reduce="serial")
+    # the configs the H200 sweep (results/tuning_threshold_gemv.json) picks over every
+    # tuned kept fraction at the Llama shapes: many short programs, compacted rows
+    if batch == 1:
+        cfg = {"BLOCK_R": 32, "BLOCK_D": 128, "num_warps": 4, "programs": 4 * sms}
+    else:
+        cfg = {"BLOCK_R": 32, "BLOCK_D": 128, "num_warps": 4, "num_stages": 3, "programs": sms}
+    cfg.update(reduce="serial", compact=True, prefetch=1)
     return cfg
 
 

@@ -2,14 +2,15 @@
 
 ``kernels/bench_threshold_gemv.py --tune`` and ``kernels/bench_fused_mlp.py --tune`` time a few
 candidate tilings per (op, shape, kept fraction, batch) — d in {2048, 4096, 5120, 8192, 12288}
-— and record every timing in ``results/kernel_tuning*.json`` with the usual provenance
+— and record every timing in ``results/tuning_*.json`` with the usual provenance
 (:mod:`dejavu_lab.results`). At run time :func:`lookup` returns the fastest recorded config
 for the nearest tuned point *on the same GPU model*; anything else (another GPU, an untuned
 shape, the CPU interpreter) gets ``None`` and the kernel's own heuristic. Any valid config
 computes the same function: tuning only decides the speed.
 
-``DEJAVU_LAB_TUNING=off`` disables the tables; ``DEJAVU_LAB_TUNING=/path/a.json:/path/b.json``
-reads those files instead of ``results/kernel_tuning*.json``.
+Configs that reduce with atomics are skipped (see ``_safe``). ``DEJAVU_LAB_TUNING=off``
+disables the tables; ``DEJAVU_LAB_TUNING=/path/a.json:/path/b.json``
+reads those files instead of ``results/tuning_*.json``.
 """
 
 from __future__ import annotations
@@ -25,13 +26,14 @@ import torch
 __all__ = ["best_table", "lookup", "reload", "tuning_files"]
 
 ENV = "DEJAVU_LAB_TUNING"
+ENV_ATOMIC = "DEJAVU_LAB_TUNING_ATOMIC"  # "1": also use recorded configs that reduce by atomics
 MAX_SHAPE_DISTANCE = 0.75  # |log d_in ratio| + |log d_out ratio| to borrow a nearby shape's config
 
 
 def tuning_files() -> list[Path]:
-    """The tuning tables read at run time (``results/kernel_tuning*.json`` unless overridden).
+    """The tuning tables read at run time (``results/tuning_*.json`` unless overridden).
 
-    >>> all(p.name.startswith("kernel_tuning") for p in tuning_files())
+    >>> all(p.name.startswith("tuning_") for p in tuning_files())
     True
     """
     env = os.environ.get(ENV, "")
@@ -41,7 +43,17 @@ def tuning_files() -> list[Path]:
         return [Path(p).expanduser() for p in env.split(os.pathsep) if p]
     from ..results import results_dir
 
-    return sorted(results_dir().glob("kernel_tuning*.json"))
+    return sorted(results_dir().glob("tuning_*.json"))
+
+
+def _safe(cfg: dict) -> bool:
+    """Atomic-reduction configs are never chosen at run time: on the H200 with Triton 3.6 they
+    failed the benchmarks' correctness checks at some shapes and layouts (the tensor-core
+    tiles of every kernel, all the fused MLP's one-launch tiles), while the serial and
+    two-launch reductions passed everywhere (``results/tuning_*.json`` keeps only
+    configs that passed their check at that point; ``DEJAVU_LAB_TUNING_ATOMIC=1`` allows them).
+    """
+    return cfg.get("reduce") != "atomic" and cfg.get("mode") != "atomic"
 
 
 def reload() -> None:
@@ -71,7 +83,7 @@ def _tables(key: str) -> dict:
                 us, cfg = float(r["us"]), dict(r["config"])
             except (KeyError, TypeError, ValueError):
                 continue
-            if math.isfinite(us):
+            if math.isfinite(us) and (_safe(cfg) or os.environ.get(ENV_ATOMIC) == "1"):
                 table.setdefault(k, []).append((us, cfg))
     return found
 
