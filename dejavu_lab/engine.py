@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .checks import engine as check_engine
 from .engine_sets import KeptSets
 from .engine_weights import DecoderWeights, EngineError, decoder_weights
 from .kernels import (
@@ -69,6 +70,7 @@ class SparseConfig:
     def __post_init__(self):
         budgets(self.mlp_sparsity, 1, "mlp_sparsity")
         budgets(self.head_sparsity, 1, "head_sparsity")
+        check_engine.size(self.kv_window, "kv_window", maximum=32, hint="tokens; 0 = no deferral")
         if not 0 <= self.kv_window <= 32:
             raise EngineError(f"kv_window={self.kv_window} must lie in [0, 32] tokens.")
 
@@ -124,6 +126,7 @@ class Decoder(KeptSets):
             )
         if predictors is not None and sparse is None:
             raise EngineError("predictors were given without a SparseConfig; pass sparse=...")
+        max_seq_len = check_engine.size(max_seq_len, "max_seq_len", minimum=2)  # whole tokens
         if max_seq_len > self.w.max_positions:
             raise EngineError(
                 f"max_seq_len={max_seq_len} exceeds the model's {self.w.max_positions} positions."
@@ -322,6 +325,7 @@ class Decoder(KeptSets):
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
         """Dense forward over the prompt ids [1, S] (or [S]); fills the cache; logits [1, V]."""
+        ids = check_engine.prompt(ids, vocab=self.w.embed.shape[0])  # a batch is not flattened
         ids = ids.reshape(-1).to(self.w.device)
         S = ids.numel()
         if S < 1 or S >= self.max_seq_len:
@@ -376,7 +380,7 @@ class Decoder(KeptSets):
             raise EngineError("call prefill(prompt_ids) before step().")
         self._before_step()
         if token is not None:
-            self.tok_t.fill_(int(token))
+            self.tok_t.fill_(check_engine.size(token, "token", maximum=self.w.embed.shape[0] - 1))
         self.pos_t.fill_(self.pos)
         logits = self._replay() if self.graph is not None else self._step_body()
         self.pos += 1
@@ -411,6 +415,7 @@ class Decoder(KeptSets):
     @torch.no_grad()
     def decode(self, n: int) -> None:
         """``n`` greedy steps with no host synchronisation (graph replays when captured)."""
+        n = check_engine.size(n, "n")  # whole steps, >= 0
         if self.pos + n > self.max_seq_len:
             raise EngineError(
                 f"{n} more tokens would pass the cache's {self.max_seq_len}; build a larger one."
@@ -426,6 +431,8 @@ class Decoder(KeptSets):
     @torch.no_grad()
     def generate(self, ids: torch.Tensor, max_new_tokens: int, *, graph: bool | None = None):
         """Greedy continuation of ids [1, S]: [1, S + max_new_tokens] (like HF ``generate``)."""
+        ids = check_engine.prompt(ids, vocab=self.w.embed.shape[0])  # [1, S], ints in the vocab
+        max_new_tokens = check_engine.size(max_new_tokens, "max_new_tokens", minimum=1)
         S = ids.reshape(-1).numel()
         if S + max_new_tokens > self.max_seq_len:
             raise EngineError(
