@@ -15,6 +15,7 @@ line ``dejavu-lab: error: ...`` with exit status 2.
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 import time
 from pathlib import Path
@@ -56,6 +57,33 @@ def _budget(what: str, per_layer: bool = True):
     return parse
 
 
+def _count(minimum: int, what: str = ""):
+    """An argparse ``type=`` for a whole number >= ``minimum`` (``--epochs 0`` fails here)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected a whole number >= {minimum}{what}, got {text!r}."
+            ) from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}{what}, got {value}.")
+        return value
+
+    return parse
+
+
+def _corpus(text: str) -> str:
+    from .corpus import CORPORA
+
+    if text not in CORPORA:
+        raise argparse.ArgumentTypeError(
+            f"unknown corpus {text!r}; choose one of {', '.join(CORPORA)}."
+        )
+    return text
+
+
 def _layers(text: str) -> list[int]:
     try:
         return [int(p) for p in text.split(",") if p.strip()]
@@ -68,8 +96,8 @@ def _layers(text: str) -> list[int]:
 def _common(p: argparse.ArgumentParser, corpus: bool = True) -> None:
     p.add_argument("--model", default="demo", help="'demo', a Hugging Face id or a local folder")
     if corpus:
-        p.add_argument("--corpus", default="demo", help="demo, wikitext-2 or c4")
-        p.add_argument("--window", type=int, default=512, help="tokens per window")
+        p.add_argument("--corpus", type=_corpus, default="demo", help="demo, wikitext-2 or c4")
+        p.add_argument("--window", type=_count(2, " tokens"), default=512, help="tokens per window")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
 
@@ -99,16 +127,20 @@ def parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("perplexity", help="perplexity on a corpus, dense or sparsified")
     _common(p)
-    p.add_argument("--max-windows", type=int, default=None, help="cap on windows evaluated")
-    p.add_argument("--skip-windows", type=int, default=0, help="start after this many windows")
+    p.add_argument("--max-windows", type=_count(1), default=None, help="cap on windows evaluated")
+    p.add_argument(
+        "--skip-windows", type=_count(0), default=0, help="start after this many windows"
+    )
     _sparsity_args(p)
     p.add_argument("--mode", choices=["oracle", "static", "predicted"], default="oracle")
     p.add_argument("--predictors", type=Path, help="predictor file (--mode predicted)")
-    p.add_argument("--static-windows", type=int, default=4, help="calibration windows (static)")
+    p.add_argument(
+        "--static-windows", type=_count(1), default=4, help="calibration windows (static)"
+    )
 
     p = sub.add_parser("collect", help="stream per-layer predictor training data to disk")
     _common(p)
-    p.add_argument("--max-tokens", type=int, default=8192, help="cap on collected tokens")
+    p.add_argument("--max-tokens", type=_count(2), default=8192, help="cap on collected tokens")
     p.add_argument(
         "--mlp-label-sparsity",
         type=_budget("mlp_label_sparsity", per_layer=False),
@@ -120,11 +152,11 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train-predictors", help="train DejaVu predictors (collects if needed)")
     _common(p)
     p.add_argument("--collection", type=Path, help="a folder from `collect` (default: cached)")
-    p.add_argument("--max-tokens", type=int, default=8192, help="tokens to collect if needed")
+    p.add_argument("--max-tokens", type=_count(2), default=8192, help="tokens to collect if needed")
     p.add_argument("--mode", choices=["same", "lookahead", "both"], default="both")
-    p.add_argument("--mlp-rank", type=int, default=64)
-    p.add_argument("--head-rank", type=int, default=32)
-    p.add_argument("--epochs", type=int, default=8)
+    p.add_argument("--mlp-rank", type=_count(1), default=64)
+    p.add_argument("--head-rank", type=_count(1), default=32)
+    p.add_argument("--epochs", type=_count(1), default=8)
     p.add_argument("--out", type=Path, default=None, help="file (one mode) or folder")
 
     p = sub.add_parser("eval", help="per-layer recall/precision/mass of trained predictors")
@@ -132,8 +164,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--predictors", type=Path, nargs="+", required=True)
     p.add_argument("--mlp-sparsity", type=_budget("mlp_sparsity", per_layer=False), default=0.5)
     p.add_argument("--head-sparsity", type=_budget("head_sparsity", per_layer=False), default=0.3)
-    p.add_argument("--windows", type=int, default=2, help="held-out windows to evaluate on")
-    p.add_argument("--skip-windows", type=int, default=16, help="skip the training windows")
+    p.add_argument("--windows", type=_count(1), default=2, help="held-out windows to evaluate on")
+    p.add_argument("--skip-windows", type=_count(0), default=16, help="skip the training windows")
     p.add_argument("--per-layer", action="store_true", help="print every layer's row")
     return ap
 
@@ -240,9 +272,7 @@ def cmd_train(args) -> None:
     cfg_c = CollectConfig(corpus=args.corpus, window=args.window, max_tokens=args.max_tokens)
     t0 = time.perf_counter()
     if args.collection is not None:
-        col = open_collection(args.collection)
-        if col.manifest["fingerprint"]["weights_sha256"] != _fp(model, arch)["weights_sha256"]:
-            raise ValueError(f"{args.collection} was collected from another model.")
+        col = open_collection(args.collection, model, arch)  # from this model, or one sentence
     else:
         col = collect(model, tok, cfg_c, arch=arch, progress=not args.no_progress)
     t1 = time.perf_counter()
@@ -253,7 +283,7 @@ def cmd_train(args) -> None:
         )
         pred = train_predictors(col, cfg, progress=not args.no_progress)
         if args.out is None:
-            path = default_path(col.manifest["fingerprint"], cfg_c, cfg)
+            path = default_path(col.manifest["fingerprint"], col, cfg)  # keyed by what trained
         elif len(modes) == 1 and args.out.suffix == ".safetensors":
             path = args.out
         else:
@@ -271,12 +301,6 @@ def cmd_train(args) -> None:
         f"collection {t1 - t0:.0f} s, training {time.perf_counter() - t1:.0f} s",
         file=sys.stderr,
     )
-
-
-def _fp(model, arch):
-    from .collect import fingerprint
-
-    return fingerprint(model, arch)
 
 
 def cmd_eval(args) -> None:
@@ -326,7 +350,10 @@ COMMANDS = {
 def main(argv: list[str] | None = None) -> int:
     """Run ``dejavu-lab`` with ``argv`` (default: the command line); return the exit status.
 
-    A bad budget fails while parsing, before any model loads: one line on stderr, status 2.
+    A bad budget or count fails while parsing, before any model loads, and every other bad
+    input (a model, a file, a collection, a full or read-only disk) where it is found: one line
+    ``dejavu-lab: error: ...`` on stderr and status 2, never a traceback. Ctrl-C is one line
+    and status 130 (an interrupted ``collect`` resumes when rerun).
 
     >>> import contextlib, sys
     >>> with contextlib.redirect_stderr(sys.stdout):
@@ -341,17 +368,36 @@ def main(argv: list[str] | None = None) -> int:
     from transformers.utils import logging as hf_logging
 
     from .assets import AssetError
+    from .results import ResultsError
 
     if args.no_progress:
         hf_logging.disable_progress_bar()
 
     try:
         COMMANDS[args.command](args)
-    except (ValueError, OSError, AssetError) as e:  # our errors are one sentence
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        print(f"dejavu-lab: error: {msg}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("dejavu-lab: interrupted; rerun the same command to resume.", file=sys.stderr)
+        return 130
+    except (ValueError, OSError, KeyError, AssetError, ResultsError) as e:  # one sentence each
+        print(f"dejavu-lab: error: {_one_line(e)}", file=sys.stderr)
         return 2
     return 0
+
+
+def _one_line(e: BaseException) -> str:
+    """The message of ``e`` on one line; a bare OSError from a library gets its path and a hint."""
+    if isinstance(e, KeyError) and e.args:
+        return str(e.args[0]).splitlines()[0]
+    if type(e) in (OSError, PermissionError, FileNotFoundError, IsADirectoryError) and e.errno:
+        where = f" ({e.filename})" if e.filename else ""
+        full = e.errno == errno.ENOSPC
+        return f"{e.strerror}{where}; " + (
+            "free space there or write somewhere else."
+            if full
+            else "check the path and its permissions."
+        )
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 if __name__ == "__main__":
