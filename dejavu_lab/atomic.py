@@ -102,16 +102,19 @@ def make_dirs(path: str | os.PathLike, *, hint: str = DEFAULT_HINT) -> Path:
     path = Path(path)
     try:
         path.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        raise WriteError(f"{path} exists and is not a folder; remove it or {hint}.") from None
     except OSError as e:
-        raise WriteError(WriteError.explain(e, _existing_parent(path), hint)) from None
+        there = _existing_parent(path)
+        if e.errno in (errno.EEXIST, errno.ENOTDIR) and not there.is_dir():
+            raise WriteError(f"{there} exists and is not a folder; remove it or {hint}.") from None
+        raise WriteError(WriteError.explain(e, there, hint)) from None
     return path
 
 
 def _existing_parent(path: Path) -> Path:
-    while not path.exists() and path.parent != path:
-        path = path.parent
+    """The deepest of ``path`` and its parents that exists (a folder, or a file in the way)."""
+    for p in [path, *path.parents]:
+        if p.exists():
+            return p
     return path
 
 
