@@ -69,7 +69,7 @@ class CollectionError(ValueError):
     >>> CollectConfig(window=512, max_tokens=100)
     Traceback (most recent call last):
     ...
-    dejavu_lab.collect.CollectionError: max_tokens must be at least 512 (a whole number), got 100; need max_tokens >= window ...
+    dejavu_lab.collect.CollectionError: max_tokens must be at least 512 (a whole number), got 100; pass e.g. max_tokens=512 ...
     """
 
 
@@ -289,7 +289,10 @@ def collect(
     tensor([96, 96, 96, 96])
     """
     if not isinstance(config, CollectConfig):
-        raise CollectionError(f"config must be a CollectConfig, got a {type(config).__name__}.")
+        raise CollectionError(
+            f"config must be a CollectConfig, got a {type(config).__name__}; pass "
+            "CollectConfig(...) (a dict d: CollectConfig(**d))."
+        )
     arch = arch or get_arch(model)
     fp = fingerprint(model, arch)
     n_windows = config.skip_windows + config.max_tokens // config.window
@@ -301,7 +304,10 @@ def collect(
         )
     if windows is None:
         if tokenizer is None:
-            raise CollectionError("collect needs a tokenizer (with the corpus) or windows=.")
+            raise CollectionError(
+                "collect reads the corpus with the model's tokenizer; pass the tokenizer, or "
+                "token windows [n, window] as windows=."
+            )
         windows = token_windows(tokenizer, load_text(config.corpus), config.window, n_windows)
         windows, given = check_tokens.windows(windows, model), False
     else:

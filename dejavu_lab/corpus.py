@@ -94,7 +94,7 @@ def token_windows(
     window = check_scalars.integer(window, "window", minimum=2, error=CorpusError, hint="e.g. 512")
     if max_windows is not None:
         max_windows = check_scalars.integer(
-            max_windows, "max_windows", minimum=1, error=CorpusError, hint="or None for all"
+            max_windows, "max_windows", minimum=1, error=CorpusError, hint="None takes every window"
         )
     ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
     n = ids.numel() // window

@@ -91,12 +91,7 @@ def _select(arch: Arch, names) -> list[str]:
         names = [names]
     out: list[str] = []
     for pat in names:
-        hits = fnmatch.filter(every, pat)
-        if not hits:
-            raise KeyError(
-                f"No hook point matches {pat!r}; names look like 'blocks.0.mlp.hook_post' "
-                f"(layers 0..{arch.n_layers - 1}, points: {', '.join(HOOK_POINTS)})."
-            )
+        hits = check_hooks.matched(fnmatch.filter(every, pat), pat, arch)
         out += [h for h in hits if h not in out]
     return check_hooks.matched(out, names, arch)
 

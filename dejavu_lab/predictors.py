@@ -69,7 +69,7 @@ class PredictorError(ValueError):
     >>> PredictorConfig(mode="magic")
     Traceback (most recent call last):
     ...
-    dejavu_lab.predictors.PredictorError: mode must be 'same' or 'lookahead', got 'magic'.
+    dejavu_lab.predictors.PredictorError: mode must be 'same' or 'lookahead', got 'magic'; ...
     """
 
 
@@ -97,7 +97,10 @@ class PredictorConfig:
 
     def __post_init__(self):
         if self.mode not in MODES:
-            raise PredictorError(f"mode must be 'same' or 'lookahead', got {self.mode!r}.")
+            raise PredictorError(
+                f"mode must be 'same' or 'lookahead', got {self.mode!r}; pass one of them "
+                "(lookahead predicts from the previous layer, so it can run ahead)."
+            )
         check_configs.predictor_config(self)
 
     def key(self) -> str:
@@ -333,7 +336,10 @@ def train_predictors(
             f"folder, got a {type(collection).__name__}."
         )
     if not isinstance(config, PredictorConfig):
-        raise PredictorError(f"config must be a PredictorConfig, got a {type(config).__name__}.")
+        raise PredictorError(
+            f"config must be a PredictorConfig, got a {type(config).__name__}; pass "
+            "PredictorConfig(...) (a dict d: PredictorConfig(**d))."
+        )
     fp = collection.manifest["fingerprint"]
     threads = torch.get_num_threads()
     # these networks are small: one thread avoids OpenMP barrier stalls on busy machines
@@ -428,8 +434,8 @@ def evaluate(
     for p in preds:
         if not isinstance(p, Predictors):
             raise PredictorError(
-                f"predictors must be Predictors (from load_predictors or train_predictors), "
-                f"got a {type(p).__name__}."
+                f"predictors must be Predictors, got a {type(p).__name__}; load a file with "
+                "load_predictors(path) or train them with train_predictors(collection)."
             )
         p.check_model(model, arch)
     ms = budgets(mlp_sparsity, 1, "mlp_sparsity")[0]

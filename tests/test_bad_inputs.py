@@ -160,7 +160,7 @@ def demo_tokenizer(demo):
 def test_unknown_hook_name(tiny):
     with pytest.raises(KeyError) as e:
         run_with_cache(tiny.model, torch.tensor([[1, 2]]), names="blocks.0.mlp.hook_pre")
-    assert "names look like" in one_sentence(e.value)
+    assert "use names like" in one_sentence(e.value)
 
 
 def test_writing_a_read_only_hook(tiny):

@@ -25,7 +25,7 @@ CLI prints as one ``dejavu-lab: error: …`` line with exit status 2.
 >>> scalars.integer(8.5, "window", minimum=2)
 Traceback (most recent call last):
 ...
-dejavu_lab.checks.InputError: window must be at least 2 (a whole number), got 8.5.
+dejavu_lab.checks.InputError: window must be at least 2 (a whole number), got 8.5; pass e.g. window=8.
 """
 
 from __future__ import annotations

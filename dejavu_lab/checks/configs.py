@@ -22,26 +22,29 @@ def predictor_config(cfg) -> None:
     dejavu_lab.predictors.PredictorError: mlp_rank must be at least 1 (a whole number), got 0; ...
     """
     from ..predictors import PredictorError
-    from ..sparsify import budgets
 
     e = PredictorError
-    rank = "the predictor's inner width r (DejaVu: 1000 at d = 12288; 64 is a good start)"
+    rank = "the predictor's inner width r; DejaVu used 1000 at d = 12288"
     integer(cfg.mlp_rank, "mlp_rank", minimum=1, error=e, hint=rank)
     integer(cfg.head_rank, "head_rank", minimum=1, error=e, hint=rank)
     integer(cfg.epochs, "epochs", minimum=1, error=e, hint="train for at least one epoch")
-    integer(cfg.patience, "patience", minimum=1, error=e, hint="stop after 1 or more bad epochs")
-    integer(cfg.batch_size, "batch_size", minimum=1, error=e, hint="e.g. 512 tokens per step")
+    integer(cfg.patience, "patience", minimum=1, error=e, hint="epochs without progress")
+    integer(cfg.batch_size, "batch_size", minimum=1, error=e, hint="tokens per step; 512 is usual")
     integer(cfg.seed, "seed", error=e)
-    positive(cfg.lr, "lr", error=e, hint="Adam's learning rate, e.g. 3e-3")
-    positive(cfg.max_pos_weight, "max_pos_weight", error=e, hint="e.g. 50")
-    fraction(
-        cfg.val_fraction, "val_fraction", error=e, hint="hold out a share of the tokens, e.g. 0.1"
-    )
+    positive(cfg.lr, "lr", example=3e-3, error=e, hint="Adam's learning rate")
+    positive(cfg.max_pos_weight, "max_pos_weight", example=50, error=e)
+    fraction(cfg.val_fraction, "val_fraction", example=0.1, error=e, hint="the share held out")
     for what in ("mlp_sparsity", "head_sparsity"):
-        try:
-            budgets(getattr(cfg, what), 1, what)
-        except ValueError as err:
-            raise e(str(err)) from None
+        _budget(cfg, what, e)
+
+
+def _budget(cfg, what: str, error) -> None:
+    from ..sparsify import budgets
+
+    try:
+        budgets(getattr(cfg, what), 1, what)
+    except ValueError as err:
+        raise error(f"{str(err).rstrip('.')}; pass e.g. {what}=0.5.") from None
 
 
 def collect_config(cfg) -> None:
@@ -55,22 +58,18 @@ def collect_config(cfg) -> None:
     """
     from ..collect import CollectionError
     from ..corpus import CORPORA
-    from ..sparsify import budgets
 
     e = CollectionError
     if not isinstance(cfg.corpus, str) or cfg.corpus not in CORPORA:
-        raise e(f"corpus must be one of {', '.join(CORPORA)}, got {cfg.corpus!r}.")
-    window = integer(cfg.window, "window", minimum=2, error=e, hint="tokens per window, e.g. 512")
+        raise e(f"Unknown corpus {cfg.corpus!r}; choose one of {', '.join(CORPORA)}.")
+    window = integer(cfg.window, "window", minimum=2, error=e, hint="tokens per window")
     integer(
         cfg.max_tokens,
         "max_tokens",
         minimum=window,
         error=e,
-        hint="need max_tokens >= window (at least one whole window)",
+        hint="need max_tokens >= window: at least one whole window",
     )
     integer(cfg.chunk_windows, "chunk_windows", minimum=1, error=e, hint="windows per chunk file")
     integer(cfg.skip_windows, "skip_windows", minimum=0, error=e, hint="0 starts at the beginning")
-    try:
-        budgets(cfg.mlp_label_sparsity, 1, "mlp_label_sparsity")
-    except ValueError as err:
-        raise e(str(err)) from None
+    _budget(cfg, "mlp_label_sparsity", e)

@@ -28,7 +28,7 @@ def size(value, name: str, *, minimum: int = 0, maximum: int | None = None, hint
     >>> size(2.5, "kv_window", maximum=32)
     Traceback (most recent call last):
     ...
-    dejavu_lab.engine_weights.EngineError: kv_window must be a whole number in [0, 32], got 2.5.
+    dejavu_lab.engine_weights.EngineError: kv_window must be a whole number in [0, 32], got 2.5; pass e.g. ...
     """
     return integer(value, name, minimum=minimum, maximum=maximum, error=_engine_error(), hint=hint)
 

@@ -86,7 +86,7 @@ def name_spec(names):
     >>> name_spec(["blocks.0.*", 3])
     Traceback (most recent call last):
     ...
-    KeyError: "Hook names must be strings or globs such as 'blocks.0.mlp.hook_post', got 3."
+    KeyError: "Hook names must be strings or globs such as 'blocks.0.mlp.hook_post', got 3; ..."
     """
     if names is None or callable(names) or isinstance(names, str):
         return names
@@ -97,7 +97,8 @@ def name_spec(names):
     for n in items:
         if not isinstance(n, str):
             raise KeyError(
-                f"Hook names must be strings or globs such as 'blocks.0.mlp.hook_post', got {n!r}."
+                f"Hook names must be strings or globs such as 'blocks.0.mlp.hook_post', got {n!r}; "
+                "pass such names, a list of them or a predicate on them."
             )
     return items
 
@@ -109,7 +110,7 @@ def matched(selected: list[str], names, arch) -> list[str]:
     >>> matched([], lambda n: "mlp_in" in n, random_model("tiny-opt").arch)
     Traceback (most recent call last):
     ...
-    KeyError: "No hook point matches the predicate <lambda>; names look like 'blocks.0.mlp..."
+    KeyError: "No hook point matches the predicate <lambda>; use names like 'blocks.0.mlp..."
     """
     if selected:
         return selected
@@ -117,6 +118,6 @@ def matched(selected: list[str], names, arch) -> list[str]:
 
     what = "the predicate " + getattr(names, "__name__", "") if callable(names) else repr(names)
     raise KeyError(
-        f"No hook point matches {what}; names look like 'blocks.0.mlp.hook_post' "
+        f"No hook point matches {what}; use names like 'blocks.0.mlp.hook_post' "
         f"(layers 0..{arch.n_layers - 1}, points: {', '.join(HOOK_POINTS)})."
     )

@@ -47,14 +47,14 @@ def model_spec(spec) -> str:
     >>> model_spec(None)
     Traceback (most recent call last):
     ...
-    dejavu_lab.models.ModelNotFoundError: Model spec must be 'demo', a Hugging Face id, a local ...
+    dejavu_lab.models.ModelNotFoundError: Model spec must be a non-empty string or path, got None; ...
     """
     if isinstance(spec, os.PathLike):
         spec = os.fspath(spec)
     if not isinstance(spec, str) or not spec.strip():
         raise _error(
-            "Model spec must be 'demo', a Hugging Face id, a local folder or "
-            f"'random:<preset>' (a non-empty string or path), got {spec!r}."
+            f"Model spec must be a non-empty string or path, got {spec!r}; pass 'demo', a "
+            "Hugging Face id, a local folder or 'random:<preset>'."
         )
     return spec
 

@@ -80,16 +80,16 @@ def token_ids(
             f"{what} must be 2-D [batch, pos], got shape {tuple(ids.shape)}"
             + (f"; {fix}." if fix else "; reshape it to [batch, pos].")
         )
-    if ids.shape[0] == 0 or ids.shape[1] < min_len:
+    if ids.shape[0] == 0:
         raise _error(
-            f"{what} must be a non-empty [n, {min_len}+ tokens] tensor, got shape "
-            f"{tuple(ids.shape)}"
-            + (
-                "; a one-token window predicts nothing (its perplexity is NaN)"
-                if min_len == 2
-                else ""
-            )
-            + "."
+            f"{what} must be a non-empty [n, window] tensor, got shape {tuple(ids.shape)}; pass at "
+            "least one sequence (is the text shorter than one window?)."
+        )
+    if ids.shape[1] < min_len:
+        raise _error(
+            f"{what} are {ids.shape[1]} token(s) long, got shape {tuple(ids.shape)}; a one-token "
+            "window predicts nothing (its perplexity is NaN): cut windows of 2 or more tokens "
+            "with token_windows(tokenizer, text, window)."
         )
     m_vocab, m_pos = model_limits(model)
     vocab, max_positions = vocab or m_vocab, max_positions or m_pos
@@ -116,7 +116,7 @@ def windows(windows, model=None, *, min_len: int = 2, what: str = "windows") -> 
     >>> windows(torch.tensor([[5], [6]]))  # one token per window: perplexity would be NaN
     Traceback (most recent call last):
     ...
-    dejavu_lab.corpus.CorpusError: windows must be a non-empty [n, 2+ tokens] tensor, got shape (2, 1); ...
+    dejavu_lab.corpus.CorpusError: windows are 1 token(s) long, got shape (2, 1); a one-token window ...
     """
     return token_ids(
         windows,
