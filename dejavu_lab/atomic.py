@@ -266,9 +266,10 @@ def locked(
 ) -> Iterator[None]:
     """Hold an exclusive lock on ``path`` (a folder, or a lock file created if missing).
 
-    A second process waits, saying once on stderr that ``"Another process is {what}"``, until
-    the first releases it (or dies: ``flock`` locks die with their process). With ``timeout``
-    seconds (default ``$DEJAVU_LAB_LOCK_TIMEOUT``, else forever) it raises :class:`BusyError`.
+    A second process waits until the first releases it (or dies: ``flock`` locks die with their
+    process), saying once on stderr, after half a second, that another process is ``what``.
+    With ``timeout`` seconds (default ``$DEJAVU_LAB_LOCK_TIMEOUT``, else forever) it raises
+    :class:`BusyError` instead.
 
     >>> import tempfile
     >>> folder = tempfile.mkdtemp()
@@ -311,7 +312,7 @@ def _acquire(fd: int, path: Path, what: str, timeout: float | None) -> None:
                 f"Another process is {what} ({path}); wait for it to finish, stop it, "
                 "or write somewhere else."
             )
-        if not told:
+        if not told and waited >= 0.5:  # a short wait (or a quick timeout) stays quiet
             print(
                 f"dejavu_lab: another process is {what} ({path}); waiting for it to finish "
                 "(Ctrl-C to stop).",

@@ -27,6 +27,8 @@ class _Parser(argparse.ArgumentParser):
     """An argument error is one line ``dejavu-lab: error: ...`` and exit status 2, as any other."""
 
     def error(self, message: str):
+        if not message.endswith("."):  # argparse's own words: say where the usage is
+            message += f"; run `{self.prog} --help` for the options."
         self.exit(2, f"dejavu-lab: error: {message}\n")
 
 
@@ -45,13 +47,15 @@ def _budget(what: str, per_layer: bool = True):
             values = []
         if not values:
             extra = " or a comma-separated list" if per_layer else ""
-            raise argparse.ArgumentTypeError(f"expected a number in [0, 1){extra}, got {text!r}.")
+            raise argparse.ArgumentTypeError(
+                f"expected a number in [0, 1){extra}, got {text!r}; pass e.g. 0.5."
+            )
         from .sparsify import budgets
 
         try:
             budgets(values, len(values), what)  # each in [0, 1), one sentence if not
         except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
+            raise argparse.ArgumentTypeError(f"{str(e).rstrip('.')}; pass e.g. 0.5.") from None
         return values[0] if len(values) == 1 else values
 
     return parse
@@ -65,10 +69,12 @@ def _count(minimum: int, what: str = ""):
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(
-                f"expected a whole number >= {minimum}{what}, got {text!r}."
+                f"expected a whole number >= {minimum}{what}, got {text!r}; pass e.g. {minimum}."
             ) from None
         if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}{what}, got {value}.")
+            raise argparse.ArgumentTypeError(
+                f"must be at least {minimum}{what}, got {value}; pass {minimum} or more."
+            )
         return value
 
     return parse
@@ -89,7 +95,7 @@ def _layers(text: str) -> list[int]:
         return [int(p) for p in text.split(",") if p.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"expected comma-separated layer indices, got {text!r}"
+            f"expected comma-separated layer indices, got {text!r}; pass e.g. 0,1."
         ) from None
 
 
