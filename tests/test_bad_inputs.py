@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _audit import log
 from transformers import GPT2Config
 
 from dejavu_lab import results
@@ -34,6 +35,7 @@ def one_sentence(exc: BaseException) -> str:
     msg = str(exc).strip("'\"")
     assert msg and "\n" not in msg and "Traceback" not in msg, msg
     assert len(msg) < 400, msg
+    log(type(exc).__name__, msg)
     return msg
 
 
