@@ -91,7 +91,9 @@ def token_windows(
     torch.Size([147, 512])
     """
     text = check_tokens.text(text, tokenizer)
-    window = check_scalars.integer(window, "window", minimum=2, error=CorpusError, hint="e.g. 512")
+    window = check_scalars.integer(
+        window, "window", minimum=2, error=CorpusError, hint="tokens per window"
+    )
     if max_windows is not None:
         max_windows = check_scalars.integer(
             max_windows, "max_windows", minimum=1, error=CorpusError, hint="None takes every window"

@@ -220,6 +220,10 @@ def load_predictors(path: str | os.PathLike, model=None, arch: Arch | None = Non
         raise PredictorError(
             f"No predictor file at {path}; train with `dejavu-lab train-predictors`."
         )
+    if path.is_dir():
+        raise PredictorError(
+            f"{path} is a folder; pass one of its predictor files (*.safetensors) instead."
+        )
     try:
         from safetensors import safe_open
 
@@ -332,8 +336,9 @@ def train_predictors(
         collection = open_collection(collection)
     if not isinstance(collection, Collection):
         raise PredictorError(
-            f"train_predictors needs a Collection (from collect or open_collection) or its "
-            f"folder, got a {type(collection).__name__}."
+            f"train_predictors needs a Collection or its folder, got a "
+            f"{type(collection).__name__}; pass what collect(...) or open_collection(path) "
+            "returns, or the folder's path."
         )
     if not isinstance(config, PredictorConfig):
         raise PredictorError(

@@ -18,8 +18,8 @@ import pytest
 # a message says what to do: it names an action (or shows the value to use, "e.g. ...")
 ACTION = re.compile(
     r"\b(use|pass|run|train|collect|delete|set|make|free|load|copy|wrap|return|choose|tokenize|"
-    r"lower|save|rerun|join|reshape|build|install|check|remove|keep|hold|write|connect|wait|"
-    r"stop|add|skip|decode|give|start|stay|cut|collecting|training|tokenizing)\b|e\.g\.",
+    r"lower|save|rerun|join|reshape|build|install|check|remove|write|connect|wait|stop|add|"
+    r"skip|decode|give|cut|re-run|cast|move)\b|e\.g\.",
     re.IGNORECASE,
 )
 

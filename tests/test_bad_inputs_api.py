@@ -710,7 +710,7 @@ FILES = [
         "predictor-path-is-a-folder",
         lambda w: lambda: load_predictors(w.root),
         PredictorError,
-        "not a readable safetensors file",
+        "is a folder; pass one of its predictor files",
     ),
     (
         "predictor-empty-file",

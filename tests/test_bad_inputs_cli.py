@@ -221,7 +221,11 @@ RUN = [
         "trained for another model",
     ),
     ("eval-a-chunk-file", "eval --model {tiny} --predictors {chunk}", "not dejavu-lab predictors"),
-    ("eval-a-folder", "eval --model {tiny} --predictors {root}", "not a readable safetensors"),
+    (
+        "eval-a-folder",
+        "eval --model {tiny} --predictors {root}",
+        "is a folder; pass one of its predictor files",
+    ),
     (
         "eval-skip-past-the-corpus",
         "eval --model {tiny} --predictors {pred} --window 16 --skip-windows 100000",

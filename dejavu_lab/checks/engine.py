@@ -67,7 +67,10 @@ def prompt(ids, *, batch: int = 1, vocab: int | None = None) -> torch.Tensor:
             "wrap it: torch.tensor([ids])."
         )
     if ids.dtype == torch.bool or ids.dtype.is_floating_point or ids.dtype.is_complex:
-        raise error(f"the prompt must hold integer token ids, got dtype {ids.dtype}.")
+        raise error(
+            f"the prompt must hold integer token ids, got dtype {ids.dtype}; pass the "
+            "tokenizer's input_ids."
+        )
     if ids.dim() == 1 and batch == 1:
         ids = ids[None]
     if ids.dim() != 2 or ids.shape[0] != batch:

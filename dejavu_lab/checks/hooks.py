@@ -55,7 +55,10 @@ def returned(out, t: torch.Tensor, name: str, writable: bool) -> torch.Tensor:
     dejavu_lab.checks.hooks.HookError: A hook at blocks.0.hook_resid_pre returned dtype ...
     """
     if not writable:
-        raise HookError(f"{name} is read-only; a hook there must return None.")
+        raise HookError(
+            f"{name} is read-only; return None from a hook there (observe only), and replace "
+            "activations at a writable point (dejavu_lab.hooks.WRITABLE)."
+        )
     like = f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
     if not isinstance(out, torch.Tensor):
         raise HookError(
@@ -64,7 +67,8 @@ def returned(out, t: torch.Tensor, name: str, writable: bool) -> torch.Tensor:
         )
     if out.shape != t.shape:
         raise HookError(
-            f"A hook at {name} returned shape {tuple(out.shape)}; it must keep {tuple(t.shape)}."
+            f"A hook at {name} returned shape {tuple(out.shape)}; it must keep {tuple(t.shape)}: "
+            "return a tensor of the activation's shape (mask entries instead of dropping them)."
         )
     if out.dtype != t.dtype:
         raise HookError(

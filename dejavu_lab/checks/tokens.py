@@ -96,7 +96,10 @@ def token_ids(
     if ids.device.type != "meta":
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0:
-            raise _error(f"{what} hold a negative id ({lo}); token ids start at 0.")
+            raise _error(
+                f"{what} hold a negative id ({lo}) but token ids start at 0; tokenize with the "
+                "model's own tokenizer."
+            )
         if vocab is not None and hi >= vocab:
             raise _error(
                 f"{what} hold ids up to {hi} but the vocabulary has {vocab} tokens (ids "
