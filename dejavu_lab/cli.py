@@ -17,6 +17,7 @@ line ``dejavu-lab: error: ...`` with exit status 2.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
 import sys
@@ -30,6 +31,8 @@ class _Parser(argparse.ArgumentParser):
     """An argument error is one line ``dejavu-lab: error: ...`` and exit status 2, as any other."""
 
     def error(self, message: str):
+        if not message.endswith("."):  # argparse's own words: say where the usage is
+            message += f"; run `{self.prog} --help` for the options."
         self.exit(2, f"dejavu-lab: error: {message}\n")
 
 
@@ -48,16 +51,47 @@ def _budget(what: str, per_layer: bool = True):
             values = []
         if not values:
             extra = " or a comma-separated list" if per_layer else ""
-            raise argparse.ArgumentTypeError(f"expected a number in [0, 1){extra}, got {text!r}.")
+            raise argparse.ArgumentTypeError(
+                f"expected a number in [0, 1){extra}, got {text!r}; pass e.g. 0.5."
+            )
         from .budgets import budgets
 
         try:
             budgets(values, len(values), what)  # each in [0, 1), one sentence if not
         except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
+            raise argparse.ArgumentTypeError(f"{str(e).rstrip('.')}; pass e.g. 0.5.") from None
         return values[0] if len(values) == 1 else values
 
     return parse
+
+
+def _count(minimum: int, what: str = ""):
+    """An argparse ``type=`` for a whole number >= ``minimum`` (``--epochs 0`` fails here)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected a whole number >= {minimum}{what}, got {text!r}; pass e.g. {minimum}."
+            ) from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(
+                f"must be at least {minimum}{what}, got {value}; pass {minimum} or more."
+            )
+        return value
+
+    return parse
+
+
+def _corpus(text: str) -> str:
+    from .corpus import CORPORA
+
+    if text not in CORPORA:
+        raise argparse.ArgumentTypeError(
+            f"unknown corpus {text!r}; choose one of {', '.join(CORPORA)}."
+        )
+    return text
 
 
 def _layers(text: str) -> list[int]:
@@ -65,15 +99,15 @@ def _layers(text: str) -> list[int]:
         return [int(p) for p in text.split(",") if p.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"expected comma-separated layer indices, got {text!r}"
+            f"expected comma-separated layer indices, got {text!r}; pass e.g. 0,1."
         ) from None
 
 
 def _common(p: argparse.ArgumentParser, corpus: bool = True) -> None:
     p.add_argument("--model", default="demo", help="'demo', a Hugging Face id or a local folder")
     if corpus:
-        p.add_argument("--corpus", default="demo", help="demo, wikitext-2 or c4")
-        p.add_argument("--window", type=int, default=512, help="tokens per window")
+        p.add_argument("--corpus", type=_corpus, default="demo", help="demo, wikitext-2 or c4")
+        p.add_argument("--window", type=_count(2, " tokens"), default=512, help="tokens per window")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
 
@@ -176,11 +210,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--corpus", type=_text_source, default="demo", help="demo, wikitext-2, c4 or a text file"
     )
-    p.add_argument("--window", type=int, default=512, help="tokens per window")
-    p.add_argument("--max-windows", type=int, default=None, help="cap on windows evaluated")
+    p.add_argument("--window", type=_count(2), default=512, help="tokens per window")
+    p.add_argument("--max-windows", type=_count(1), default=None, help="cap on windows evaluated")
     p.add_argument(
         "--skip-windows",
-        type=int,
+        type=_count(0),
         default=None,
         help="start after this many windows (default 0; with --method and no other "
         f"--calibration text: the corpus's first {TRAIN_TOKENS} training tokens)",
@@ -189,11 +223,13 @@ def parser() -> argparse.ArgumentParser:
     _method_args(p)
     p.add_argument("--mode", choices=["oracle", "static", "predicted"], default="oracle")
     p.add_argument("--predictors", type=Path, help="predictor file (--mode predicted)")
-    p.add_argument("--static-windows", type=int, default=4, help="calibration windows (static)")
+    p.add_argument(
+        "--static-windows", type=_count(1), default=4, help="calibration windows (static)"
+    )
 
     p = sub.add_parser("collect", help="stream per-layer predictor training data to disk")
     _common(p)
-    p.add_argument("--max-tokens", type=int, default=8192, help="cap on collected tokens")
+    p.add_argument("--max-tokens", type=_count(2), default=8192, help="cap on collected tokens")
     p.add_argument(
         "--mlp-label-sparsity",
         type=_budget("mlp_label_sparsity", per_layer=False),
@@ -205,11 +241,11 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train-predictors", help="train DejaVu predictors (collects if needed)")
     _common(p)
     p.add_argument("--collection", type=Path, help="a folder from `collect` (default: cached)")
-    p.add_argument("--max-tokens", type=int, default=8192, help="tokens to collect if needed")
+    p.add_argument("--max-tokens", type=_count(2), default=8192, help="tokens to collect if needed")
     p.add_argument("--mode", choices=["same", "lookahead", "both"], default="both")
-    p.add_argument("--mlp-rank", type=int, default=64)
-    p.add_argument("--head-rank", type=int, default=32)
-    p.add_argument("--epochs", type=int, default=8)
+    p.add_argument("--mlp-rank", type=_count(1), default=64)
+    p.add_argument("--head-rank", type=_count(1), default=32)
+    p.add_argument("--epochs", type=_count(1), default=8)
     p.add_argument("--out", type=Path, default=None, help="file (one mode) or folder")
 
     p = sub.add_parser("eval", help="per-layer recall/precision/mass of trained predictors")
@@ -217,8 +253,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--predictors", type=Path, nargs="+", required=True)
     p.add_argument("--mlp-sparsity", type=_budget("mlp_sparsity", per_layer=False), default=0.5)
     p.add_argument("--head-sparsity", type=_budget("head_sparsity", per_layer=False), default=0.3)
-    p.add_argument("--windows", type=int, default=2, help="held-out windows to evaluate on")
-    p.add_argument("--skip-windows", type=int, default=16, help="skip the training windows")
+    p.add_argument("--windows", type=_count(1), default=2, help="held-out windows to evaluate on")
+    p.add_argument("--skip-windows", type=_count(0), default=16, help="skip the training windows")
     p.add_argument("--per-layer", action="store_true", help="print every layer's row")
 
     _eval_tasks_parser(sub)
@@ -503,9 +539,7 @@ def cmd_train(args) -> None:
     cfg_c = CollectConfig(corpus=args.corpus, window=args.window, max_tokens=args.max_tokens)
     t0 = time.perf_counter()
     if args.collection is not None:
-        col = open_collection(args.collection)
-        if col.manifest["fingerprint"]["weights_sha256"] != _fp(model, arch)["weights_sha256"]:
-            raise ValueError(f"{args.collection} was collected from another model.")
+        col = open_collection(args.collection, model, arch)  # from this model, or one sentence
     else:
         col = collect(model, tok, cfg_c, arch=arch, progress=not args.no_progress)
     t1 = time.perf_counter()
@@ -516,7 +550,7 @@ def cmd_train(args) -> None:
         )
         pred = train_predictors(col, cfg, progress=not args.no_progress)
         if args.out is None:
-            path = default_path(col.manifest["fingerprint"], cfg_c, cfg)
+            path = default_path(col.manifest["fingerprint"], col, cfg)  # keyed by what trained
         elif len(modes) == 1 and args.out.suffix == ".safetensors":
             path = args.out
         else:
@@ -534,12 +568,6 @@ def cmd_train(args) -> None:
         f"collection {t1 - t0:.0f} s, training {time.perf_counter() - t1:.0f} s",
         file=sys.stderr,
     )
-
-
-def _fp(model, arch):
-    from .collect import fingerprint
-
-    return fingerprint(model, arch)
 
 
 def cmd_eval(args) -> None:
@@ -584,21 +612,6 @@ def cmd_eval(args) -> None:
 EVAL_METHODS = ("dense", "oracle", "static", "predicted", "dejavu", "teal", "wina", "cats")
 
 
-def _count(what: str, minimum: int):
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            v = minimum - 1
-        if v < minimum:
-            raise argparse.ArgumentTypeError(
-                f"{what} must be an integer >= {minimum}, got {text!r}."
-            )
-        return v
-
-    return parse
-
-
 def _eval_tasks_parser(sub) -> None:
     from .lm_eval_tasks import LOCAL_TASK
 
@@ -623,13 +636,13 @@ def _eval_tasks_parser(sub) -> None:
             f"--{kind}-sparsity", type=_budget(f"{kind}_sparsity"), default=None, help=what
         )
     p.add_argument("--dense-layers", type=_layers, default=[], help="e.g. 0,1 (left dense)")
-    p.add_argument("--limit", type=_count("--limit", 1), default=None, help="examples per task")
-    p.add_argument("--num-fewshot", type=_count("--num-fewshot", 0), default=0)
-    p.add_argument("--batch-size", type=_count("--batch-size", 1), default=1)
+    p.add_argument("--limit", type=_count(1), default=None, help="examples per task")
+    p.add_argument("--num-fewshot", type=_count(0), default=0)
+    p.add_argument("--batch-size", type=_count(1), default=1)
     p.add_argument("--predictors", type=Path, help="predictor file (--method dejavu)")
     p.add_argument(
         "--calibration-windows",
-        type=_count("--calibration-windows", 1),
+        type=_count(1),
         default=4,
         help="windows of the corpus's start (training text) for static sets / thresholds",
     )
@@ -754,7 +767,10 @@ COMMANDS = {
 def main(argv: list[str] | None = None) -> int:
     """Run ``dejavu-lab`` with ``argv`` (default: the command line); return the exit status.
 
-    A bad budget fails while parsing, before any model loads: one line on stderr, status 2.
+    A bad budget or count fails while parsing, before any model loads, and every other bad
+    input (a model, a file, a collection, a full or read-only disk) where it is found: one line
+    ``dejavu-lab: error: ...`` on stderr and status 2, never a traceback. Ctrl-C is one line
+    and status 130 (an interrupted ``collect`` resumes when rerun).
 
     >>> import contextlib, sys
     >>> with contextlib.redirect_stderr(sys.stdout):
@@ -769,17 +785,36 @@ def main(argv: list[str] | None = None) -> int:
     from transformers.utils import logging as hf_logging
 
     from .assets import AssetError
+    from .results import ResultsError
 
     if args.no_progress:
         hf_logging.disable_progress_bar()
 
     try:
         COMMANDS[args.command](args)
-    except (ValueError, OSError, AssetError) as e:  # our errors are one sentence
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        print(f"dejavu-lab: error: {msg}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("dejavu-lab: interrupted; rerun the same command to resume.", file=sys.stderr)
+        return 130
+    except (ValueError, OSError, KeyError, AssetError, ResultsError) as e:  # one sentence each
+        print(f"dejavu-lab: error: {_one_line(e)}", file=sys.stderr)
         return 2
     return 0
+
+
+def _one_line(e: BaseException) -> str:
+    """The message of ``e`` on one line; a bare OSError from a library gets its path and a hint."""
+    if isinstance(e, KeyError) and e.args:
+        return str(e.args[0]).splitlines()[0]
+    if type(e) in (OSError, PermissionError, FileNotFoundError, IsADirectoryError) and e.errno:
+        where = f" ({e.filename})" if e.filename else ""
+        full = e.errno == errno.ENOSPC
+        return f"{e.strerror}{where}; " + (
+            "free space there or write somewhere else."
+            if full
+            else "check the path and its permissions."
+        )
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 if __name__ == "__main__":

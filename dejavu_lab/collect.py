@@ -14,10 +14,12 @@ key         shape, dtype         what
 ``l.head``  [T, h] fp16          per-head output norm ‖z_h W_O,h‖ (labels at any budget)
 ==========  ===================  ==========================================================
 
-Chunks are written atomically (temporary name, then rename) next to a ``manifest.json`` naming
-the model fingerprint and the config; rerunning with the same arguments skips finished chunks,
-so an interrupted collection resumes. Only one chunk is ever in memory; ``max_tokens`` caps the
-total.
+Chunks and the ``manifest.json`` (naming the model fingerprint and the config) are written
+atomically (:mod:`dejavu_lab.atomic`: a temporary name unique to the process, fsync, rename), so a
+kill at any instant leaves whole files only; rerunning with the same arguments skips finished
+chunks, so an interrupted collection resumes with byte-identical data. A process holds a lock on
+the folder while it collects: a second one collecting into the same folder waits for it, then
+finds the chunks done. Only one chunk is ever in memory; ``max_tokens`` caps the total.
 """
 
 from __future__ import annotations
@@ -31,11 +33,15 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from . import atomic
 from .arch import Arch, get_arch
-from .budgets import budgets, head_gram, head_output_norms, n_keep, topk_mask
+from .budgets import head_gram, head_output_norms, n_keep, topk_mask
+from .checks import configs as check_configs
+from .checks import files as check_files
+from .checks import tokens as check_tokens
+from .checks.scalars import integer
 from .corpus import CorpusError, load_text, token_windows
 from .hooks import hooks
 
@@ -63,7 +69,7 @@ class CollectionError(ValueError):
     >>> CollectConfig(window=512, max_tokens=100)
     Traceback (most recent call last):
     ...
-    dejavu_lab.collect.CollectionError: need window >= 2, max_tokens >= window and ...
+    dejavu_lab.collect.CollectionError: max_tokens must be at least 512 (a whole number), got 100; pass e.g. max_tokens=512 ...
     """
 
 
@@ -84,13 +90,7 @@ class CollectConfig:
     skip_windows: int = 0  # start after this many windows (keep evaluation text apart)
 
     def __post_init__(self):
-        if self.window < 2 or self.max_tokens < self.window or self.chunk_windows < 1:
-            raise CollectionError(
-                f"need window >= 2, max_tokens >= window and chunk_windows >= 1, got "
-                f"window={self.window}, max_tokens={self.max_tokens}, "
-                f"chunk_windows={self.chunk_windows}."
-            )
-        budgets(self.mlp_label_sparsity, 1, "mlp_label_sparsity")
+        check_configs.collect_config(self)
 
     def key(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:10]
@@ -189,8 +189,15 @@ class Collection:
     def n_tokens(self) -> int:
         return self.manifest["n_tokens"]
 
+    def key(self) -> str:
+        """What was collected, as a cache key: the config's, and the token windows' hash when
+        the windows were passed in (``collect(windows=...)``) rather than read from the corpus."""
+        return _key(CollectConfig(**self.manifest["config"]), self.manifest.get("windows_sha256"))
+
     def layer(self, i: int, keys=("pre", "mid", "mlp", "head"), chunks=None) -> dict:
         """Concatenated arrays of layer ``i`` over ``chunks`` (default all): key -> tensor."""
+        n_layers = self.manifest["fingerprint"]["n_layers"]
+        integer(i, "layer", minimum=0, maximum=n_layers - 1, error=CollectionError)
         out: dict[str, list] = {k: [] for k in keys}
         for path in self.chunks if chunks is None else chunks:
             try:
@@ -208,18 +215,50 @@ class Collection:
         return res
 
 
-def default_dir(fp: dict, config: CollectConfig) -> Path:
+def _key(config: CollectConfig, windows_sha256: str | None = None) -> str:
+    if windows_sha256 is None:  # read from the corpus: the config says it all
+        return config.key()
+    return hashlib.sha256(f"{config.key()}-{windows_sha256}".encode()).hexdigest()[:10]
+
+
+def default_dir(fp: dict, config: CollectConfig, windows_sha256: str | None = None) -> Path:
     """The cache folder :func:`collect` uses when given no ``out_dir`` (nothing is created).
+
+    ``windows_sha256``: the hash of windows passed to ``collect(windows=...)``, which then
+    enters the key (the config alone does not say what they were).
 
     >>> from dejavu_lab.models import random_model
     >>> fp = fingerprint(random_model("tiny-llama").model)
     >>> path = default_dir(fp, CollectConfig())  # under dejavu_lab.assets.cache_dir()
     >>> path.parent.name, path.name
     ('activations', 'llama-L2-d64-...-afb230d3c5')
+    >>> default_dir(fp, CollectConfig(), windows_sha256="0123abcd").name != path.name
+    True
     """
     from .assets import cache_dir
 
-    return cache_dir() / "activations" / f"{fingerprint_id(fp)}-{config.key()}"
+    return cache_dir() / "activations" / f"{fingerprint_id(fp)}-{_key(config, windows_sha256)}"
+
+
+def _sha256(windows: torch.Tensor) -> str:
+    return hashlib.sha256(windows.long().cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
+
+
+_HINT = "pass another out_dir (--out), or set DEJAVU_LAB_CACHE to a folder on another disk"
+
+
+def _check_manifest(mpath: Path, manifest: dict, out: Path) -> bool:
+    """True if ``mpath`` holds this very manifest, False if there is none; else refuse."""
+    if not mpath.exists():
+        return False
+    old = check_files.read_manifest(mpath)
+    if {k: old.get(k) for k in manifest} != manifest:
+        check_files.same_model(old, manifest["fingerprint"], out)
+        raise CollectionError(
+            f"{out} holds a collection for another model or config; pass another out_dir "
+            "(--out) or delete that folder."
+        )
+    return True
 
 
 @torch.no_grad()
@@ -249,14 +288,36 @@ def collect(
     >>> col.layer(1, keys=("mlp",))["mlp"].sum(-1)[:4]  # gated: top half of 192 neurons
     tensor([96, 96, 96, 96])
     """
+    if not isinstance(config, CollectConfig):
+        raise CollectionError(
+            f"config must be a CollectConfig, got a {type(config).__name__}; pass "
+            "CollectConfig(...) (a dict d: CollectConfig(**d))."
+        )
     arch = arch or get_arch(model)
     fp = fingerprint(model, arch)
-    out = Path(out_dir) if out_dir is not None else default_dir(fp, config)
     n_windows = config.skip_windows + config.max_tokens // config.window
+    _, positions = check_tokens.model_limits(model)
+    if positions is not None and config.window > positions:
+        raise CollectionError(
+            f"window={config.window} is longer than the model's {positions} positions; "
+            f"collect windows of at most {positions} tokens."
+        )
     if windows is None:
         if tokenizer is None:
-            raise CollectionError("collect needs a tokenizer (with the corpus) or windows=.")
+            raise CollectionError(
+                "collect reads the corpus with the model's tokenizer; pass the tokenizer, or "
+                "token windows [n, window] as windows=."
+            )
         windows = token_windows(tokenizer, load_text(config.corpus), config.window, n_windows)
+        windows, given = check_tokens.windows(windows, model), False
+    else:
+        windows = check_tokens.windows(windows, model)
+        if windows.shape[1] != config.window:
+            raise CollectionError(
+                f"windows are {windows.shape[1]} tokens long but config.window is "
+                f"{config.window}; pass CollectConfig(window={windows.shape[1]}, ...)."
+            )
+        given = True
     windows = windows[config.skip_windows : n_windows]
     if windows.shape[0] == 0:
         raise CorpusError(
@@ -271,17 +332,23 @@ def collect(
         "n_chunks": n_chunks,
         "n_tokens": windows.numel(),
     }
-    out.mkdir(parents=True, exist_ok=True)
+    sha = _sha256(windows) if given else None
+    if given:  # the config alone does not say which tokens these were
+        manifest["windows_sha256"] = sha
+    out = Path(out_dir) if out_dir is not None else default_dir(fp, config, sha)
     mpath = out / "manifest.json"
-    if mpath.exists():
-        old = json.loads(mpath.read_text())
-        if {k: old.get(k) for k in manifest} != manifest:
-            raise CollectionError(
-                f"{out} holds a collection for another model or config; pass another "
-                "out_dir or delete that folder."
-            )
-    else:
-        mpath.write_text(json.dumps(manifest, indent=1))
+    _check_manifest(mpath, manifest, out)  # refuse another config before waiting for a lock
+    atomic.make_dirs(out, hint=_HINT)
+    with atomic.locked(out, what="collecting into this folder", hint=_HINT):
+        atomic.clean_partials(out)  # a killed run's temporaries (we hold the lock)
+        if not _check_manifest(mpath, manifest, out):
+            atomic.write_json(mpath, manifest, hint=_HINT)
+        _collect_chunks(model, arch, config, windows, out, n_chunks, progress)
+    return Collection(out, manifest)
+
+
+def _collect_chunks(model, arch, config, windows, out: Path, n_chunks: int, progress: bool):
+    """The forwards of the chunks not on disk yet; each chunk written atomically."""
     device = next(model.parameters()).device
     grams = [head_gram(model, arch, i).to(device) for i in range(arch.n_layers)]
     k_label = n_keep(config.mlp_label_sparsity, arch.d_mlp)
@@ -312,17 +379,17 @@ def collect(
             ids = windows[c * config.chunk_windows : (c + 1) * config.chunk_windows]
             buf.clear()
             model(input_ids=ids.to(device))
-            tmp = path.with_suffix(".partial")
-            save_file(dict(buf), str(tmp), metadata={"windows": str(ids.shape[0])})
-            os.replace(tmp, path)
+            size = sum(t.numel() * t.element_size() for t in buf.values())
+            meta = {"windows": str(ids.shape[0])}
+            atomic.save_tensors(path, dict(buf), meta, hint=_HINT, need=(n_chunks - c) * size)
             bar.update()
     bar.close()
     buf.clear()
-    return Collection(out, manifest)
 
 
-def open_collection(path: str | os.PathLike) -> Collection:
-    """A finished collection folder (written by :func:`collect`).
+def open_collection(path: str | os.PathLike, model=None, arch: Arch | None = None) -> Collection:
+    """A finished collection folder (written by :func:`collect`); with ``model``, check that it
+    was collected from that model.
 
     >>> import tempfile
     >>> from dejavu_lab.models import random_model
@@ -338,7 +405,9 @@ def open_collection(path: str | os.PathLike) -> Collection:
         raise CollectionError(
             f"{path} is not a collection (no manifest.json); run `dejavu-lab collect` first."
         )
-    manifest = json.loads(mpath.read_text())
+    manifest = check_files.read_manifest(mpath)
+    if model is not None:
+        check_files.same_model(manifest, fingerprint(model, arch), path)
     col = Collection(path, manifest)
     missing = [p.name for p in col.chunks if not p.exists()]
     if missing:

@@ -19,6 +19,8 @@ import torch
 from tqdm.auto import tqdm
 
 from . import assets
+from .checks import scalars as check_scalars
+from .checks import tokens as check_tokens
 
 __all__ = [
     "CorpusError",
@@ -130,8 +132,14 @@ def token_windows(
     >>> token_windows(tokenizer, load_text("demo"), 512, add_bos=True)[:, 0].unique().tolist()
     [1]
     """
-    if window < 2:
-        raise CorpusError(f"window must be at least 2 tokens, got {window}.")
+    text = check_tokens.text(text, tokenizer)
+    window = check_scalars.integer(
+        window, "window", minimum=2, error=CorpusError, hint="tokens per window"
+    )
+    if max_windows is not None:
+        max_windows = check_scalars.integer(
+            max_windows, "max_windows", minimum=1, error=CorpusError, hint="None takes every window"
+        )
     bos = wants_bos(tokenizer) if add_bos is None else bool(add_bos)
     if bos and getattr(tokenizer, "bos_token_id", None) is None:
         raise CorpusError("add_bos=True, but the tokenizer has no BOS token; pass add_bos=False.")
@@ -170,10 +178,8 @@ def window_nll(
     >>> window_nll(model, windows, progress=False)
     tensor([4.87, 4.88, 4.89, 4.91])
     """
-    if windows.dim() != 2 or windows.shape[0] == 0:
-        raise CorpusError(
-            f"windows must be a non-empty [n, window] tensor, got shape {tuple(windows.shape)}."
-        )
+    windows = check_tokens.windows(windows, model)  # ints [n >= 1, 2 <= window <= positions]
+    batch_size = check_scalars.integer(batch_size, "batch_size", minimum=1, error=CorpusError)
     device = next(model.parameters()).device
     out = []
     batches = range(0, windows.shape[0], batch_size)

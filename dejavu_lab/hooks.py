@@ -52,6 +52,8 @@ import torch
 from torch import nn
 
 from .arch import Arch, get_arch
+from .checks import hooks as check_hooks
+from .checks import tokens as check_tokens
 
 __all__ = ["HOOK_POINTS", "WRITABLE", "hook_names", "hooks", "run_with_cache", "run_with_hooks"]
 
@@ -100,22 +102,18 @@ def hook_names(arch: Arch, points: Iterable[str] = HOOK_POINTS) -> list[str]:
 def _select(arch: Arch, names) -> list[str]:
     """Resolve ``names`` (None, a name, a glob, a list of them, or a predicate) to names."""
     every = hook_names(arch)
+    names = check_hooks.name_spec(names)
     if names is None:
         return every
     if callable(names):
-        return [n for n in every if names(n)]
+        return check_hooks.matched([n for n in every if names(n)], names, arch)
     if isinstance(names, str):
         names = [names]
     out: list[str] = []
     for pat in names:
-        hits = fnmatch.filter(every, pat)
-        if not hits:
-            raise KeyError(
-                f"No hook point matches {pat!r}; names look like 'blocks.0.mlp.hook_post' "
-                f"(layers 0..{arch.n_layers - 1}, points: {', '.join(HOOK_POINTS)})."
-            )
+        hits = check_hooks.matched(fnmatch.filter(every, pat), pat, arch)
         out += [h for h in hits if h not in out]
-    return out
+    return check_hooks.matched(out, names, arch)
 
 
 @contextmanager
@@ -140,6 +138,7 @@ def hooks(
     items = fwd_hooks.items() if isinstance(fwd_hooks, dict) else fwd_hooks
     by_layer: dict[int, dict[str, list[HookFn]]] = {}
     for pat, fn in items:
+        check_hooks.callback(fn, pat)
         for name in _select(arch, pat):
             i, point = _split(name)
             by_layer.setdefault(i, {}).setdefault(point, []).append(fn)
@@ -175,6 +174,7 @@ def run_with_hooks(
     >>> no_mlp.shape, torch.allclose(no_mlp, model(ids).logits)
     (torch.Size([1, 3, 128]), False)
     """
+    input_ids = input_ids if input_ids is None else check_tokens.token_ids(input_ids, model)
     with torch.no_grad(), hooks(model, fwd_hooks, arch):
         return model(input_ids=input_ids, **forward_kwargs).logits
 
@@ -226,14 +226,7 @@ def _call(fns: list[HookFn], t: torch.Tensor, name: str, point: str) -> torch.Te
     for fn in fns:
         out = fn(t, name)
         if out is not None:
-            if point not in WRITABLE:
-                raise ValueError(f"{name} is read-only; a hook there must return None.")
-            if out.shape != t.shape:
-                raise ValueError(
-                    f"A hook at {name} returned shape {tuple(out.shape)}; "
-                    f"it must keep {tuple(t.shape)}."
-                )
-            t = replaced = out
+            t = replaced = check_hooks.returned(out, t, name, point in WRITABLE)
     return replaced
 
 

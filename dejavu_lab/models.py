@@ -37,6 +37,7 @@ from transformers import (
 
 from . import assets
 from .arch import SUPPORTED, Arch, UnsupportedArchitectureError, get_arch
+from .checks import models as check_models
 
 __all__ = [
     "LoadedModel",
@@ -57,7 +58,7 @@ class ModelNotFoundError(OSError):
     >>> load_model("")
     Traceback (most recent call last):
     ...
-    dejavu_lab.models.ModelNotFoundError: Model spec must be a non-empty string, got ''.
+    dejavu_lab.models.ModelNotFoundError: Model spec must be a non-empty string or path, got ''; ...
     """
 
 
@@ -207,6 +208,7 @@ def random_model(
                 f"Unknown preset {preset!r}; choose one of {', '.join(PRESETS)}."
             )
         cfg = PRESETS[preset].config(**overrides)
+    device = check_models.device(device)  # e.g. "cuda" without CUDA, before building anything
     arch = get_arch(cfg)  # fail on unsupported architectures before allocating anything
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
@@ -237,10 +239,7 @@ def load_model(
     >>> tokenizer.decode(model.generate(ids, max_new_tokens=2, do_sample=False)[0])
     'The capital of France is Paris.'
     """
-    if isinstance(spec, os.PathLike):
-        spec = os.fspath(spec)
-    if not isinstance(spec, str) or not spec:
-        raise ModelNotFoundError(f"Model spec must be a non-empty string, got {spec!r}.")
+    spec, device = check_models.model_spec(spec), check_models.device(device)  # before loading
     if spec.startswith("random:"):
         return random_model(
             spec.removeprefix("random:"), device=device, dtype=dtype or torch.float32
@@ -260,6 +259,7 @@ def load_model(
         path = spec  # a Hugging Face hub id
     cfg = _config(path, spec)
     get_arch(cfg)  # unsupported architecture: fail before downloading weights
+    check_models.model_dir(path)  # a local folder: whole weights and a tokenizer, before loading
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=dtype or "auto", attn_implementation=attn_implementation
     )

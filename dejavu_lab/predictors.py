@@ -33,12 +33,16 @@ from pathlib import Path
 import pandas as pd
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 from tqdm.auto import tqdm
 
+from . import atomic
 from .arch import Arch, get_arch
 from .budgets import budgets, head_gram, head_output_norms, n_keep, topk_mask
+from .checks import configs as check_configs
+from .checks import files as check_files
+from .checks import tokens as check_tokens
 from .collect import Collection, fingerprint, fingerprint_id
 from .hooks import hooks
 
@@ -65,7 +69,7 @@ class PredictorError(ValueError):
     >>> PredictorConfig(mode="magic")
     Traceback (most recent call last):
     ...
-    dejavu_lab.predictors.PredictorError: mode must be 'same' or 'lookahead', got 'magic'.
+    dejavu_lab.predictors.PredictorError: mode must be 'same' or 'lookahead', got 'magic'; ...
     """
 
 
@@ -93,9 +97,11 @@ class PredictorConfig:
 
     def __post_init__(self):
         if self.mode not in MODES:
-            raise PredictorError(f"mode must be 'same' or 'lookahead', got {self.mode!r}.")
-        budgets(self.mlp_sparsity, 1, "mlp_sparsity")
-        budgets(self.head_sparsity, 1, "head_sparsity")
+            raise PredictorError(
+                f"mode must be 'same' or 'lookahead', got {self.mode!r}; pass one of them "
+                "(lookahead predicts from the previous layer, so it can run ahead)."
+            )
+        check_configs.predictor_config(self)
 
     def key(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:10]
@@ -150,6 +156,7 @@ class Predictors(nn.Module):
         self.heads = nn.ModuleList(LowRank(d, config.head_rank, h) for _ in range(fp["n_layers"]))
         self.history = history or []  # per layer and kind: epochs, best val recall, seconds
         self.info: dict = {}  # how this object was obtained (see get_or_train)
+        self.collection: dict = {}  # what they were trained on: {"key", "config", "path"}
 
     @torch.no_grad()
     def mlp_scores(self, layer: int, x: torch.Tensor) -> torch.Tensor:
@@ -170,19 +177,26 @@ class Predictors(nn.Module):
             )
 
     def save(self, path: str | os.PathLike) -> Path:
+        """Write a safetensors file atomically (a kill leaves the old file or the new one).
+
+        >>> import tempfile
+        >>> from dejavu_lab.collect import fingerprint
+        >>> from dejavu_lab.models import random_model
+        >>> pred = Predictors(fingerprint(random_model("tiny-llama").model), PredictorConfig())
+        >>> pred.save(f"{tempfile.mkdtemp()}/p.safetensors").name
+        'p.safetensors'
+        """
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         meta = {
             "format": "dejavu-lab-predictors/1",
             "fingerprint": json.dumps(self.fingerprint),
             "config": json.dumps(asdict(self.config)),
             "history": json.dumps(self.history),
+            "collection": json.dumps(self.collection),
         }
-        tensors = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
-        tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
-        save_file(tensors, str(tmp), metadata=meta)
-        os.replace(tmp, path)
-        return path
+        tensors = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
+        hint = "pass another --out path, or set DEJAVU_LAB_CACHE to a folder on another disk"
+        return atomic.save_tensors(path, tensors, meta, hint=hint)
 
 
 def load_predictors(path: str | os.PathLike, model=None, arch: Arch | None = None) -> Predictors:
@@ -206,6 +220,10 @@ def load_predictors(path: str | os.PathLike, model=None, arch: Arch | None = Non
         raise PredictorError(
             f"No predictor file at {path}; train with `dejavu-lab train-predictors`."
         )
+    if path.is_dir():
+        raise PredictorError(
+            f"{path} is a folder; pass one of its predictor files (*.safetensors) instead."
+        )
     try:
         from safetensors import safe_open
 
@@ -218,17 +236,33 @@ def load_predictors(path: str | os.PathLike, model=None, arch: Arch | None = Non
             "truncated or damaged: train the predictors again."
         ) from None
     if meta.get("format") != "dejavu-lab-predictors/1":
-        raise PredictorError(f"{path} is a safetensors file but not dejavu-lab predictors.")
-    fp = json.loads(meta["fingerprint"])
-    cfg_dict = json.loads(meta["config"])
-    known = {f.name for f in fields(PredictorConfig)}
-    config = PredictorConfig(**{k: v for k, v in cfg_dict.items() if k in known})
-    pred = Predictors(fp, config, json.loads(meta.get("history", "[]")))
-    missing, unexpected = pred.load_state_dict(tensors, strict=False)
-    if missing or unexpected:
         raise PredictorError(
-            f"{path} lacks {len(missing)} predictor tensors; the file is damaged: train again."
+            f"{path} is a safetensors file but not dejavu-lab predictors; pass a file written by "
+            "`dejavu-lab train-predictors`."
         )
+    fp = check_files.metadata_json(meta, "fingerprint", path, PredictorError)
+    cfg_dict = check_files.metadata_json(meta, "config", path, PredictorError)
+    history = check_files.metadata_json(meta, "history", path, PredictorError, list)
+    if any(
+        not isinstance(fp.get(k), int) or fp[k] < 1
+        for k in ("n_layers", "d_model", "d_mlp", "n_heads")
+    ):
+        raise PredictorError(
+            f"{path} has an incomplete model fingerprint; train the predictors again."
+        )
+    known = {f.name for f in fields(PredictorConfig)}
+    try:
+        config = PredictorConfig(**{k: v for k, v in cfg_dict.items() if k in known})
+    except PredictorError as e:
+        raise PredictorError(
+            f"{path} holds a bad config ({e}); train the predictors again."
+        ) from None
+    pred = Predictors(fp, config, history)
+    check_files.state_matches(pred.state_dict(), tensors, path, PredictorError)
+    check_files.finite(tensors, path, PredictorError)
+    pred.load_state_dict(tensors)
+    if "collection" in meta:
+        pred.collection = check_files.metadata_json(meta, "collection", path, PredictorError)
     if model is not None:
         pred.check_model(model, arch)
     return pred.eval()
@@ -278,9 +312,13 @@ def _fit(
 
 
 def train_predictors(
-    collection: Collection, config: PredictorConfig = PredictorConfig(), *, progress: bool = True
+    collection: Collection | str | os.PathLike,
+    config: PredictorConfig = PredictorConfig(),
+    *,
+    progress: bool = True,
 ) -> Predictors:
-    """Train every layer's MLP and head predictor on a collection (:func:`collect.collect`).
+    """Train every layer's MLP and head predictor on a collection (:func:`collect.collect`, or
+    the path of its folder).
 
     >>> import tempfile
     >>> from dejavu_lab.collect import CollectConfig, collect
@@ -292,6 +330,21 @@ def train_predictors(
     >>> [(h["layer"], h["kind"], h["epochs"]) for h in pred.history]
     [(0, 'mlp', 2), (0, 'heads', 2), (1, 'mlp', 2), (1, 'heads', 2)]
     """
+    if isinstance(collection, str | os.PathLike):
+        from .collect import open_collection
+
+        collection = open_collection(collection)
+    if not isinstance(collection, Collection):
+        raise PredictorError(
+            f"train_predictors needs a Collection or its folder, got a "
+            f"{type(collection).__name__}; pass what collect(...) or open_collection(path) "
+            "returns, or the folder's path."
+        )
+    if not isinstance(config, PredictorConfig):
+        raise PredictorError(
+            f"config must be a PredictorConfig, got a {type(config).__name__}; pass "
+            "PredictorConfig(...) (a dict d: PredictorConfig(**d))."
+        )
     fp = collection.manifest["fingerprint"]
     threads = torch.get_num_threads()
     # these networks are small: one thread avoids OpenMP barrier stalls on busy machines
@@ -306,8 +359,18 @@ def train_predictors(
 def _train(collection: Collection, config: PredictorConfig, fp: dict, progress: bool):
     torch.manual_seed(config.seed)
     pred = Predictors(fp, config)
+    pred.collection = {
+        "key": collection.key(),
+        "config": collection.manifest["config"],
+        "path": str(collection.path),
+    }
     n_tokens = collection.n_tokens
     n_val = max(1, int(n_tokens * config.val_fraction))
+    if n_tokens - n_val < 1:
+        raise PredictorError(
+            f"The collection has {n_tokens} tokens and val_fraction={config.val_fraction} holds "
+            f"out {n_val}, leaving none to train on; collect more tokens or lower val_fraction."
+        )
     k_mlp = n_keep(config.mlp_sparsity, fp["d_mlp"])
     k_head = n_keep(config.head_sparsity, fp["n_heads"])
     relu = not fp["gated"]
@@ -371,8 +434,14 @@ def evaluate(
     3  lookahead      1    mlp       0.5
     """
     arch = arch or get_arch(model)
+    windows = check_tokens.windows(windows, model)
     preds = predictors if isinstance(predictors, list) else [predictors]
     for p in preds:
+        if not isinstance(p, Predictors):
+            raise PredictorError(
+                f"predictors must be Predictors, got a {type(p).__name__}; load a file with "
+                "load_predictors(path) or train them with train_predictors(collection)."
+            )
         p.check_model(model, arch)
     ms = budgets(mlp_sparsity, 1, "mlp_sparsity")[0]
     hs = budgets(head_sparsity, 1, "head_sparsity")[0]
@@ -484,6 +553,10 @@ def cost(predictors: Predictors, arch: Arch) -> pd.DataFrame:
 def default_path(fp: dict, collect_config, config: PredictorConfig) -> Path:
     """The cache file :func:`get_or_train` uses for these configs (nothing is created).
 
+    ``collect_config`` is the :class:`~dejavu_lab.collect.CollectConfig` collected with, or the
+    :class:`~dejavu_lab.collect.Collection` itself: the name holds its key, so predictors
+    trained on one collection are never found under another's name.
+
     >>> from dejavu_lab.collect import CollectConfig, fingerprint
     >>> from dejavu_lab.models import random_model
     >>> fp = fingerprint(random_model("tiny-llama").model)
@@ -522,17 +595,41 @@ def get_or_train(
     >>> [p.info["trained_now"] for p in runs]  # trained once, then loaded
     [True, False]
     """
-    from .collect import CollectConfig, collect
+    from .collect import CollectConfig
 
     collect_config = collect_config or CollectConfig()
     arch = arch or get_arch(model)
     fp = fingerprint(model, arch)
     path = default_path(fp, collect_config, config)
     t0 = time.perf_counter()
-    if path.exists():
-        pred = load_predictors(path, model, arch)
-        pred.info = {"path": str(path), "trained_now": False, "collect_s": 0.0, "train_s": 0.0}
+    if (pred := _cached(path, collect_config, model, arch)) is not None:
         return pred
+    lock = path.with_name(f".{path.name}.lock")
+    with atomic.locked(lock, what="training these predictors", hint=_HINT):
+        if (pred := _cached(path, collect_config, model, arch)) is not None:
+            return pred  # another process trained them while we waited
+        return _collect_and_train(
+            model, tokenizer, config, collect_config, arch, path, t0, progress
+        )
+
+
+_HINT = "set DEJAVU_LAB_CACHE to a writable folder with free space"
+
+
+def _cached(path: Path, collect_config, model, arch) -> Predictors | None:
+    """The cache entry at ``path`` if it holds predictors trained on ``collect_config``."""
+    if not path.exists():
+        return None
+    pred = load_predictors(path, model, arch)
+    if pred.collection.get("key") != collect_config.key():
+        return None  # written under a wrong key (older versions): train again and replace it
+    pred.info = {"path": str(path), "trained_now": False, "collect_s": 0.0, "train_s": 0.0}
+    return pred
+
+
+def _collect_and_train(model, tokenizer, config, collect_config, arch, path, t0, progress):
+    from .collect import collect
+
     col = collect(model, tokenizer, collect_config, arch=arch, progress=progress)
     t1 = time.perf_counter()
     pred = train_predictors(col, config, progress=progress)

@@ -8,8 +8,8 @@ when they cannot measure live. One file holds one run::
                     "date": ..., "command": ..., "host": ..., "python": ..., ...extra},
      "rows": [{...}, {...}]}          # one flat dict per measurement (a tidy table)
 
-``save`` writes atomically (temporary file + rename), so a crashed benchmark never leaves half
-a file behind; ``load`` returns ``(pandas.DataFrame, provenance)`` and raises
+``save`` writes atomically (temporary file, fsync, rename: :mod:`dejavu_lab.atomic`), so a
+crashed benchmark never leaves half a file behind; ``load`` returns ``(pandas.DataFrame, provenance)`` and raises
 :class:`ResultsError` with one sentence on a missing file, bad JSON or missing provenance.
 """
 
@@ -22,9 +22,10 @@ import os
 import platform
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from .atomic import write_text
 
 __all__ = [
     "REQUIRED_PROVENANCE",
@@ -188,18 +189,8 @@ def save(name: str, rows: list[dict], *, command: str, extra: dict | None = None
     payload = json.dumps(
         {"provenance": _clean(prov), "rows": _clean(rows)}, indent=1, allow_nan=False
     )
-    folder = results_dir()
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{name}.json"
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(payload + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    hint = f"set {ENV_DIR} to a writable folder with free space"
+    return write_text(results_dir() / f"{name}.json", payload + "\n", hint=hint)
 
 
 def load(name_or_path: str | os.PathLike):

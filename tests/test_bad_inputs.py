@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _audit import log
 from transformers import GPT2Config
 
 from dejavu_lab import results
@@ -34,6 +35,7 @@ def one_sentence(exc: BaseException) -> str:
     msg = str(exc).strip("'\"")
     assert msg and "\n" not in msg and "Traceback" not in msg, msg
     assert len(msg) < 400, msg
+    log(type(exc).__name__, msg)
     return msg
 
 
@@ -160,7 +162,7 @@ def demo_tokenizer(demo):
 def test_unknown_hook_name(tiny):
     with pytest.raises(KeyError) as e:
         run_with_cache(tiny.model, torch.tensor([[1, 2]]), names="blocks.0.mlp.hook_pre")
-    assert "names look like" in one_sentence(e.value)
+    assert "use names like" in one_sentence(e.value)
 
 
 def test_writing_a_read_only_hook(tiny):

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..sparsify import budgets
+from ..budgets import budgets
 
 __all__ = ["METHODS", "SITES", "EngineError", "SparseConfig"]
 
@@ -79,8 +79,9 @@ class SparseConfig:
     def __post_init__(self):
         budgets(self.mlp_sparsity, 1, "mlp_sparsity")
         budgets(self.head_sparsity, 1, "head_sparsity")
-        if not 0 <= self.kv_window <= 32:
-            raise EngineError(f"kv_window={self.kv_window} must lie in [0, 32] tokens.")
+        from ..checks import engine as check_engine  # lazy: checks.engine names EngineError
+
+        check_engine.size(self.kv_window, "kv_window", maximum=32, hint="tokens; 0 = no deferral")
         if self.method not in METHODS:
             raise EngineError(
                 f"method={self.method!r} is not one the engine runs; choose one of "

@@ -33,6 +33,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..checks import engine as check_engine
 from ..kernels import fused_sparse_mlp, row_norm, sparse_attention_core, sparse_mlp_down
 from ..kernels.qkv_rope import qkv_rope
 from .config import EngineError, SparseConfig
@@ -127,6 +128,7 @@ class Decoder(KeptSets, ThresholdBlocks):
             raise EngineError(
                 "predictors choose DejaVu's kept sets; pass sparse=SparseConfig(method='dejavu', ...)."
             )
+        max_seq_len = check_engine.size(max_seq_len, "max_seq_len", minimum=2)  # whole tokens
         if max_seq_len > self.w.max_positions:
             raise EngineError(
                 f"max_seq_len={max_seq_len} exceeds the model's {self.w.max_positions} positions."
@@ -284,6 +286,7 @@ class Decoder(KeptSets, ThresholdBlocks):
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
         """Dense forward over the prompt ids [1, S] (or [S]); fills the cache; logits [1, V]."""
+        ids = check_engine.prompt(ids, vocab=self.w.embed.shape[0])  # a batch is not flattened
         ids = ids.reshape(-1).to(self.w.device)
         S = ids.numel()
         if S < 1 or S >= self.max_seq_len:
@@ -351,7 +354,7 @@ class Decoder(KeptSets, ThresholdBlocks):
             raise EngineError("call prefill(prompt_ids) before step().")
         self._before_step()
         if token is not None:
-            self.tok_t.fill_(int(token))
+            self.tok_t.fill_(check_engine.size(token, "token", maximum=self.w.embed.shape[0] - 1))
         self.pos_t.fill_(self.pos)
         logits = self._replay() if self.graph is not None else self._step_body()
         self.pos += 1
@@ -386,6 +389,7 @@ class Decoder(KeptSets, ThresholdBlocks):
     @torch.no_grad()
     def decode(self, n: int) -> None:
         """``n`` greedy steps with no host synchronisation (graph replays when captured)."""
+        n = check_engine.size(n, "n")  # whole steps, >= 0
         if self.pos + n > self.max_seq_len:
             raise EngineError(
                 f"{n} more tokens would pass the cache's {self.max_seq_len}; build a larger one."
@@ -401,6 +405,8 @@ class Decoder(KeptSets, ThresholdBlocks):
     @torch.no_grad()
     def generate(self, ids: torch.Tensor, max_new_tokens: int, *, graph: bool | None = None):
         """Greedy continuation of ids [1, S]: [1, S + max_new_tokens] (like HF ``generate``)."""
+        ids = check_engine.prompt(ids, vocab=self.w.embed.shape[0])  # [1, S], ints in the vocab
+        max_new_tokens = check_engine.size(max_new_tokens, "max_new_tokens", minimum=1)
         S = ids.reshape(-1).numel()
         if S + max_new_tokens > self.max_seq_len:
             raise EngineError(

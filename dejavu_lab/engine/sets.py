@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..sparsify import n_keep
+from ..budgets import n_keep
 from .config import EngineError, SparseConfig
 
 __all__ = ["KeptSets"]

@@ -1,0 +1,75 @@
+"""The config dataclasses, checked field by field in their ``__post_init__``.
+
+A ``PredictorConfig`` with rank 0 used to build a predictor that "trained" (its output was its
+bias) and an ``epochs=0`` run returned an untrained predictor; a ``CollectConfig`` with a window
+of 8.5 failed deep inside ``torch.view``. Each field is refused here instead, naming the field.
+"""
+
+from __future__ import annotations
+
+from .scalars import fraction, integer, positive
+
+__all__ = ["collect_config", "predictor_config"]
+
+
+def predictor_config(cfg) -> None:
+    """Check a :class:`dejavu_lab.predictors.PredictorConfig` (raises ``PredictorError``).
+
+    >>> from dejavu_lab.predictors import PredictorConfig
+    >>> PredictorConfig(mlp_rank=0)
+    Traceback (most recent call last):
+    ...
+    dejavu_lab.predictors.PredictorError: mlp_rank must be at least 1 (a whole number), got 0; ...
+    """
+    from ..predictors import PredictorError
+
+    e = PredictorError
+    rank = "the predictor's inner width r; DejaVu used 1000 at d = 12288"
+    integer(cfg.mlp_rank, "mlp_rank", minimum=1, error=e, hint=rank)
+    integer(cfg.head_rank, "head_rank", minimum=1, error=e, hint=rank)
+    integer(cfg.epochs, "epochs", minimum=1, error=e, hint="train for at least one epoch")
+    integer(cfg.patience, "patience", minimum=1, error=e, hint="epochs without progress")
+    integer(cfg.batch_size, "batch_size", minimum=1, error=e, hint="tokens per step; 512 is usual")
+    integer(cfg.seed, "seed", error=e)
+    positive(cfg.lr, "lr", example=3e-3, error=e, hint="Adam's learning rate")
+    positive(cfg.max_pos_weight, "max_pos_weight", example=50, error=e)
+    fraction(cfg.val_fraction, "val_fraction", example=0.1, error=e, hint="the share held out")
+    for what in ("mlp_sparsity", "head_sparsity"):
+        _budget(cfg, what, e)
+
+
+def _budget(cfg, what: str, error) -> None:
+    from ..sparsify import budgets
+
+    try:
+        budgets(getattr(cfg, what), 1, what)
+    except ValueError as err:
+        raise error(f"{str(err).rstrip('.')}; pass e.g. {what}=0.5.") from None
+
+
+def collect_config(cfg) -> None:
+    """Check a :class:`dejavu_lab.collect.CollectConfig` (raises ``CollectionError``).
+
+    >>> from dejavu_lab.collect import CollectConfig
+    >>> CollectConfig(window=8.5)
+    Traceback (most recent call last):
+    ...
+    dejavu_lab.collect.CollectionError: window must be at least 2 (a whole number), got 8.5; ...
+    """
+    from ..collect import CollectionError
+    from ..corpus import CORPORA
+
+    e = CollectionError
+    if not isinstance(cfg.corpus, str) or cfg.corpus not in CORPORA:
+        raise e(f"Unknown corpus {cfg.corpus!r}; choose one of {', '.join(CORPORA)}.")
+    window = integer(cfg.window, "window", minimum=2, error=e, hint="tokens per window")
+    integer(
+        cfg.max_tokens,
+        "max_tokens",
+        minimum=window,
+        error=e,
+        hint="need max_tokens >= window: at least one whole window",
+    )
+    integer(cfg.chunk_windows, "chunk_windows", minimum=1, error=e, hint="windows per chunk file")
+    integer(cfg.skip_windows, "skip_windows", minimum=0, error=e, hint="0 starts at the beginning")
+    _budget(cfg, "mlp_label_sparsity", e)
