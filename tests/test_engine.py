@@ -58,23 +58,25 @@ def test_demo_dense_logits_and_greedy_generation(demo):
     assert ours.tolist() == hf.tolist()
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("preset", [*TINY, "tiny-llama-mha"])
-def test_sparse_with_everything_kept_matches_dense(preset):
+def test_sparse_with_everything_kept_matches_dense(preset, fused):
     kw = {"num_key_value_heads": 4} if preset == "tiny-llama-mha" else {}
     m = random_model(preset.removesuffix("-mha"), dtype=torch.bfloat16, seed=2, **kw).model
     ids = torch.randint(0, 128, (1, 10), generator=torch.Generator().manual_seed(1))
     dense = decode_logits(Decoder(m, max_seq_len=16), ids, 6)
-    sparse = decode_logits(Decoder(m, max_seq_len=16, sparse=SparseConfig()), ids, 6)
+    sparse = decode_logits(Decoder(m, max_seq_len=16, sparse=SparseConfig(fused=fused)), ids, 6)
     assert relerr(sparse, dense) < 2e-2
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("preset", ["tiny-opt", "tiny-llama-mha"])
-def test_deferred_kv_is_exact(preset):
+def test_deferred_kv_is_exact(preset, fused):
     """Skipped heads' K/V, recomputed from the stored window, equal K/V computed every step."""
     kw = {"num_key_value_heads": 4} if preset == "tiny-llama-mha" else {}
     m = random_model(preset.removesuffix("-mha"), dtype=torch.bfloat16, seed=3, **kw).model
-    deferred = Decoder(m, max_seq_len=32, sparse=SparseConfig(0.5, 0.5, kv_window=3))
-    eager = Decoder(m, max_seq_len=32, sparse=SparseConfig(0.5, 0.5, kv_window=0))
+    deferred = Decoder(m, max_seq_len=32, sparse=SparseConfig(0.5, 0.5, kv_window=3, fused=fused))
+    eager = Decoder(m, max_seq_len=32, sparse=SparseConfig(0.5, 0.5, kv_window=0, fused=fused))
     assert deferred.window == 3 and eager.window == 0
     ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(2))
     deferred.prefill(ids)

@@ -34,7 +34,14 @@ import torch
 import torch.nn.functional as F
 
 from ..checks import engine as check_engine
-from ..kernels import fused_sparse_mlp, row_norm, sparse_attention_core, sparse_mlp_down
+from ..kernels import (
+    fused_sparse_mlp,
+    kv_window_write,
+    row_norm,
+    sparse_attention_core,
+    sparse_mlp_down,
+    sparse_mlp_up,
+)
 from ..kernels.qkv_rope import qkv_rope
 from .config import EngineError, SparseConfig
 from .sets import KeptSets
@@ -197,8 +204,16 @@ class Decoder(KeptSets, ThresholdBlocks):
         return _norm(h + mlp(i, h), lw.ln_mlp, kind)
 
     def _mlp_sparse(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        """DejaVu's MLP over the kept neurons: up (or gate/up), activation and down, one launch."""
-        lw = self.w.layers[i]
+        """DejaVu's MLP over the kept neurons: up (or gate/up), activation and down."""
+        lw, n, idx = self.w.layers[i], self.arch.d_mlp, self.mlp_idx[i]
+        if not self.sparse.fused:  # two gather-GEMVs (faster on the H200: SparseConfig.fused)
+            b = lw.b_in
+            h = sparse_mlp_up(
+                x, lw.w_in[:n], idx, bias=None if b is None else b[:n],
+                activation=self.w.activation, up_weight=lw.w_in[n:] if self.arch.gated else None,
+                up_bias=None if (b is None or not self.arch.gated) else b[n:], validate=False,
+            )  # fmt: skip
+            return sparse_mlp_down(h, lw.w_down_t, idx, bias=lw.b_down, validate=False)
         return fused_sparse_mlp(x, lw.w_in, lw.w_down_t, self.mlp_idx[i],
                                 activation=self.w.activation, gated=self.arch.gated,
                                 b_in=lw.b_in, b_down=lw.b_down, validate=False)  # fmt: skip
@@ -225,6 +240,8 @@ class Decoder(KeptSets, ThresholdBlocks):
         # its position) and, with deferred KV, the kept heads' K/V over the window written to
         # the cache, all in one launch
         win = self.window > 0
+        if not self.sparse.fused:
+            return self._attn_sparse_unfused(i, xb, heads)
         qkv = qkv_rope(xb, lw.w_qkv, self.qkv_idx[i], n_heads=self.H, n_kv_heads=self.Hkv,
                        positions=self._positions,
                        bias=lw.b_qkv, cos=self.cos, sin=self.sin,
@@ -240,9 +257,30 @@ class Decoder(KeptSets, ThresholdBlocks):
         return sparse_mlp_down(o, lw.w_o_t, heads, bias=lw.b_o, rows_per_index=dh,
                                validate=False)  # fmt: skip
 
+    def _attn_sparse_unfused(self, i: int, xb: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+        """The kept heads' QKV gather-GEMV, RoPE, the window's K/V write and attention apart."""
+        lw, dh, k, nkv = self.w.layers[i], self.dh, self.k_heads, self.n_kv_sel
+        qkv = sparse_mlp_up(xb, lw.w_qkv, self.qkv_idx[i], bias=lw.b_qkv, activation="none",
+                            rows_per_index=dh, validate=False)  # [B, (k + 2 nkv) dh]  # fmt: skip
+        if self.cos is not None:  # row b sits at positions[b]
+            blocks = qkv.view(xb.shape[0], k + 2 * nkv, dh)
+            cos, sin = self.cos[self._positions, None], self.sin[self._positions, None]
+            blocks[:, : k + nkv] = _rotate(blocks[:, : k + nkv], cos, sin)
+        if self.window:  # the kept heads' K/V over the whole window, then this token's row
+            kv_window_write(qkv, self.kv[i, 0], self.kv[i, 1], heads, self.base_t, n_q=k)
+            qkv = qkv.index_select(0, self._slot)  # [1, (k + 2 nkv) dh]
+        o = sparse_attention_core(
+            qkv, self.kv[i, 0][None], self.kv[i, 1][None], self._seqlen, heads, n_heads=self.H,
+            kv_heads=None if self.window else self._kv_all, scale=self.scale,
+        )  # [1, k dh]  # fmt: skip
+        return sparse_mlp_down(o, lw.w_o_t, heads, bias=lw.b_o, rows_per_index=dh,
+                               validate=False)  # fmt: skip
+
     def _flush(self) -> None:
         """Dense K/V of every head for the window's tokens, then open a new window (Knowl 5):
         the step's own kernel over every K/V block, so both write the same numbers."""
+        if not self.sparse.fused:  # the unfused step rotates in torch: so does its flush
+            return self._flush_unfused()
         blocks = torch.arange(self.H, self.H + 2 * self.Hkv, device=self.w.device)
         positions = self.base_t + self.ar_w
         for i, lw in enumerate(self.w.layers):
@@ -250,6 +288,19 @@ class Decoder(KeptSets, ThresholdBlocks):
                      positions=positions, bias=lw.b_qkv, cos=self.cos, sin=self.sin,
                      k_cache=self.kv[i, 0], v_cache=self.kv[i, 1])  # fmt: skip
         self.base += self.window
+        self.base_t.fill_(self.base)
+
+    def _flush_unfused(self) -> None:
+        H, Hkv, dh, W, b = self.H, self.Hkv, self.dh, self.window, self.base
+        for i, lw in enumerate(self.w.layers):
+            bias = None if lw.b_qkv is None else lw.b_qkv[H * dh :]
+            kv = F.linear(self.hwin[i], lw.w_qkv[H * dh :], bias).view(W, 2, Hkv, dh)
+            kk = kv[:, 0]
+            if self.cos is not None:
+                kk = _rotate(kk, self.cos[b : b + W, None], self.sin[b : b + W, None])
+            self.kv[i, 0, :, b : b + W] = kk.transpose(0, 1)
+            self.kv[i, 1, :, b : b + W] = kv[:, 1].transpose(0, 1)
+        self.base += W
         self.base_t.fill_(self.base)
 
     # ----------------------------------------------------------------------------- steps
