@@ -25,11 +25,10 @@ def size(value, name: str, *, minimum: int = 0, maximum: int | None = None, hint
 
     >>> size(4, "max_new_tokens", minimum=1)
     4
-    >>> try:
-    ...     size(2.5, "kv_window", maximum=32)
-    ... except Exception as e:
-    ...     print(type(e).__name__, e)
-    EngineError kv_window must be a whole number in [0, 32], got 2.5; pass e.g. kv_window=2.
+    >>> size(2.5, "kv_window", maximum=32)
+    Traceback (most recent call last):
+    ...
+    dejavu_lab.engine_weights.EngineError: kv_window must be a whole number in [0, 32], got 2.5; pass e.g. ...
     """
     return integer(value, name, minimum=minimum, maximum=maximum, error=_engine_error(), hint=hint)
 
@@ -37,11 +36,10 @@ def size(value, name: str, *, minimum: int = 0, maximum: int | None = None, hint
 def max_seq_len(value, max_positions: int) -> int:
     """The cache length: a whole number of tokens in [2, the model's positions].
 
-    >>> try:
-    ...     max_seq_len(4096, 2048)
-    ... except Exception as e:
-    ...     print(type(e).__name__, e)
-    EngineError max_seq_len must be a whole number in [2, 2048], got 4096; pass e.g. ...
+    >>> max_seq_len(4096, 2048)
+    Traceback (most recent call last):
+    ...
+    dejavu_lab.engine_weights.EngineError: max_seq_len must be a whole number in [2, 2048], ...
     """
     return size(
         value,
@@ -57,11 +55,10 @@ def prompt(ids, *, batch: int = 1, vocab: int | None = None) -> torch.Tensor:
 
     >>> prompt(torch.tensor([5, 6, 7])).shape
     torch.Size([1, 3])
-    >>> try:
-    ...     prompt(torch.tensor([[5, 6, 7], [1, 2, 3]]))  # was flattened into 6 tokens
-    ... except Exception as e:
-    ...     print(type(e).__name__, e)
-    EngineError the decoder runs a batch of 1 but the prompt has shape (2, 3); pass [1, S] ...
+    >>> prompt(torch.tensor([[5, 6, 7], [1, 2, 3]]))  # was flattened into 6 tokens
+    Traceback (most recent call last):
+    ...
+    dejavu_lab.engine_weights.EngineError: the decoder runs a batch of 1 but the prompt has ...
     """
     error = _engine_error()
     if not isinstance(ids, torch.Tensor):
