@@ -161,7 +161,7 @@ def demo_tokenizer(demo):
 
 def test_unknown_hook_name(tiny):
     with pytest.raises(KeyError) as e:
-        run_with_cache(tiny.model, torch.tensor([[1, 2]]), names="blocks.0.mlp.hook_pre")
+        run_with_cache(tiny.model, torch.tensor([[1, 2]]), names="blocks.0.mlp.hook_gate")
     assert "use names like" in one_sentence(e.value)
 
 

@@ -37,7 +37,8 @@ ZYGOTE = textwrap.dedent(
 
     spec = json.loads(sys.argv[1])
     text = corpus.load_text("demo")[:20000]
-    corpus.load_text = lambda name="demo", *a, **k: text  # 6 windows need no 76k-token corpus
+    # 6 windows of 16 tokens need no 76k-token corpus (collect imported load_text by name)
+    corpus.load_text = dejavu_lab.collect.load_text = lambda name="demo", *a, **k: text
 
     def patch(run):
         write = atomic._write
@@ -160,7 +161,7 @@ def runs(tmp_path_factory):
         [sys.executable, "-c", ZYGOTE, json.dumps(spec)],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,  # ~15 s on an idle 2-core machine; generous for a loaded one
         env=env,
     )
     assert out.returncode == 0, out.stderr[-3000:]

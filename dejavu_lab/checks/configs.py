@@ -39,12 +39,8 @@ def predictor_config(cfg) -> None:
 
 
 def _budget(cfg, what: str, error) -> None:
-    from ..sparsify import budgets
-
-    try:
-        budgets(getattr(cfg, what), 1, what)
-    except ValueError as err:
-        raise error(f"{str(err).rstrip('.')}; pass e.g. {what}=0.5.") from None
+    """A sparsity (the fraction removed) in [0, 1), as ``budgets`` takes it, for one value."""
+    fraction(getattr(cfg, what), what, closed="left", error=error, hint="the fraction removed")
 
 
 def collect_config(cfg) -> None:

@@ -132,8 +132,8 @@ def model_dir(path: str | Path) -> str | Path:
     ...
     dejavu_lab.models.ModelNotFoundError: /... holds config.json but no weights ...
     """
-    if isinstance(path, str):
-        return path
+    if isinstance(path, str) or path.is_file():
+        return path  # a hub id, or a single file (a GGUF) that its own reader checks
     if any(path.glob("*.gguf")):
         return path  # the GGUF reader brings config, weights and tokenizer in one file
     if not (path / "config.json").is_file():

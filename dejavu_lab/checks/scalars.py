@@ -115,7 +115,7 @@ def fraction(
     >>> fraction(1.0, "val_fraction", example=0.1)
     Traceback (most recent call last):
     ...
-    dejavu_lab.checks.InputError: val_fraction must be a number in (0, 1), got 1.0; pass e.g. ...
+    dejavu_lab.checks.InputError: val_fraction must be in (0, 1), got 1.0; pass e.g. val_fraction=0.1.
     """
     lo = "[" if closed in ("left", "both") else "("
     hi = "]" if closed in ("right", "both") else ")"
@@ -123,7 +123,5 @@ def fraction(
     if ok:
         ok = (value >= 0 if lo == "[" else value > 0) and (value <= 1 if hi == "]" else value < 1)
     if not ok:
-        raise error(
-            f"{name} must be a number in {lo}0, 1{hi}, got {value!r}" + _tail(name, example, hint)
-        )
+        raise error(f"{name} must be in {lo}0, 1{hi}, got {value!r}" + _tail(name, example, hint))
     return float(value)
