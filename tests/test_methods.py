@@ -184,3 +184,16 @@ def test_bytes_per_token_by_method():
     extra = arch.n_layers * (64 * 8 + 8 * 192)  # the MLP predictors' weights, every layer
     base = bytes_per_token_fraction(arch, {(i, "mlp"): 0.5 for i in range(arch.n_layers)})
     assert r.bytes_per_token_fraction == pytest.approx(base + extra / (arch.n_layers * dense))
+
+
+def test_per_token_kept_fractions_vary_under_a_threshold():
+    model, _, _ = random_model("tiny-llama")
+    ids = _ids(b=2, p=16)
+    cal = calibrate(model, ids, cache=False, progress=False)
+    kept = Kept(per_token=True)
+    r = sparse_eval(model, ids, method="teal", sparsity=0.5, thresholds=cal, kept=kept,
+                    progress=False)  # fmt: skip
+    table = kept.per_token()
+    assert len(table) == 2 * 4 * 32  # layers x sites x tokens
+    one = table[(table.layer == 1) & (table.site == "mlp_in")]["kept"]
+    assert one.std() > 0 and abs(one.mean() - r.kept["mlp_in"]) < 0.1

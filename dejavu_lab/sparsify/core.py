@@ -472,12 +472,15 @@ def sparse_eval(
     *,
     progress: bool = True,
     batch_size: int = 1,
+    kept: Kept | None = None,
     **sparsified_kwargs,
 ) -> SparseResult:
     """Perplexity over ``windows`` plus the realised bytes per token against dense.
 
     Threshold methods keep a varying number of entries per token; the bytes are counted from
     the kept fraction each site realised on these windows (:mod:`dejavu_lab.sparsify.layer_bytes`).
+    ``kept``: a :class:`~dejavu_lab.sparsify.layer_bytes.Kept` to fill (e.g. with
+    ``per_token=True`` for the distribution of kept counts); a fresh one by default.
 
     >>> from dejavu_lab.models import random_model
     >>> model, _, _ = random_model("tiny-llama")
@@ -487,7 +490,7 @@ def sparse_eval(
     (16, {'mlp': 0.5}, 0.625)
     """
     windows = _check_windows(windows)
-    kept = Kept()
+    kept = Kept() if kept is None else kept
     arch = sparsified_kwargs.get("arch") or get_arch(model)
     with torch.no_grad(), sparsified(model, kept=kept, **sparsified_kwargs):
         ppl = perplexity(model, windows, batch_size=batch_size, progress=progress)
@@ -567,9 +570,12 @@ def lm_eval_tasks(
     without either it raises :class:`RuntimeError` saying which. Returns lm-eval's
     ``results`` dict, task -> metrics.
 
+    >>> import sys
+    >>> from unittest import mock
     >>> from dejavu_lab.models import random_model
     >>> model, _, _ = random_model("tiny-opt")
-    >>> lm_eval_tasks(model, None, ["piqa"], limit=10, mlp_sparsity=0.5)  # lm-eval not installed
+    >>> with mock.patch.dict(sys.modules, {"lm_eval": None}):  # as if lm-eval were not installed
+    ...     lm_eval_tasks(model, None, ["piqa"], limit=10, mlp_sparsity=0.5)
     Traceback (most recent call last):
     ...
     RuntimeError: lm_eval_tasks needs lm-evaluation-harness: pip install lm-eval ...

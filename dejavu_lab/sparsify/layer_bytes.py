@@ -38,19 +38,40 @@ __all__ = ["Kept", "bytes_per_token_fraction", "layer_elements", "site_elements"
 class Kept:
     """Running counts of kept units per (layer, site), filled by the sparsity hooks.
 
-    >>> k = Kept()
-    >>> k.add(0, "mlp_in", torch.tensor([[True, False], [True, True]]))
+    ``per_token=True`` also keeps each token's kept fraction (a threshold keeps a different
+    number of entries for every token; :meth:`per_token` tabulates them).
+
+    >>> k = Kept(per_token=True)
+    >>> k.add(0, "mlp_in", torch.tensor([[True, False], [True, True]]))  # 2 tokens
     >>> k.fractions(), k.by_site()
     ({(0, 'mlp_in'): 0.75}, {'mlp_in': 0.75})
+    >>> k.per_token()["kept"].tolist()
+    [0.5, 1.0]
     """
 
-    def __init__(self):
+    def __init__(self, per_token: bool = False):
         self.counts: dict[tuple[int, str], list[float]] = defaultdict(lambda: [0.0, 0.0])
+        self.tokens: dict[tuple[int, str], list[torch.Tensor]] | None = (
+            defaultdict(list) if per_token else None
+        )
 
     def add(self, layer: int, site: str, keep: torch.Tensor) -> None:
+        """Count a bool mask [..., units] of what one site kept for a batch of tokens."""
         c = self.counts[(layer, site)]
         c[0] += float(keep.sum())
         c[1] += keep.numel()
+        if self.tokens is not None:
+            self.tokens[(layer, site)].append(keep.float().mean(-1).flatten().cpu())
+
+    def per_token(self):
+        """A pandas table: layer, site, token (in order seen), kept fraction."""
+        import pandas as pd
+
+        rows = []
+        for (layer, site), parts in sorted((self.tokens or {}).items()):
+            for j, f in enumerate(torch.cat(parts).tolist()):
+                rows.append({"layer": layer, "site": site, "token": j, "kept": f})
+        return pd.DataFrame(rows, columns=["layer", "site", "token", "kept"])
 
     def fractions(self) -> dict[tuple[int, str], float]:
         """(layer, site) -> kept fraction over everything seen."""
