@@ -40,17 +40,15 @@ from .calibration import (
 from .core import (
     METHODS,
     MODES,
-    PAPER_KNOWL9,
-    PAPER_TASKS,
     SITES,
     SparseResult,
-    lm_eval_tasks,
     register,
     sparse_eval,
     sparse_perplexity,
     sparsified,
 )
 from .layer_bytes import Kept, bytes_per_token_fraction
+from .paper import PAPER_KNOWL9, PAPER_TASKS, lm_eval_tasks
 from .static import StaticSets, static_sets
 
 __all__ = [

@@ -19,9 +19,10 @@ thresholds for any sparsity and allocation (:meth:`Calibration.thresholds`). TEA
 allocation (:mod:`dejavu_lab.sparsify.greedy`) is computed on request and stored with it.
 
 Calibrations are cached under ``cache_dir()/calibration``, keyed by the model fingerprint, a
-hash of the calibration tokens and the :class:`CalibrationConfig`; they and
-:class:`Thresholds` save as safetensors carrying the fingerprint, and loading one for another
-model is a :class:`CalibrationError`. Files are written under a temporary name and renamed.
+hash of the calibration tokens and the :class:`CalibrationConfig`; they and the
+:class:`~dejavu_lab.sparsify.thresholds.Thresholds` they give save as safetensors carrying the
+fingerprint, and loading one for another model is a ``CalibrationError``. Files are written
+under a temporary name and renamed.
 """
 
 from __future__ import annotations
@@ -34,8 +35,6 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -44,6 +43,14 @@ from ..budgets import budgets
 from ..collect import fingerprint, fingerprint_id
 from ..hooks import hooks
 from .core import SITES, _check_windows, column_norms
+from .thresholds import (
+    CalibrationError,
+    Thresholds,
+    _check_fingerprint,
+    _load,
+    _save,
+    load_thresholds,
+)
 
 __all__ = [
     "KINDS",
@@ -57,21 +64,10 @@ __all__ = [
     "load_thresholds",
     "text_hash",
     "thresholds_for",
-]
+]  # CalibrationError, Thresholds and load_thresholds live in dejavu_lab.sparsify.thresholds
 
 KINDS = {"teal": tuple(SITES), "wina": tuple(SITES), "cats": ("gate",)}  # method -> sites
 FORMAT = "dejavu-lab-calibration/1"
-THRESHOLDS_FORMAT = "dejavu-lab-thresholds/1"
-
-
-class CalibrationError(ValueError):
-    """A calibration or thresholds file is damaged, belongs to another model, or lacks a part.
-
-    >>> CalibrationConfig(bins=1)
-    Traceback (most recent call last):
-    ...
-    dejavu_lab.sparsify.calibration.CalibrationError: bins must be at least 16, got 1.
-    """
 
 
 @dataclass(frozen=True)
@@ -173,116 +169,6 @@ def _mass_below(hist: torch.Tensor, t: float, cfg: CalibrationConfig) -> float:
     pos = max(pos, 0.0)
     j = int(pos)
     return (float(hist[: j + 1].sum()) + (pos - j) * float(hist[j + 1])) / total
-
-
-# ---------------------------------------------------------------------------------------------
-# thresholds
-
-
-@dataclass
-class Thresholds:
-    """Calibrated score thresholds of one method, per (layer, site); missing sites run dense.
-
-    >>> from dejavu_lab.models import random_model
-    >>> m = random_model("tiny-llama")
-    >>> thr = Thresholds("teal", {(0, "mlp_in"): 0.3}, {(0, "mlp_in"): 0.5},
-    ...                  fingerprint(m.model))
-    >>> thr.engine_thresholds(m.model)[(0, "mlp_in")][:3]  # the engine's per-column form
-    tensor([0.3000, 0.3000, 0.3000])
-    """
-
-    method: str  # "teal", "wina" or "cats"
-    values: dict[tuple[int, str], float]  # score threshold t: keep entry i iff score_i > t
-    sparsity: dict[tuple[int, str], float]  # the share of entries t was calibrated to remove
-    fingerprint: dict  # the model they were calibrated on
-    allocation: str = "uniform"  # how the sparsity was spread over the sites of a layer
-    info: dict = field(default_factory=dict)  # where they came from (calibration file, text)
-
-    def check_model(self, model, arch: Arch | None = None) -> None:
-        """Raise :class:`CalibrationError` unless these thresholds belong to ``model``."""
-        _check_fingerprint(self.fingerprint, model, arch, "These thresholds were calibrated")
-
-    def engine_thresholds(self, model, arch: Arch | None = None) -> dict:
-        """``{(layer, site): fp32 [d_in]}``: read column ``i`` iff ``|x[i]| > thr[i]``.
-
-        TEAL and CATS: the constant ``t``; WINA: ``t / ‖W[:, i]‖₂`` of the site's stacked
-        weights (a zero column is never read). This is the dict the engine's
-        ``SparseConfig(method=..., thresholds=...)`` takes.
-        """
-        arch = arch or get_arch(model)
-        out = {}
-        for (i, site), t in sorted(self.values.items()):
-            n = _site_width(arch, site)
-            if self.method == "wina":
-                c = column_norms(model, arch, i, site).cpu()
-                out[(i, site)] = torch.where(c > 0, t / c, torch.full_like(c, float("inf")))
-            else:
-                out[(i, site)] = torch.full((n,), float(t), dtype=torch.float32)
-        return out
-
-    def save(self, path: str | os.PathLike) -> Path:
-        """Write a safetensors file (atomically) with the fingerprint in its metadata."""
-        keys = sorted(self.values)
-        tensors = {
-            f"{i}.{site}": torch.tensor([self.values[(i, site)], self.sparsity[(i, site)]])
-            for i, site in keys
-        }
-        meta = {
-            "format": THRESHOLDS_FORMAT,
-            "method": self.method,
-            "allocation": self.allocation,
-            "fingerprint": json.dumps(self.fingerprint),
-            "info": json.dumps(self.info),
-        }
-        if not tensors:
-            tensors = {"empty": torch.zeros(1)}
-        return _save(tensors, meta, path)
-
-
-def load_thresholds(path: str | os.PathLike, model=None, arch: Arch | None = None) -> Thresholds:
-    """Load :meth:`Thresholds.save`'s file; with ``model``, check they belong to it.
-
-    >>> import tempfile
-    >>> from dejavu_lab.models import random_model
-    >>> m = random_model("tiny-llama")
-    >>> thr = Thresholds("cats", {(1, "gate"): 0.1}, {(1, "gate"): 0.4}, fingerprint(m.model))
-    >>> path = thr.save(f"{tempfile.mkdtemp()}/t.safetensors")
-    >>> load_thresholds(path, m.model).values
-    {(1, 'gate'): 0.10000000149011612}
-    >>> load_thresholds(path, random_model("tiny-llama", seed=1).model)
-    Traceback (most recent call last):
-    ...
-    dejavu_lab.sparsify.calibration.CalibrationError: These thresholds were calibrated for another ...
-    """
-    tensors, meta = _load(path, THRESHOLDS_FORMAT, "thresholds")
-    values, sparsity = {}, {}
-    for key, t in tensors.items():
-        if key == "empty":
-            continue
-        i, site = key.split(".", 1)
-        values[(int(i), site)] = float(t[0])
-        sparsity[(int(i), site)] = float(t[1])
-    thr = Thresholds(
-        meta["method"],
-        values,
-        sparsity,
-        json.loads(meta["fingerprint"]),
-        meta.get("allocation", "uniform"),
-        json.loads(meta.get("info", "{}")),
-    )
-    if model is not None:
-        thr.check_model(model, arch)
-    return thr
-
-
-def _site_width(arch: Arch, site: str) -> int:
-    return {
-        "attn_in": arch.d_model,
-        "o_in": arch.n_heads * arch.d_head,
-        "mlp_in": arch.d_model,
-        "down_in": arch.d_mlp,
-        "gate": arch.d_mlp,
-    }[site]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -449,7 +335,7 @@ def load_calibration(path: str | os.PathLike, model=None, arch: Arch | None = No
     >>> load_calibration(path, random_model("tiny-llama").model)
     Traceback (most recent call last):
     ...
-    dejavu_lab.sparsify.calibration.CalibrationError: This calibration was made for another model ...
+    dejavu_lab.sparsify.thresholds.CalibrationError: This calibration was made for another model ...
     """
     tensors, meta = _load(path, FORMAT, "calibration")
     cfg_dict = json.loads(meta["config"])
@@ -616,48 +502,3 @@ def thresholds_for(ctx) -> Thresholds:
         keep = {k: v for k, v in src.values.items() if k[0] not in ctx.dense}
         src = Thresholds(src.method, keep, src.sparsity, src.fingerprint, src.allocation, src.info)
     return src
-
-
-# ---------------------------------------------------------------------------------------------
-# files
-
-
-def _check_fingerprint(fp: dict, model, arch, what: str) -> None:
-    have = fingerprint(model, arch)
-    if have != fp:
-        diff = [k for k in have if have[k] != fp.get(k)]
-        raise CalibrationError(
-            f"{what} for another model ({fingerprint_id(fp)}, this one is "
-            f"{fingerprint_id(have)}; differs in {', '.join(diff)}); calibrate this model with "
-            "dejavu_lab.sparsify.calibration.calibrate."
-        )
-
-
-def _save(tensors: dict, meta: dict, path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
-    try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=meta)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
-
-
-def _load(path, fmt: str, what: str):
-    path = Path(path)
-    if not path.exists():
-        raise CalibrationError(f"No {what} file at {path}.")
-    try:
-        with safe_open(str(path), "pt") as f:
-            meta = f.metadata() or {}
-        tensors = load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as e:
-        raise CalibrationError(
-            f"{path} is not a readable safetensors file ({str(e).splitlines()[0][:80]}); it is "
-            f"truncated or damaged: delete it and calibrate again."
-        ) from None
-    if meta.get("format") != fmt:
-        raise CalibrationError(f"{path} is a safetensors file but not a dejavu-lab {what}.")
-    return tensors, meta
