@@ -48,7 +48,7 @@ from .core import (
     sparsified,
 )
 from .layer_bytes import Kept, bytes_per_token_fraction
-from .paper import PAPER_KNOWL9, PAPER_TASKS, lm_eval_tasks
+from .paper import PAPER_KNOWL9, PAPER_TASKS
 from .static import StaticSets, static_sets
 
 __all__ = [
@@ -80,3 +80,12 @@ __all__ = [
     "static_sets",
     "topk_mask",
 ]
+
+
+def __getattr__(name: str):
+    """``lm_eval_tasks`` lives in :mod:`dejavu_lab.lm_eval_tasks` (it imports this package)."""
+    if name == "lm_eval_tasks":
+        from ..lm_eval_tasks import lm_eval_tasks
+
+        return lm_eval_tasks
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,17 +1,13 @@
-"""The paper's reported numbers, and zero-shot accuracy through lm-evaluation-harness.
+"""The paper's reported numbers: its ablation table and its zero-shot tasks (Knowl 8, 9).
 
-:data:`PAPER_KNOWL9` is Deja Vu's ablation table (Knowl 9) for the chapters to print beside our
-numbers; :func:`lm_eval_tasks` runs the paper's zero-shot tasks (Knowl 8, 9) with any method of
-:func:`~dejavu_lab.sparsify.core.sparsified` applied.
+:data:`PAPER_KNOWL9` is Deja Vu's ablation table for the chapters to print beside our numbers;
+:data:`PAPER_TASKS` names its zero-shot tasks in lm-evaluation-harness, which
+:func:`dejavu_lab.lm_eval_tasks.lm_eval_tasks` runs with any sparsity method applied.
 """
 
 from __future__ import annotations
 
-import torch
-
-from .core import sparsified
-
-__all__ = ["PAPER_KNOWL9", "PAPER_TASKS", "lm_eval_tasks"]
+__all__ = ["PAPER_KNOWL9", "PAPER_TASKS"]
 
 
 # The paper's ablation (Knowl 9, Table: OPT-175B, separate MLP / attention sparsity), for the
@@ -49,49 +45,3 @@ PAPER_KNOWL9 = [
 
 # The paper's zero-shot tasks (Knowl 8, 9) under their lm-evaluation-harness names.
 PAPER_TASKS = ("cb", "copa", "lambada_openai", "openbookqa", "piqa", "rte", "winogrande")
-
-
-def lm_eval_tasks(
-    model, tokenizer, tasks=PAPER_TASKS, *, limit: int | None = None, **sparsified_kwargs
-) -> dict:
-    """Zero-shot accuracy through lm-evaluation-harness with :func:`sparsified` applied.
-
-    Needs the ``lm-eval`` package and a network (the harness downloads each task's dataset);
-    without either it raises :class:`RuntimeError` saying which. Returns lm-eval's
-    ``results`` dict, task -> metrics.
-
-    >>> import sys
-    >>> from unittest import mock
-    >>> from dejavu_lab.models import random_model
-    >>> model, _, _ = random_model("tiny-opt")
-    >>> with mock.patch.dict(sys.modules, {"lm_eval": None}):  # as if lm-eval were not installed
-    ...     lm_eval_tasks(model, None, ["piqa"], limit=10, mlp_sparsity=0.5)
-    Traceback (most recent call last):
-    ...
-    RuntimeError: lm_eval_tasks needs lm-evaluation-harness: pip install lm-eval ...
-    """
-    try:
-        import lm_eval
-        from lm_eval.models.huggingface import HFLM
-    except ImportError:
-        raise RuntimeError(
-            "lm_eval_tasks needs lm-evaluation-harness: pip install lm-eval (it then downloads "
-            "the task datasets, so it also needs a network); use sparse_perplexity offline."
-        ) from None
-    import os
-
-    if os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1":
-        raise RuntimeError(
-            "lm_eval_tasks needs a network to fetch the task datasets, but HF_HUB_OFFLINE or "
-            "HF_DATASETS_OFFLINE is set; unset it or use sparse_perplexity."
-        )
-    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=1)
-    with torch.no_grad(), sparsified(model, **sparsified_kwargs):
-        try:
-            out = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), limit=limit)
-        except (ConnectionError, OSError) as e:
-            raise RuntimeError(
-                f"lm-eval could not fetch its task data ({type(e).__name__}); it needs a "
-                "network: run it online or use sparse_perplexity."
-            ) from None
-    return out["results"]
