@@ -51,6 +51,7 @@ _VERSION = 1  # of the task's construction; part of its cache folder's name
 class LmEvalError(ValueError):
     """lm-eval is missing, a task is unknown, or a task's data cannot be fetched.
 
+    >>> import pytest; _ = pytest.importorskip("lm_eval")  # pip install 'dejavu-lab[eval]'
     >>> lm_eval_tasks(None, None, ["no_such_task"])
     Traceback (most recent call last):
     ...
@@ -167,6 +168,7 @@ def lm_eval_tasks(
     (a network or a filled ``HF_DATASETS`` cache). Returns task -> {metric: value}, lm-eval's
     aggregated metrics without their ``,none`` filter suffix, plus ``n`` (examples scored).
 
+    >>> import pytest; _ = pytest.importorskip("lm_eval")  # pip install 'dejavu-lab[eval]'
     >>> from dejavu_lab.models import load_model
     >>> model, tok, _ = load_model("demo")
     >>> dense = lm_eval_tasks(model, tok, limit=20, progress=False)
