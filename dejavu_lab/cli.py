@@ -699,7 +699,8 @@ def _old_sparsify() -> bool:
 def cmd_eval_tasks(args) -> None:
     """``dejavu-lab eval-tasks``: lm-eval zero-shot scores, dense or with ``--method``.
 
-    >>> import contextlib, io, json
+    >>> import contextlib, io, json, pytest
+    >>> _ = pytest.importorskip("lm_eval")  # the optional extra: pip install 'dejavu-lab[eval]'
     >>> out = io.StringIO()
     >>> with contextlib.redirect_stdout(out):
     ...     cmd_eval_tasks(parser().parse_args("eval-tasks --sparsity 0.5 --limit 2 --json "

@@ -51,6 +51,7 @@ _VERSION = 1  # of the task's construction; part of its cache folder's name
 class LmEvalError(ValueError):
     """lm-eval is missing, a task is unknown, or a task's data cannot be fetched.
 
+    >>> import pytest; _ = pytest.importorskip("lm_eval")  # pip install 'dejavu-lab[eval]'
     >>> lm_eval_tasks(None, None, ["no_such_task"])
     Traceback (most recent call last):
     ...
@@ -161,11 +162,13 @@ def lm_eval_tasks(
     ``sparsity``, ``thresholds``, …) go to :func:`dejavu_lab.sparsify.sparsified`; with neither
     the model runs dense. ``limit``: examples per task (lm-eval's ``limit``). ``add_bos``
     (default: :func:`dejavu_lab.corpus.wants_bos`) prepends BOS to every request. The
-    harness's progress bars go to stderr (none with ``progress=False``); stdout stays ours.
+    harness's prints and progress bars go to stderr (fewer with ``progress=False``), so stdout
+    stays the caller's.
     :data:`LOCAL_TASK` runs offline; any other task name is lm-eval's and needs its dataset
     (a network or a filled ``HF_DATASETS`` cache). Returns task -> {metric: value}, lm-eval's
     aggregated metrics without their ``,none`` filter suffix, plus ``n`` (examples scored).
 
+    >>> import pytest; _ = pytest.importorskip("lm_eval")  # pip install 'dejavu-lab[eval]'
     >>> from dejavu_lab.models import load_model
     >>> model, tok, _ = load_model("demo")
     >>> dense = lm_eval_tasks(model, tok, limit=20, progress=False)
@@ -241,7 +244,7 @@ def lm_eval_tasks(
 @contextmanager
 def _quiet(progress: bool) -> Iterator[None]:
     """The harness prints to stdout (e.g. "bootstrapping for stddev"): send that to stderr,
-    and without ``progress`` switch its tqdm bars off."""
+    and without ``progress`` switch off the tqdm bars that do not force themselves on."""
     old = os.environ.get("TQDM_DISABLE")
     if not progress:
         os.environ["TQDM_DISABLE"] = "1"
