@@ -19,7 +19,8 @@ Sparsity is always the fraction REMOVED (the paper's "85% MLP sparsity" keeps 15
 a float or a per-layer list in [0, 1) (:mod:`dejavu_lab.budgets`). Masks are applied through
 the writable hook points of :mod:`dejavu_lab.hooks`, so the model's own forward runs unchanged.
 This measures *quality*: the dense work still happens on CPU; what a sparse step would read is
-counted by :mod:`~dejavu_lab.sparsify.layer_bytes`, the speed side lives in
+counted by :mod:`~dejavu_lab.sparsify.layer_bytes` (:mod:`~dejavu_lab.sparsify.frontier` puts
+every method on that axis), the speed side lives in
 :mod:`dejavu_lab.bytes_model`, the kernels and the engine.
 
 Deferred KV (Knowl 5) for token-by-token generation is in :mod:`dejavu_lab.deferred_kv`.

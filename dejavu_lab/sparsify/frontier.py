@@ -1,0 +1,275 @@
+"""The quality frontier: perplexity against sparsity and against bytes per token, per method.
+
+Methods sparsify different matrices (neurons and heads; every linear input; the MLP behind a
+dense gate), so a sparsity of 50% buys different savings; this study puts them on one axis,
+the decoder-layer weight bytes a decoding step reads (:mod:`~dejavu_lab.sparsify.layer_bytes`).
+The text follows chapter 40: the corpus's first ``train_tokens`` (8192) tokens are training
+text — calibration reads its first ``calibration_tokens``, DejaVu's predictors train on all of
+it — and perplexity is measured on the ``eval_windows`` windows right after it.
+
+:func:`frontier` returns one row per (variant, sparsity); :func:`at_bytes` reads each curve at
+given byte fractions, the form of issue 11's targets. From a shell::
+
+    python -m dejavu_lab.sparsify.frontier --json > frontier.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+
+from ..arch import get_arch
+from ..corpus import load_text, token_windows
+from .calibration import calibrate
+from .core import sparse_eval
+
+__all__ = ["SPARSITIES", "VARIANTS", "at_bytes", "frontier", "main", "study_windows"]
+
+SPARSITIES = (0.25, 0.4, 0.5, 0.6, 0.7)  # issue 11's range, 25-70%
+
+# name -> how to run it: sparse_eval's method plus, for the threshold methods, the
+# allocation over a layer's sites (and optionally which sites), and dense layers.
+VARIANTS: dict[str, dict] = {
+    "oracle": {"method": "oracle"},
+    "static": {"method": "static"},
+    "dejavu": {"method": "dejavu"},
+    "cats": {"method": "cats"},
+    "teal (uniform)": {"method": "teal", "allocation": "uniform"},
+    "teal (greedy)": {"method": "teal", "allocation": "greedy"},
+    "wina (greedy)": {"method": "wina", "allocation": "greedy"},
+}
+TRAINING_FREE = ("static", "cats", "teal", "wina")  # methods that need no trained predictor
+
+
+def study_windows(
+    tokenizer,
+    corpus: str = "demo",
+    window: int = 512,
+    eval_windows: int = 2,
+    train_tokens: int = 8192,
+    calibration_tokens: int = 2048,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(calibration windows, held-out windows) of the study, as chapter 40 cuts the corpus.
+
+    >>> from dejavu_lab.models import load_model
+    >>> calib, held_out = study_windows(load_model("demo").tokenizer)
+    >>> tuple(calib.shape), tuple(held_out.shape)  # windows 0-3 and 16-17 of 512 tokens
+    ((4, 512), (2, 512))
+    """
+    skip = math.ceil(train_tokens / window)
+    n_calib = max(1, math.ceil(calibration_tokens / window))
+    if n_calib > skip:
+        raise ValueError("calibration_tokens must not exceed train_tokens.")
+    w = token_windows(tokenizer, load_text(corpus), window, skip + eval_windows)
+    if w.shape[0] <= skip:
+        raise ValueError(f"{corpus} has no {window}-token window after {train_tokens} tokens.")
+    return w[:n_calib], w[skip:]
+
+
+def frontier(
+    model,
+    tokenizer,
+    variants: dict[str, dict] | Sequence[str] | None = None,
+    sparsities: Sequence[float] = SPARSITIES,
+    *,
+    corpus: str = "demo",
+    window: int = 512,
+    eval_windows: int = 2,
+    train_tokens: int = 8192,
+    calibration_tokens: int = 2048,
+    predictors=None,
+    progress: bool = False,
+) -> pd.DataFrame:
+    """Perplexity and bytes per token for each variant at each sparsity, plus the dense row.
+
+    ``variants``: names of :data:`VARIANTS` or a dict name -> spec (``method``, and optionally
+    ``allocation``, ``sites``, ``dense_layers``, ``head_sparsity``). ``predictors``: DejaVu
+    predictors for ``"dejavu"`` (default: :func:`dejavu_lab.predictors.get_or_train` on the
+    training text, cached). Calibrations are cached (:func:`calibrate`).
+
+    >>> from dejavu_lab.models import load_model
+    >>> model, tok, _ = load_model("demo")
+    >>> df = frontier(model, tok, ["oracle", "cats"], [0.5], window=32, eval_windows=1,
+    ...               train_tokens=64, calibration_tokens=64)
+    >>> df[["variant", "sparsity", "bytes_per_token_fraction"]].round(2)
+      variant  sparsity  bytes_per_token_fraction
+    0   dense       0.0                      1.00
+    1  oracle       0.5                      0.53
+    2    cats       0.5                      0.75
+    """
+    specs = _specs(variants)
+    arch = get_arch(model)
+    calib, held_out = study_windows(
+        tokenizer, corpus, window, eval_windows, train_tokens, calibration_tokens
+    )
+    methods = {s["method"] for s in specs.values()}
+    greedy = sorted(
+        {s["method"] for s in specs.values() if s.get("allocation") == "greedy"} - {"cats"}
+    )
+    cal = None
+    if methods & {"teal", "wina", "cats"}:
+        cal = calibrate(model, calib, greedy=greedy, arch=arch, progress=progress)
+    static = None
+    if "static" in methods:
+        from .static import static_sets
+
+        static = static_sets(model, calib, arch=arch, progress=progress)
+    if "dejavu" in methods and predictors is None:
+        predictors = _predictors(model, tokenizer, corpus, window, train_tokens, progress)
+    rows = []
+    t0 = time.perf_counter()
+    r = sparse_eval(model, held_out, method="dense", progress=progress)
+    rows.append(_row("dense", {"method": "dense"}, 0.0, r, time.perf_counter() - t0))
+    for name, spec in specs.items():
+        for s in sparsities:
+            t0 = time.perf_counter()
+            kw = _kwargs(spec, s, cal, static, predictors)
+            r = sparse_eval(model, held_out, progress=progress, **kw)
+            rows.append(_row(name, spec, s, r, time.perf_counter() - t0))
+    df = pd.DataFrame(rows)
+    df["ppl_ratio"] = df["perplexity"] / df["perplexity"].iloc[0]
+    df.attrs.update(tokens=int(held_out.numel()), calibration_tokens=int(calib.numel()))
+    return df
+
+
+def _specs(variants) -> dict[str, dict]:
+    if variants is None:
+        return dict(VARIANTS)
+    if isinstance(variants, dict):
+        return dict(variants)
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise ValueError(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}.")
+    return {v: VARIANTS[v] for v in variants}
+
+
+def _kwargs(spec: dict, s: float, cal, static, predictors) -> dict:
+    method = spec["method"]
+    kw = {"method": method, "dense_layers": tuple(spec.get("dense_layers", ()))}
+    if method in ("oracle", "static", "dejavu"):
+        kw["sparsity"] = s
+        for k in ("mlp_sparsity", "head_sparsity"):
+            if k in spec:
+                kw[k] = spec[k]
+        if method == "static":
+            kw["static"] = static
+        if method == "dejavu":
+            kw["predictors"] = predictors
+    else:
+        kw["thresholds"] = cal.thresholds(
+            method,
+            s,
+            allocation=spec.get("allocation", "uniform"),
+            dense_layers=kw["dense_layers"],
+            sites=spec.get("sites"),
+        )
+    return kw
+
+
+def _row(name: str, spec: dict, s: float, r, seconds: float) -> dict:
+    return {
+        "variant": name,
+        "method": spec["method"],
+        "allocation": spec.get("allocation", ""),
+        "sparsity": s,
+        "perplexity": r.perplexity,
+        "bytes_per_token_fraction": r.bytes_per_token_fraction,
+        "kept": json.dumps(r.kept),
+        "seconds": round(seconds, 1),
+    }
+
+
+def _predictors(model, tokenizer, corpus, window, train_tokens, progress):
+    from ..collect import CollectConfig
+    from ..predictors import PredictorConfig, get_or_train
+
+    cfg = CollectConfig(corpus=corpus, window=window, max_tokens=train_tokens)
+    return get_or_train(model, tokenizer, PredictorConfig(), cfg, progress=progress)
+
+
+def at_bytes(df: pd.DataFrame, fractions: Sequence[float] = (0.75, 0.6, 0.5)) -> pd.DataFrame:
+    """Each variant's perplexity ratio to dense where its curve crosses these byte fractions.
+
+    Linear interpolation of log-perplexity between the two measured points around a fraction
+    (NaN where the curve does not reach it).
+
+    >>> df = pd.DataFrame({"variant": ["dense", "a", "a"], "method": ["dense", "teal", "teal"],
+    ...                    "bytes_per_token_fraction": [1.0, 0.8, 0.4],
+    ...                    "perplexity": [10.0, 11.0, 20.0]})
+    >>> at_bytes(df, [0.6]).round(3)
+             0.6
+    variant
+    a        1.4...
+    """
+    dense = float(df.loc[df.variant == "dense", "perplexity"].iloc[0])
+    out = {}
+    for name, g in df[df.variant != "dense"].groupby("variant", sort=False):
+        g = g.sort_values("bytes_per_token_fraction")
+        x = g["bytes_per_token_fraction"].to_numpy()
+        y = np.log(g["perplexity"].to_numpy() / dense)
+        out[name] = {
+            f: float(np.exp(np.interp(f, x, y))) if x[0] <= f <= x[-1] else float("nan")
+            for f in fractions
+        }
+    res = pd.DataFrame(out).T
+    res.index.name = "variant"
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m dejavu_lab.sparsify.frontier``: run the study, print a table or JSON.
+
+    >>> import contextlib, io, json
+    >>> out = io.StringIO()
+    >>> with contextlib.redirect_stdout(out):
+    ...     rc = main(["--variants", "oracle", "--sparsities", "0.5", "--window", "32",
+    ...                "--eval-windows", "1", "--train-tokens", "64", "--json"])
+    >>> rc, [r["variant"] for r in json.loads(out.getvalue())["rows"]]
+    (0, ['dense', 'oracle'])
+    """
+    ap = argparse.ArgumentParser(prog="python -m dejavu_lab.sparsify.frontier")
+    ap.add_argument("--model", default="demo")
+    ap.add_argument("--corpus", default="demo")
+    ap.add_argument("--variants", nargs="+", default=None, choices=list(VARIANTS))
+    ap.add_argument("--sparsities", nargs="+", type=float, default=list(SPARSITIES))
+    ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--eval-windows", type=int, default=2)
+    ap.add_argument("--train-tokens", type=int, default=8192)
+    ap.add_argument("--calibration-tokens", type=int, default=None)
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    args = ap.parse_args(argv)
+    from ..models import load_model
+
+    model, tok, _ = load_model(args.model)
+    calib_tokens = args.calibration_tokens or min(2048, args.train_tokens)
+    df = frontier(
+        model,
+        tok,
+        args.variants,
+        args.sparsities,
+        corpus=args.corpus,
+        window=args.window,
+        eval_windows=args.eval_windows,
+        train_tokens=args.train_tokens,
+        calibration_tokens=calib_tokens,
+    )
+    if args.json:
+        crossing = at_bytes(df).reset_index()
+        crossing = crossing.astype(object).where(crossing.notna(), None).to_dict("records")
+        print(json.dumps({**df.attrs, "rows": df.to_dict("records"), "at_bytes": crossing}))
+    else:
+        cols = ["variant", "sparsity", "perplexity", "ppl_ratio", "bytes_per_token_fraction"]
+        print(df[cols].to_string(index=False, float_format="%.3f"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
