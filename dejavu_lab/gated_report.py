@@ -1,0 +1,494 @@
+"""Tables and figures of the gated-MLP chapter: CATS, TEAL and WINA beside DejaVu (issue 11).
+
+The quality side comes from :mod:`dejavu_lab.sparsify.frontier` (perplexity against sparsity
+and against the decoder-layer weight bytes read per token); this module adds what the chapter
+draws around it:
+
+- :func:`frontier_figure` and :func:`crossings` — the curves, each started at the dense point,
+  and where they cross given byte fractions (issue 11's targets: :data:`TARGETS`);
+- :func:`threshold_table` and :func:`threshold_heatmap` — the calibrated threshold and the share
+  removed per layer and site;
+- :class:`TokenKept`, :func:`token_kept` and :func:`token_bytes` — what each token kept: a
+  threshold keeps a different number of entries for every token, a top-k the same;
+- :func:`load_engine_methods`, :func:`engine_methods_table` and :func:`engine_figure` — GPU
+  time per token of every method in our engine (``results/engine_methods.json``, recorded by
+  ``kernels/bench_engine.py``), beside our dense engine, Hugging Face and the bytes' floor.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import textwrap
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+import torch
+from plotly.subplots import make_subplots
+
+from . import results
+from .arch import Arch
+from .sparsify.calibration import KINDS, Thresholds
+from .sparsify.core import sparsified
+from .sparsify.frontier import at_bytes
+from .sparsify.layer_bytes import Kept, layer_elements, site_elements
+
+__all__ = [
+    "COLORS",
+    "ENGINE_ARGS",
+    "ENGINE_NAME",
+    "TARGETS",
+    "TokenKept",
+    "color",
+    "crossings",
+    "engine_figure",
+    "engine_methods_table",
+    "frontier_figure",
+    "load_engine_methods",
+    "threshold_heatmap",
+    "threshold_table",
+    "token_bytes",
+    "token_kept",
+]
+
+# Issue 11's quality targets: bytes per token fraction -> at most this perplexity ratio to dense.
+TARGETS = {0.75: 1.02, 0.6: 1.10, 0.5: 1.25}
+ENGINE_NAME = "engine_methods"  # results/engine_methods.json
+# the recorded run's arguments (its provenance "command"), for a live rerun on a GPU box
+ENGINE_ARGS = ["--models", "llama-2-13b,llama-3-8b", "--prompts", "512", "--methods",
+               "dense,dense_auto,dejavu,teal,wina,cats", "--sparsity", "0.4,0.5",
+               "--baselines", "hf_compiled,hf"]  # fmt: skip
+COLORS = {"dense": "#444444", "oracle": "#2ca02c", "static": "#7f7f7f", "dejavu": "#d62728",
+          "cats": "#9467bd", "teal": "#1f77b4", "wina": "#ff7f0e"}  # fmt: skip
+
+
+def color(variant: str) -> str:
+    """The chapter's colour of a variant (by its method: the name's first word).
+
+    >>> color("teal (greedy)") == color("teal (uniform)") == COLORS["teal"]
+    True
+    """
+    return COLORS.get(variant.split(" ")[0], "#17becf")
+
+
+def _dash(variant: str) -> str:
+    return "dot" if "uniform" in variant else "solid"
+
+
+def _wrap(caption: str, width: int = 120) -> str:
+    return "<br>".join(textwrap.wrap(caption.replace("<br>", " "), width))
+
+
+# ---------------------------------------------------------------------------------------------
+# the frontier
+
+
+def _with_dense_start(df: pd.DataFrame) -> pd.DataFrame:
+    """Every variant's curve with the dense point (sparsity 0, bytes 1) prepended."""
+    dense = df[df.variant == "dense"].iloc[0]
+    starts = [
+        dense.to_frame().T.assign(variant=v, method=g.method.iloc[0])
+        for v, g in df[df.variant != "dense"].groupby("variant", sort=False)
+    ]
+    out = pd.concat([*starts, df[df.variant != "dense"]], ignore_index=True)
+    out["variant"] = pd.Categorical(
+        out.variant, list(dict.fromkeys(df.variant[df.variant != "dense"]))
+    )
+    out = out.sort_values(["variant", "sparsity"], kind="stable").reset_index(drop=True)
+    out["variant"] = out.variant.astype(str)
+    for col in ("sparsity", "perplexity", "bytes_per_token_fraction"):
+        out[col] = out[col].astype(float)
+    return out
+
+
+def crossings(df: pd.DataFrame, fractions=tuple(TARGETS)) -> pd.DataFrame:
+    """Perplexity ratio to dense where each curve of :func:`~dejavu_lab.sparsify.frontier.frontier`
+    crosses these byte fractions (:func:`~dejavu_lab.sparsify.frontier.at_bytes`, with every
+    curve started at the dense point, so a first measured point below a fraction still
+    counts). NaN where a method cannot read that few bytes.
+
+    >>> df = pd.DataFrame({"variant": ["dense", "a", "a"], "method": ["dense", "teal", "teal"],
+    ...                    "sparsity": [0.0, 0.25, 0.5], "bytes_per_token_fraction": [1, 0.7, 0.5],
+    ...                    "perplexity": [10.0, 11.0, 20.0]})
+    >>> crossings(df, [0.75, 0.4]).round(3)  # 0.75 lies between dense and the first point
+              0.75  0.40
+    variant
+    a        1.083   NaN
+    """
+    full = _with_dense_start(df)
+    dense = df[df.variant == "dense"]
+    return at_bytes(pd.concat([dense, full], ignore_index=True), list(fractions))
+
+
+def frontier_figure(
+    df: pd.DataFrame, caption: str, *, ymax: float | None = None, targets: dict = TARGETS
+) -> go.Figure:
+    """Perplexity ratio to dense against each method's sparsity (left) and against the weight
+    bytes read per token (right), one line per variant, with issue 11's targets on the right.
+
+    ``ymax``: top of the (log) ratio axis, to zoom in near dense; default: the largest ratio
+    measured, capped at 1000.
+
+    >>> df = pd.DataFrame({"variant": ["dense", "cats", "cats"], "method": ["dense", "cats", "cats"],
+    ...                    "sparsity": [0.0, 0.3, 0.6], "bytes_per_token_fraction": [1, 0.8, 0.6],
+    ...                    "perplexity": [10.0, 11.0, 14.0]})
+    >>> fig = frontier_figure(df, "A hand-made frontier.")
+    >>> [t.name for t in fig.data], list(fig.data[1].x)  # each curve starts at dense
+    (['cats', 'cats', 'issue 11 targets'], [1.0, 0.8, 0.6])
+    """
+    full = _with_dense_start(df)
+    full["ratio"] = full.perplexity / float(df.loc[df.variant == "dense", "perplexity"].iloc[0])
+    fig = make_subplots(
+        rows=1,
+        cols=2,
+        shared_yaxes=True,
+        horizontal_spacing=0.06,
+        subplot_titles=("against the method's sparsity", "against weight bytes read per token"),
+    )
+    for col, x in ((1, "sparsity"), (2, "bytes_per_token_fraction")):
+        for v, g in full.groupby("variant", sort=False):
+            fig.add_trace(
+                go.Scatter(
+                    x=g[x].tolist(),
+                    y=g.ratio.tolist(),
+                    mode="lines+markers",
+                    name=v,
+                    legendgroup=v,
+                    showlegend=col == 1,
+                    line=dict(color=color(v), dash=_dash(v)),
+                    hovertemplate=f"{v}: %{{x:.2f}}<br>perplexity × %{{y:.3f}}<extra></extra>",
+                ),
+                row=1,
+                col=col,
+            )
+    if targets:
+        fig.add_trace(
+            go.Scatter(
+                x=list(targets),
+                y=list(targets.values()),
+                mode="markers",
+                name="issue 11 targets",
+                marker=dict(symbol="x", size=11, color="black"),
+                hovertemplate="target: at most × %{y:.2f} at %{x:.2f} of the bytes<extra></extra>",
+            ),
+            row=1,
+            col=2,
+        )
+    top = ymax if ymax is not None else min(float(full.ratio.max()), 1000.0) * 1.3
+    fig.update_yaxes(type="log", range=[math.log10(0.97), math.log10(top)], row=1, col=1,
+                     title_text="perplexity / dense (log)")  # fmt: skip
+    fig.update_xaxes(title_text="sparsity (the method's own budget)", row=1, col=1)
+    fig.update_xaxes(title_text="fraction of dense weight bytes read (fewer →)",
+                     autorange="reversed", row=1, col=2)  # fmt: skip
+    fig.add_hline(y=1.0, line_dash="dot", line_color="gray")
+    fig.update_layout(height=500, margin=dict(t=60, b=140, l=60, r=20),
+                      legend=dict(orientation="h", y=-0.2, x=0))  # fmt: skip
+    fig.add_annotation(text=_wrap(caption), xref="paper", yref="paper", x=0, y=-0.42,
+                       showarrow=False, font=dict(size=9), xanchor="left", align="left")  # fmt: skip
+    return fig
+
+
+# ---------------------------------------------------------------------------------------------
+# thresholds
+
+
+def threshold_table(thresholds: dict[str, Thresholds], n_layers: int) -> pd.DataFrame:
+    """One row per (name, layer, site): the calibrated threshold and the share it removes.
+
+    ``thresholds``: name -> :class:`~dejavu_lab.sparsify.calibration.Thresholds`. Sites a
+    method did not sparsify (dense layers, sites the greedy allocation left alone) get share 0
+    and no threshold.
+
+    >>> thr = Thresholds("cats", {(0, "gate"): 0.05}, {(0, "gate"): 0.5}, {})
+    >>> threshold_table({"cats": thr}, n_layers=2)
+       name  layer  site  threshold  sparsity
+    0  cats      0  gate       0.05       0.5
+    1  cats      1  gate        NaN       0.0
+    """
+    rows = []
+    for name, thr in thresholds.items():
+        for i in range(n_layers):
+            for site in KINDS[thr.method]:
+                rows.append({"name": name, "layer": i, "site": site,
+                             "threshold": thr.values.get((i, site), float("nan")),
+                             "sparsity": thr.sparsity.get((i, site), 0.0)})  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def threshold_heatmap(table: pd.DataFrame, caption: str) -> go.Figure:
+    """Heatmaps per name of :func:`threshold_table`: share removed (left) and log10 of the
+    threshold (right), layers across, sites down.
+
+    >>> thr = Thresholds("teal", {(0, "mlp_in"): 0.2}, {(0, "mlp_in"): 0.4}, {})
+    >>> fig = threshold_heatmap(threshold_table({"teal": thr}, 2), "A hand-made table.")
+    >>> len(fig.data), fig.data[0].y  # one heatmap per panel, TEAL's four sites
+    (2, ('attn_in', 'o_in', 'mlp_in', 'down_in'))
+    """
+    names = list(dict.fromkeys(table.name))
+    fig = make_subplots(
+        rows=len(names),
+        cols=2,
+        horizontal_spacing=0.16,
+        vertical_spacing=0.12 if len(names) > 1 else 0.1,
+        subplot_titles=[f"{n}: {what}" for n in names
+                        for what in ("share removed", "log10 threshold on its score")],
+    )  # fmt: skip
+    for r, name in enumerate(names, start=1):
+        t = table[table.name == name]
+        sites = list(dict.fromkeys(t.site))
+        for c, (col, axis) in enumerate((("sparsity", "coloraxis"), ("threshold", "coloraxis2")),
+                                        start=1):  # fmt: skip
+            z = t.pivot(index="site", columns="layer", values=col).loc[sites]
+            if col == "threshold":
+                z = np.log10(z.where(z > 0))
+            fig.add_trace(
+                go.Heatmap(
+                    z=z.to_numpy(),
+                    x=list(z.columns),
+                    y=sites,
+                    coloraxis=axis,
+                    hovertemplate=f"{name}<br>layer %{{x}}, %{{y}}<br>{col} %{{z:.3f}}<extra></extra>",
+                ),
+                row=r,
+                col=c,
+            )
+    fig.update_layout(
+        height=170 * len(names) + 170,
+        margin=dict(t=60, b=110, l=70, r=20),
+        coloraxis=dict(colorscale="Viridis", cmin=0, cmax=1,
+                       colorbar=dict(title="share", x=0.43, len=0.8, thickness=12)),
+        coloraxis2=dict(colorscale="Magma", colorbar=dict(title="log10 t", x=1.0, len=0.8,
+                                                          thickness=12)),
+    )  # fmt: skip
+    fig.update_xaxes(title_text="layer", row=len(names))
+    fig.add_annotation(text=_wrap(caption), xref="paper", yref="paper", x=0, y=-0.1,
+                       yanchor="top", showarrow=False, font=dict(size=9), xanchor="left",
+                       align="left")  # fmt: skip
+    return fig
+
+
+# ---------------------------------------------------------------------------------------------
+# what each token kept
+
+
+class TokenKept(Kept):
+    """A :class:`~dejavu_lab.sparsify.layer_bytes.Kept` that also keeps each token's kept
+    fraction per (layer, site), as the sparsity hooks report them.
+
+    >>> k = TokenKept()
+    >>> k.add(0, "mlp_in", torch.tensor([[[True, False], [True, True]]]))  # [b=1, p=2, d=2]
+    >>> k.fractions(), k.per_token[(0, "mlp_in")]
+    ({(0, 'mlp_in'): 0.75}, [tensor([[0.5000, 1.0000]])])
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.per_token: dict[tuple[int, str], list[torch.Tensor]] = defaultdict(list)
+
+    def add(self, layer: int, site: str, keep: torch.Tensor) -> None:
+        super().add(layer, site, keep)
+        self.per_token[(layer, site)].append(keep.float().mean(-1).cpu())  # [b, p]
+
+
+@torch.no_grad()
+def token_kept(model, windows: torch.Tensor, **sparsified_kwargs) -> pd.DataFrame:
+    """Each token's kept fraction at every (layer, site) under a sparsity method.
+
+    ``windows``: [n, window] token ids; ``sparsified_kwargs``: what
+    :func:`dejavu_lab.sparsify.sparsified` takes (``method``, ``sparsity``, ``thresholds``…).
+    Returns one row per (window, position, layer, site). The fractions are those the method's
+    own hooks realised, with every earlier layer already sparse.
+
+    >>> from dejavu_lab.models import random_model
+    >>> from dejavu_lab.sparsify import calibrate
+    >>> m = random_model("tiny-llama")
+    >>> ids = torch.randint(0, 128, (2, 16))
+    >>> cal = calibrate(m.model, ids, cache=False, progress=False)
+    >>> df = token_kept(m.model, ids, method="cats", sparsity=0.5, thresholds=cal)
+    >>> len(df), sorted(df.site.unique()), round(float(df.kept.mean()), 1)  # 2 × 16 tokens × 2 layers
+    (64, ['gate'], 0.5)
+    >>> bool(df.kept.std() > 0)  # a threshold keeps a different share for each token
+    True
+    """
+    kept = TokenKept()
+    device = next(model.parameters()).device
+    with sparsified(model, kept=kept, **sparsified_kwargs):
+        for w in windows:
+            model(input_ids=w[None].to(device), use_cache=False)
+    frames = []
+    for (layer, site), parts in sorted(kept.per_token.items()):
+        v = torch.cat(parts)  # [n, window]
+        n, p = v.shape
+        frames.append(pd.DataFrame({"window": np.repeat(np.arange(n), p),
+                                    "position": np.tile(np.arange(p), n), "layer": layer,
+                                    "site": site, "kept": v.flatten().numpy()}))  # fmt: skip
+    cols = ["window", "position", "layer", "site", "kept"]
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=cols)
+
+
+def token_bytes(kept: pd.DataFrame, arch: Arch) -> pd.DataFrame:
+    """Decoder-layer weight bytes each token reads against dense, from :func:`token_kept`.
+
+    The per-token form of :func:`~dejavu_lab.sparsify.layer_bytes.bytes_per_token_fraction`
+    (its mean over tokens is that function's value); predictors are not counted.
+
+    >>> from dejavu_lab.models import random_model
+    >>> arch = random_model("tiny-llama").arch
+    >>> kept = pd.DataFrame({"window": 0, "position": [0, 1], "layer": 0, "site": "mlp",
+    ...                      "kept": [0.5, 1.0]})
+    >>> token_bytes(kept, arch).bytes_per_token_fraction.tolist()  # MLP: 3/4 of layer 0 of 2
+    [0.8125, 1.0]
+    """
+    e = site_elements(arch)
+    saved = kept.site.map(e) * (1.0 - kept.kept)
+    total = arch.n_layers * layer_elements(arch)
+    per = saved.groupby([kept.window, kept.position]).sum()
+    return (1.0 - per / total).rename("bytes_per_token_fraction").reset_index()
+
+
+# ---------------------------------------------------------------------------------------------
+# recorded GPU time per token
+
+
+def load_engine_methods(live: bool | None = None):
+    """(rows, provenance, live) of the engine's per-method run: measured now on a GPU box
+    (``live=None`` and CUDA present: ``kernels/bench_engine.py`` with the recorded run's
+    arguments, a few minutes), else read from ``results/engine_methods.json``.
+
+    >>> frame, prov, live = load_engine_methods(live=False)
+    >>> live, prov["gpu"], sorted(set(frame.loc[frame.kind == "e2e", "model"]))
+    (False, 'NVIDIA H200', ['llama-2-13b', 'llama-3-8b'])
+    """
+    live = torch.cuda.is_available() if live is None else live
+    name = ENGINE_NAME
+    if live:
+        script = Path(__file__).resolve().parents[1] / "kernels" / "bench_engine.py"
+        name = ENGINE_NAME + "_live"
+        cmd = [sys.executable, str(script), *ENGINE_ARGS, "--no-check", "--name", name]
+        subprocess.run(cmd, check=True)
+    frame, prov = results.load(name)
+    return frame, prov, live
+
+
+LABELS = {
+    "hf": "HF generate",
+    "hf_compiled": "HF generate, compiled",
+    "dense": "dense (ours)",
+    "dense_auto": "dense (ours, tuned ops)",
+    "sparse": "DejaVu",
+    "sparse_fixed_sets": "DejaVu, sets given (no predictors)",
+    "sparse_inline_predictors": "DejaVu, predictors inline",
+    "teal": "TEAL",
+    "wina": "WINA",
+    "cats": "CATS",
+}
+
+
+def _budget(r) -> str:
+    if r.engine.startswith("sparse"):
+        return f"MLP {r.mlp_sparsity:.0%} · heads {r.head_sparsity:.0%}"
+    if r.engine in ("teal", "wina"):
+        return f"{r.sparsity:.0%} of every input"
+    if r.engine == "cats":
+        return f"MLP {r.sparsity:.0%}"
+    return "dense"
+
+
+def engine_methods_table(frame: pd.DataFrame, prompt: int = 512) -> pd.DataFrame:
+    """Every engine variant per model: ms per token, the ratio to our dense engine and to
+    compiled Hugging Face ``generate``, the floor ratio (dense bytes per step / its bytes: the
+    speedup the bytes allow) and the measured time over its own floor.
+
+    >>> t = engine_methods_table(load_engine_methods(live=False)[0])
+    >>> t.columns.tolist()
+    ['model', 'engine', 'method', 'budget', 'ms per token', 'vs dense', 'vs HF compiled', 'floor ratio', '/ its floor']
+    >>> t.loc[(t.model == "llama-3-8b") & (t.engine == "dense"), "vs dense"].item()
+    1.0
+    """
+    from .engine.report import method_table
+
+    e = frame[(frame.kind == "e2e") & (frame.prompt == prompt)].copy()
+    if "error" in e:
+        e = e[e.error.isna()]
+    e["sparsity"] = e["sparsity"].fillna(0.0) if "sparsity" in e else 0.0
+    out = []
+    for model in dict.fromkeys(e.model):
+        t = method_table(frame, model, prompt).reset_index()
+        meta = e[e.model == model][["engine", "sparsity", "mlp_sparsity", "head_sparsity"]]
+        t = t.merge(meta, on=["engine", "sparsity"], how="left")
+        dense_gb = float(t.loc[t.engine == "dense", "GB per step"].iloc[0])
+        t["floor ratio"] = dense_gb / t["GB per step"]
+        t["model"] = model
+        t["method"] = t.engine.map(LABELS).fillna(t.engine)
+        t["budget"] = [_budget(r) for r in t.itertuples()]
+        out.append(t)
+    cols = ["model", "engine", "method", "budget", "ms per token", "vs dense", "vs HF compiled",
+            "floor ratio", "/ its floor"]  # fmt: skip
+    return pd.concat(out, ignore_index=True)[cols]
+
+
+def engine_figure(table: pd.DataFrame, caption: str, skip=("hf",)) -> go.Figure:
+    """ms per token per method (bars, labelled with the ratio to our dense engine) beside each
+    one's bytes floor (markers), one panel per model.
+
+    ``skip``: engines left out of the figure (default the eager HF loop, off the scale; the
+    table has it).
+
+    >>> t = engine_methods_table(load_engine_methods(live=False)[0])
+    >>> fig = engine_figure(t, "Recorded.")
+    >>> len(fig.data), fig.data[0].name  # per model: bars and floors
+    (4, 'ms per token')
+    """
+    models = list(dict.fromkeys(table.model))
+    fig = make_subplots(rows=1, cols=len(models), subplot_titles=models, shared_yaxes=True,
+                        horizontal_spacing=0.04)  # fmt: skip
+    for c, model in enumerate(models, start=1):
+        t = table[(table.model == model) & ~table.engine.isin(skip)]
+        labels = [
+            f"{m} · {b}" if b != "dense" else m for m, b in zip(t.method, t.budget, strict=True)
+        ]
+        floor = t["ms per token"] / t["/ its floor"]
+        fig.add_trace(
+            go.Bar(
+                y=labels,
+                x=t["ms per token"],
+                orientation="h",
+                name="ms per token",
+                showlegend=c == 1,
+                marker_color=[
+                    COLORS.get(e.split("_")[0].replace("sparse", "dejavu"), "#17becf")
+                    for e in t.engine
+                ],
+                text=[f"{v:.2f}× dense" for v in t["vs dense"]],
+                textposition="outside",
+                hovertemplate="%{y}<br>%{x:.2f} ms per token<extra></extra>",
+            ),
+            row=1,
+            col=c,
+        )
+        fig.add_trace(
+            go.Scatter(
+                y=labels,
+                x=floor,
+                mode="markers",
+                name="its bytes floor (bytes / copy ceiling)",
+                showlegend=c == 1,
+                marker=dict(symbol="line-ns-open", size=18, color="black", line=dict(width=2)),
+                hovertemplate="floor %{x:.2f} ms<extra></extra>",
+            ),
+            row=1,
+            col=c,
+        )
+    top = float(table.loc[~table.engine.isin(skip), "ms per token"].max()) * 1.35
+    fig.update_xaxes(title_text="ms per generated token", range=[0, top])
+    fig.update_yaxes(autorange="reversed")
+    fig.update_layout(height=540, margin=dict(t=100, b=130, l=260, r=20), barmode="overlay",
+                      legend=dict(orientation="h", y=1.16, x=1, xanchor="right"))  # fmt: skip
+    fig.add_annotation(text=_wrap(caption), xref="paper", yref="paper", x=0, y=-0.2,
+                       yanchor="top", showarrow=False, font=dict(size=9), xanchor="left",
+                       align="left")  # fmt: skip
+    return fig
