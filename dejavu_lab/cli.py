@@ -439,15 +439,7 @@ def _perplexity_method(args) -> None:
             )
         calib_info = {"calibration": calib_source, "calibration_tokens": int(calib.numel())}
     if method == "static":
-        from .sparsify import static_sets
-
-        kw["static"] = static_sets(
-            model,
-            calib,
-            mlp_sparsity=kw["mlp_sparsity"],
-            head_sparsity=kw["head_sparsity"],
-            progress=not args.no_progress,
-        )
+        kw["static"] = _static_sets(model, calib, kw, args)
     if method in ("teal", "cats", "wina"):
         from .sparsify import calibrate
 
@@ -612,6 +604,14 @@ def cmd_eval(args) -> None:
 EVAL_METHODS = ("dense", "oracle", "static", "predicted", "dejavu", "teal", "wina", "cats")
 
 
+def _static_sets(model, calib, kw: dict, args):
+    """The static method's sets, chosen on ``calib`` at the budgets of ``kw``."""
+    from .sparsify import static_sets
+
+    return static_sets(model, calib, mlp_sparsity=kw["mlp_sparsity"],
+                       head_sparsity=kw["head_sparsity"], progress=not args.no_progress)  # fmt: skip
+
+
 def _eval_tasks_parser(sub) -> None:
     from .lm_eval_tasks import LOCAL_TASK
 
@@ -663,15 +663,7 @@ def _eval_tasks_kwargs(args, model, tok, arch) -> dict:
     if method in ("static", "teal", "wina", "cats"):
         calib = _windows(args, tok, args.calibration_windows)
     if method == "static":
-        from .sparsify import static_sets
-
-        kw["static"] = static_sets(
-            model,
-            calib,
-            mlp_sparsity=kw["mlp_sparsity"],
-            head_sparsity=kw["head_sparsity"],
-            progress=not args.no_progress,
-        )
+        kw["static"] = _static_sets(model, calib, kw, args)
     elif method == "dejavu":
         from .predictors import load_predictors
 

@@ -230,7 +230,7 @@ class Decoder(KeptSets, ThresholdBlocks):
         self._positions = self.base_t + self.ar_w if self.window else self.pos_t
 
     def _attn_sparse(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        lw, dh, heads = self.w.layers[i], self.dh, self.head_idx[i]
+        lw, heads = self.w.layers[i], self.head_idx[i]
         if self.window:  # union batch: this token plus the window's stored inputs (Knowl 5)
             self.hwin[i].index_copy_(0, self._slot, x)
             xb = self.hwin[i]
@@ -250,11 +250,16 @@ class Decoder(KeptSets, ThresholdBlocks):
         if win:  # this token's row
             qkv = qkv.index_select(0, self._slot)  # [1, (k + 2 nkv) dh]
         # appends this token's K/V (again, in the window case) and attends, kept heads only
+        return self._attend_kept(i, qkv, heads)
+
+    def _attend_kept(self, i: int, qkv: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+        """Append this token's K/V, attend over the kept heads' cache only, then their W_O rows."""
+        lw = self.w.layers[i]
         o = sparse_attention_core(
             qkv, self.kv[i, 0][None], self.kv[i, 1][None], self._seqlen, heads, n_heads=self.H,
             kv_heads=None if self.window else self._kv_all, scale=self.scale,
         )  # [1, k dh]  # fmt: skip
-        return sparse_mlp_down(o, lw.w_o_t, heads, bias=lw.b_o, rows_per_index=dh,
+        return sparse_mlp_down(o, lw.w_o_t, heads, bias=lw.b_o, rows_per_index=self.dh,
                                validate=False)  # fmt: skip
 
     def _attn_sparse_unfused(self, i: int, xb: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
@@ -269,12 +274,7 @@ class Decoder(KeptSets, ThresholdBlocks):
         if self.window:  # the kept heads' K/V over the whole window, then this token's row
             kv_window_write(qkv, self.kv[i, 0], self.kv[i, 1], heads, self.base_t, n_q=k)
             qkv = qkv.index_select(0, self._slot)  # [1, (k + 2 nkv) dh]
-        o = sparse_attention_core(
-            qkv, self.kv[i, 0][None], self.kv[i, 1][None], self._seqlen, heads, n_heads=self.H,
-            kv_heads=None if self.window else self._kv_all, scale=self.scale,
-        )  # [1, k dh]  # fmt: skip
-        return sparse_mlp_down(o, lw.w_o_t, heads, bias=lw.b_o, rows_per_index=dh,
-                               validate=False)  # fmt: skip
+        return self._attend_kept(i, qkv, heads)
 
     def _flush(self) -> None:
         """Dense K/V of every head for the window's tokens, then open a new window (Knowl 5):
