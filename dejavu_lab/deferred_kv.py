@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from .arch import Arch, get_arch
+from .arch import Arch, get_arch, require_plain_blocks
 from .budgets import budgets, n_keep, topk_mask
 from .hooks import hooks
 from .sparsify import StaticSets, sparsified
@@ -165,6 +165,7 @@ def generate(
     True
     """
     arch = arch or get_arch(model)
+    require_plain_blocks(arch, "deferred KV")  # it recomputes K/V outside the model
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise ValueError(
             f"input_ids must be [batch, prompt] with prompt ≥ 1 token, got "

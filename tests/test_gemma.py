@@ -299,3 +299,15 @@ def test_windows_start_with_bos_when_the_tokenizer_asks():
     ppl = perplexity(model, w[1:], progress=False)  # a slice: read from the first column
     assert ppl.add_bos and not perplexity(model, plain, progress=False).add_bos
     assert isinstance(ppl, float) and f"{ppl:.2f}" == f"{float(ppl):.2f}"
+
+
+def test_deferred_kv_refuses_gemma3_in_one_sentence():
+    """Deferred KV recomputes K/V outside the model: sandwich and q/k norms would be skipped."""
+    from dejavu_lab.arch import UnsupportedArchitectureError
+    from dejavu_lab.deferred_kv import generate
+
+    model, _, _ = gemma()
+    with pytest.raises(UnsupportedArchitectureError) as e:
+        generate(model, torch.tensor([[1, 2, 3]]), 2, head_sparsity=0.5)
+    msg = str(e.value)
+    assert msg.startswith("deferred KV runs plain pre-LN blocks") and "\n" not in msg
