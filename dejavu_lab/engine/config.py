@@ -45,9 +45,9 @@ class SparseConfig:
 
     ``method="dejavu"`` keeps the top-k neurons and heads of DejaVu's predictors (or fixed sets);
     ``"teal"``/``"wina"`` read column i of a linear layer's weight only where the input entry
-    passes its threshold, |x_i| > thr_i, at the four sites of every layer (attention over every
+    passes its threshold, ``|x_i| > thr_i``, at the four sites of every layer (attention over every
     head); ``"cats"`` computes the gate densely and the up/down rows of the neurons with
-    |act(gate)| > thr only; ``"dense"`` runs the dense path. ``thresholds`` is the dict of the
+    ``|act(gate)| > thr`` only; ``"dense"`` runs the dense path. ``thresholds`` is the dict of the
     calibrated object's ``engine_thresholds(model)``: ``{(layer, site): fp32 [d_in]}``; a layer
     or site missing from it runs dense.
 

@@ -14,7 +14,7 @@ __all__ = ["oracle_hooks"]
 
 @register("oracle")
 def oracle_hooks(ctx: SparseContext) -> list:
-    """Builder of method ``"oracle"``: top-k neurons by |activation|, heads by output norm.
+    """Builder of method ``"oracle"``: top-k neurons by ``|activation|``, heads by output norm.
 
     >>> import torch
     >>> from dejavu_lab.models import random_model
