@@ -250,9 +250,10 @@ def test_generate_needs_a_selector():
 def test_lm_eval_missing_is_a_clear_error(monkeypatch):
     import sys
 
+    from dejavu_lab.lm_eval_tasks import LmEvalError
     from dejavu_lab.sparsify import lm_eval_tasks
 
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # as if not installed
     model, _, _ = random_model("tiny-opt")
-    with pytest.raises(RuntimeError, match="pip install"):
+    with pytest.raises(LmEvalError, match="pip install"):
         lm_eval_tasks(model, None, mlp_sparsity=0.5)

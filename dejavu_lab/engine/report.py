@@ -69,8 +69,9 @@ def latency_table(frame: pd.DataFrame, model: str) -> pd.DataFrame:
 
     >>> t = latency_table(load(live=False)[0], "opt-6.7b")
     >>> t.index.name, list(t.columns)
-    ('prompt', ['HF generate (ms)', 'dense engine (ms)', 'sparse engine (ms)', 'sparse vs dense',
-                'sparse vs HF', 'paper vs FasterTransformer', 'paper vs Hugging Face'])
+    ('prompt', ['HF generate (ms)', 'HF compiled (ms)', 'dense engine (ms)', 'sparse engine (ms)',
+                'sparse vs dense', 'sparse vs HF', 'sparse vs HF compiled',
+                'paper vs FasterTransformer', 'paper vs Hugging Face'])
     """
     e = _e2e(frame)
     e = e[e["model"] == model]
