@@ -236,8 +236,8 @@ def frontier_figure(
             col=2,
         )
     top = ymax if ymax is not None else min(float(full.ratio.max()), 1000.0) * 1.3
-    fig.update_yaxes(type="log", range=[math.log10(0.97), math.log10(top)], row=1, col=1,
-                     title_text="perplexity / dense (log)")  # fmt: skip
+    fig.update_yaxes(type="log", range=[math.log10(0.97), math.log10(top)])  # both panels
+    fig.update_yaxes(title_text="perplexity / dense (log)", row=1, col=1)
     fig.update_xaxes(title_text="sparsity (the method's own budget)", row=1, col=1)
     fig.update_xaxes(title_text="fraction of dense weight bytes read (fewer →)",
                      autorange="reversed", row=1, col=2)  # fmt: skip
