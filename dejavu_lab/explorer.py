@@ -271,7 +271,7 @@ def grid_figure(grid: pd.DataFrame, dense_ppl: float, title: str, caption: str) 
     fig.update_layout(
         title=dict(text=title, y=0.98, yanchor="top"),
         height=800,
-        margin=dict(t=150, b=190, l=60, r=20),
+        margin=dict(t=150, b=190, l=60, r=50),
         sliders=[slider(set(methods))],
         updatemenus=[dict(buttons=buttons, direction="down", x=0, xanchor="left", y=1.16,
                           yanchor="bottom", showactive=True, pad=dict(r=4))],

@@ -4,6 +4,7 @@ The quality side comes from :mod:`dejavu_lab.sparsify.frontier` (perplexity agai
 and against the decoder-layer weight bytes read per token); this module adds what the chapter
 draws around it:
 
+- :func:`cached_frontier` — the study, cached (it is minutes of CPU);
 - :func:`frontier_figure` and :func:`crossings` — the curves, each started at the dense point,
   and where they cross given byte fractions (issue 11's targets: :data:`TARGETS`);
 - :func:`threshold_table` and :func:`threshold_heatmap` — the calibrated threshold and the share
@@ -17,6 +18,8 @@ draws around it:
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import subprocess
 import sys
@@ -34,7 +37,7 @@ from . import results
 from .arch import Arch
 from .sparsify.calibration import KINDS, Thresholds
 from .sparsify.core import sparsified
-from .sparsify.frontier import at_bytes
+from .sparsify.frontier import at_bytes, frontier
 from .sparsify.layer_bytes import Kept, layer_elements, site_elements
 
 __all__ = [
@@ -43,6 +46,7 @@ __all__ = [
     "ENGINE_NAME",
     "TARGETS",
     "TokenKept",
+    "cached_frontier",
     "color",
     "crossings",
     "engine_figure",
@@ -85,6 +89,59 @@ def _wrap(caption: str, width: int = 120) -> str:
 
 # ---------------------------------------------------------------------------------------------
 # the frontier
+
+
+def _source_hash() -> str:
+    """Hash of the code a frontier point depends on: the sparsify package and its budgets."""
+    root = Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for f in sorted((root / "sparsify").glob("*.py")) + [root / "budgets.py", root / "corpus.py"]:
+        h.update(f.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def cached_frontier(
+    model, tokenizer, variants: dict, sparsities, *, predictors=None, cache: bool = True, **kwargs
+) -> pd.DataFrame:
+    """:func:`~dejavu_lab.sparsify.frontier.frontier`, read from or written to
+    ``cache_dir()/frontier`` (JSON). The key: the model fingerprint, the variants, sparsities and
+    other arguments, the predictors' configurations, and a hash of the sparsify code, so a
+    change to any method computes the study again.
+
+    >>> import os, tempfile
+    >>> from unittest import mock
+    >>> from dejavu_lab.models import load_model
+    >>> model, tok, _ = load_model("demo")
+    >>> kw = dict(window=16, eval_windows=1, train_tokens=32, calibration_tokens=32)
+    >>> with mock.patch.dict(os.environ, DEJAVU_LAB_CACHE=tempfile.mkdtemp()):  # not ~/.cache
+    ...     runs = [cached_frontier(model, tok, {"cats": {"method": "cats"}}, [0.5], **kw)
+    ...             for _ in range(2)]
+    >>> runs[0].attrs["cached"], runs[1].attrs["cached"], runs[1].equals(runs[0])
+    (False, True, True)
+    """
+    from .assets import cache_dir
+    from .atomic import write_text
+    from .collect import fingerprint, fingerprint_id
+
+    fp = fingerprint(model)
+    pred_key = None
+    if predictors is not None:
+        pred_key = [predictors.config.key(), predictors.collection.get("key")]
+    what = {"fingerprint": fp, "variants": variants, "sparsities": list(sparsities),
+            "kwargs": kwargs, "predictors": pred_key, "code": _source_hash()}  # fmt: skip
+    key = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    path = cache_dir() / "frontier" / f"{fingerprint_id(fp)}-{key}.json"
+    if cache and path.exists():
+        saved = json.loads(path.read_text())
+        df = pd.DataFrame(saved["rows"])
+        df.attrs.update(saved["attrs"], cached=True)
+        return df
+    df = frontier(model, tokenizer, variants, sparsities, predictors=predictors, **kwargs)
+    if cache:
+        rows = df.astype(object).where(df.notna(), None).to_dict("records")
+        write_text(path, json.dumps({"rows": rows, "attrs": df.attrs, "key": what}, default=str))
+    df.attrs["cached"] = False
+    return df
 
 
 def _with_dense_start(df: pd.DataFrame) -> pd.DataFrame:
@@ -179,8 +236,8 @@ def frontier_figure(
             col=2,
         )
     top = ymax if ymax is not None else min(float(full.ratio.max()), 1000.0) * 1.3
-    fig.update_yaxes(type="log", range=[math.log10(0.97), math.log10(top)], row=1, col=1,
-                     title_text="perplexity / dense (log)")  # fmt: skip
+    fig.update_yaxes(type="log", range=[math.log10(0.97), math.log10(top)])  # both panels
+    fig.update_yaxes(title_text="perplexity / dense (log)", row=1, col=1)
     fig.update_xaxes(title_text="sparsity (the method's own budget)", row=1, col=1)
     fig.update_xaxes(title_text="fraction of dense weight bytes read (fewer →)",
                      autorange="reversed", row=1, col=2)  # fmt: skip
