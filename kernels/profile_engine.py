@@ -49,19 +49,18 @@ def profile_step(dec, replays: int = 20) -> tuple[dict, float, float]:
     """Per-kernel {name: (us per step, launches per step)}, replay wall us, kernel-sum us."""
     from torch.profiler import ProfilerActivity, profile
 
-    for _ in range(5):
-        dec.graph.replay()
+    # decode() replays the graph and runs what happens between replays (DejaVu's deferred-KV
+    # flush every kv_window tokens), as generation does
+    dec.decode(5)
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(replays):
-        dec.graph.replay()
+    dec.decode(replays)
     end.record()
     torch.cuda.synchronize()
     wall_us = start.elapsed_time(end) * 1e3 / replays
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
-            dec.graph.replay()
+        dec.decode(replays)
         torch.cuda.synchronize()
     per = defaultdict(lambda: [0.0, 0])
     for ev in prof.events():
@@ -90,7 +89,7 @@ def run(preset: str, methods, sparsity: float, prompt: int, ceiling: float, devi
         else:
             v = Variant(m, m, sparsity=sparsity)
         thr = calibrate_thresholds(w, ids, sparsity, method=m) if m in SITES else None
-        dec = make_decoder(v, w, arch, prompt + 64, preds, None, thr)
+        dec = make_decoder(v, w, arch, prompt + 128, preds, None, thr)
         dec.prefill(ids)
         kept = {}
         if m == "dejavu":
