@@ -38,15 +38,18 @@ ROWS: list[dict] = []
 
 
 def short(name: str) -> str:
-    """A kernel's readable name: Triton's ``foo_kernel`` or a cuBLAS/ATen family."""
-    name = re.sub(r"<.*", "", name).split("(")[0]
-    if "gemv" in name.lower() or "gemm" in name.lower() or name.startswith(("sm90", "cutlass")):
-        return name if name.endswith("_kernel") else "cublas:" + name[:48]
-    return name[:64]
+    """A kernel's qualified name without template arguments, parameters or return type."""
+    if name.startswith(("Memcpy", "Memset")):
+        return " ".join(name.split()[:2])
+    s, prev = name.replace("(anonymous namespace)", "anon"), None
+    while prev != s:  # drop <...> groups, innermost first
+        prev, s = s, re.sub(r"<[^<>]*>", "", s)
+    s = s.split("(")[0].strip()
+    return (s.split()[-1] if s else name)[:80]
 
 
 def profile_step(dec, replays: int = 20) -> tuple[dict, float, float]:
-    """Per-kernel {name: (us per step, launches per step)}, replay wall us, kernel-sum us."""
+    """Per-kernel {name: (us per step, launches per step, full name)}, replay wall us, kernel-sum us."""
     from torch.profiler import ProfilerActivity, profile
 
     # decode() replays the graph and runs what happens between replays (DejaVu's deferred-KV
@@ -62,14 +65,15 @@ def profile_step(dec, replays: int = 20) -> tuple[dict, float, float]:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         dec.decode(replays)
         torch.cuda.synchronize()
-    per = defaultdict(lambda: [0.0, 0])
+    per, names = defaultdict(lambda: [0.0, 0]), {}
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time_total > 0:
             k = per[short(ev.name)]
+            names.setdefault(short(ev.name), ev.name[:300])
             k[0] += ev.device_time_total
             k[1] += 1
-    kernels = {n: (t / replays, c / replays) for n, (t, c) in per.items()}
-    return kernels, wall_us, sum(t for t, _ in kernels.values())
+    kernels = {n: (t / replays, c / replays, names[n]) for n, (t, c) in per.items()}
+    return kernels, wall_us, sum(t for t, _, _ in kernels.values())
 
 
 def run(preset: str, methods, sparsity: float, prompt: int, ceiling: float, device: str,
@@ -109,10 +113,10 @@ def run(preset: str, methods, sparsity: float, prompt: int, ceiling: float, devi
         dec.capture()
         kernels, wall, ksum = profile_step(dec)
         ROWS.append({**base, "kind": "step", "wall_us": wall, "kernel_sum_us": ksum,
-                     "idle_us": wall - ksum, "launches": sum(c for _, c in kernels.values()),
+                     "idle_us": wall - ksum, "launches": sum(c for _, c, _ in kernels.values()),
                      "of_floor": floor_us / wall})  # fmt: skip
-        for name, (t, c) in sorted(kernels.items(), key=lambda kv: -kv[1][0]):
-            ROWS.append({**base, "kind": "kernel", "kernel": name, "us_per_step": t,
+        for name, (t, c, full) in sorted(kernels.items(), key=lambda kv: -kv[1][0]):
+            ROWS.append({**base, "kind": "kernel", "kernel": name, "full_name": full, "us_per_step": t,
                          "launches": c, "per_layer": c / arch.n_layers, "share": t / wall})  # fmt: skip
         print_table(ROWS[-len(kernels) - 1 :])
         del dec
