@@ -16,7 +16,9 @@ decoder -> thresholds``; ``nbytes`` and ``report`` stand alone):
   a dense prefill (speed benchmarks on random weights);
 - :mod:`~dejavu_lab.engine.nbytes`  — :func:`step_bytes`: the bytes a step reads (its floor);
 - :mod:`~dejavu_lab.engine.report`  — tables and figures of the end-to-end chapter (imported on
-  first use: it needs pandas and plotly).
+  first use: it needs pandas and plotly);
+- :mod:`~dejavu_lab.engine.profile_report` — the decode step's GPU time per kernel inside its
+  CUDA graph, grouped by part (``kernels/profile_engine.py``'s recording).
 
 >>> import torch
 >>> from dejavu_lab.engine import METHODS, Decoder
