@@ -1,0 +1,201 @@
+"""The ``dejavu-lab`` command line's shared pieces: argument types checked while parsing (before
+any model loads), the common options, and loading a model and a corpus's token windows.
+
+>>> _count(1)("3"), _budget("mlp_sparsity")("0.5,0.25")
+(3, [0.5, 0.25])
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument error is one line ``dejavu-lab: error: ...`` and exit status 2, as any other."""
+
+    def error(self, message: str):
+        if not message.endswith("."):  # argparse's own words: say where the usage is
+            message += f"; run `{self.prog} --help` for the options."
+        self.exit(2, f"dejavu-lab: error: {message}\n")
+
+
+def _budget(what: str, per_layer: bool = True):
+    """An argparse ``type=`` for the sparsity ``what``, checked while parsing (no model loaded).
+
+    A number in [0, 1) or, with ``per_layer``, comma-separated numbers each in [0, 1); whether
+    their count matches the model's layers is checked once the model has loaded.
+    """
+
+    def parse(text: str):
+        parts = [p for p in text.split(",") if p.strip()] if per_layer else [text]
+        try:
+            values = [float(p) for p in parts]
+        except ValueError:
+            values = []
+        if not values:
+            extra = " or a comma-separated list" if per_layer else ""
+            raise argparse.ArgumentTypeError(
+                f"expected a number in [0, 1){extra}, got {text!r}; pass e.g. 0.5."
+            )
+        from .budgets import budgets
+
+        try:
+            budgets(values, len(values), what)  # each in [0, 1), one sentence if not
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"{str(e).rstrip('.')}; pass e.g. 0.5.") from None
+        return values[0] if len(values) == 1 else values
+
+    return parse
+
+
+def _count(minimum: int, what: str = ""):
+    """An argparse ``type=`` for a whole number >= ``minimum`` (``--epochs 0`` fails here)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected a whole number >= {minimum}{what}, got {text!r}; pass e.g. {minimum}."
+            ) from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(
+                f"must be at least {minimum}{what}, got {value}; pass {minimum} or more."
+            )
+        return value
+
+    return parse
+
+
+def _corpus(text: str) -> str:
+    from .corpus import CORPORA
+
+    if text not in CORPORA:
+        raise argparse.ArgumentTypeError(
+            f"unknown corpus {text!r}; choose one of {', '.join(CORPORA)}."
+        )
+    return text
+
+
+def _layers(text: str) -> list[int]:
+    try:
+        return [int(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated layer indices, got {text!r}; pass e.g. 0,1."
+        ) from None
+
+
+def _common(p: argparse.ArgumentParser, corpus: bool = True) -> None:
+    p.add_argument("--model", default="demo", help="'demo', a Hugging Face id or a local folder")
+    if corpus:
+        p.add_argument("--corpus", type=_corpus, default="demo", help="demo, wikitext-2 or c4")
+        p.add_argument("--window", type=_count(2, " tokens"), default=512, help="tokens per window")
+    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
+
+def _sparsity_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--mlp-sparsity", type=_budget("mlp_sparsity"), default=None, help="neurons removed (0)"
+    )
+    p.add_argument(
+        "--head-sparsity", type=_budget("head_sparsity"), default=None, help="heads removed (0)"
+    )
+    p.add_argument("--dense-layers", type=_layers, default=[], help="e.g. 0,1 (left dense)")
+
+
+def _text_source(text: str) -> str:
+    """An argparse ``type=`` for ``--corpus`` / ``--calibration``: a corpus name or a file."""
+    from .corpus import CORPORA
+
+    if text in CORPORA:
+        return text
+    path = Path(text).expanduser()
+    if path.is_file():
+        return str(path)
+    if path.exists():
+        raise argparse.ArgumentTypeError(f"{text} is not a file; pass a UTF-8 text file.")
+    raise argparse.ArgumentTypeError(
+        f"no corpus named {text!r} and no file at {text}; pass one of {', '.join(CORPORA)} "
+        "or the path of a UTF-8 text file."
+    )
+
+
+def _positive(what: str):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            v = 0
+        if v < 1:
+            raise argparse.ArgumentTypeError(f"{what} must be a positive integer, got {text!r}.")
+        return v
+
+    return parse
+
+
+def _load(args):
+    from .models import load_model
+
+    return load_model(args.model)
+
+
+def _windows(args, tokenizer, n: int | None, skip: int = 0, source: str | None = None):
+    from .corpus import CorpusError, token_windows
+
+    if tokenizer is None:
+        raise ValueError(
+            f"Model {args.model!r} has no tokenizer, so it cannot read a corpus; "
+            "use 'demo', a Hugging Face id or a folder with tokenizer files."
+        )
+    total = None if n is None else n + skip
+    w = token_windows(tokenizer, _read_text(source or args.corpus), args.window, total)[skip:]
+    if w.shape[0] == 0:
+        raise CorpusError(
+            f"The corpus has no {args.window}-token windows left after skipping {skip}; "
+            "skip fewer windows or use a smaller --window."
+        )
+    return w
+
+
+def _read_text(source: str) -> str:
+    """A corpus by name, or a UTF-8 text file."""
+    from .corpus import CORPORA, CorpusError, load_text
+
+    if source in CORPORA:
+        return load_text(source)
+    try:
+        return Path(source).read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise CorpusError(f"{source} is not UTF-8 text; pass a UTF-8 text file.") from None
+
+
+def _check_text_files(args) -> None:
+    """Fail before the model loads when a text file is not UTF-8 or cannot hold one window
+    (a token spans at least one byte)."""
+    from .corpus import CORPORA, CorpusError
+
+    for what, source in (("--corpus", args.corpus), ("--calibration", args.calibration)):
+        if source is None or source in CORPORA:
+            continue
+        raw = Path(source).read_bytes()
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise CorpusError(
+                f"{what} {source} is not UTF-8 text; pass a UTF-8 text file."
+            ) from None
+        if len(raw) < args.window:
+            raise CorpusError(
+                f"{what} {source} has {len(raw)} bytes, fewer than one window of {args.window} "
+                "tokens; pass a longer text or a smaller --window."
+            )
+
+
+def _static_sets(model, calib, kw: dict, args):
+    """The static method's sets, chosen on ``calib`` at the budgets of ``kw``."""
+    from .sparsify import static_sets
+
+    return static_sets(model, calib, mlp_sparsity=kw["mlp_sparsity"],
+                       head_sparsity=kw["head_sparsity"], progress=not args.no_progress)  # fmt: skip
