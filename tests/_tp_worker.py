@@ -13,7 +13,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dejavu_lab.engine import Decoder, EngineError, SparseConfig, TPDecoder, init_tp
+from dejavu_lab.engine import (
+    Decoder,
+    EngineError,
+    SparseConfig,
+    TPDecoder,
+    calibrate_thresholds,
+    init_tp,
+)
 from dejavu_lab.models import random_model
 
 PROMPT, STEPS, NEW = 8, 8, 16  # prompt tokens, teacher-forced steps compared, greedy tokens
@@ -88,6 +95,12 @@ def cases(rank: int, world: int) -> list[dict]:
         row["window"] = tp.window
         rows.append(row)
         rows.append(predictor_case(preset, m16, rank, world))
+        # TEAL (Llama) / CATS (OPT): thresholds calibrated at full width, cut per rank
+        method = "teal" if preset == "tiny-llama" else "cats"
+        thr = calibrate_thresholds(m16, ids[:, :PROMPT], 0.5, method=method)
+        sp = SparseConfig(method=method, thresholds=thr)
+        rows.append(compare(f"{method}_calibrated", preset, Decoder(m16, max_seq_len=L, sparse=sp),
+                            TPDecoder(m16, max_seq_len=L, sparse=sp), ids, rank))  # fmt: skip
     return rows
 
 
@@ -158,7 +171,7 @@ def bench(out_dir: Path) -> dict:
 
 def main() -> None:
     out = Path(sys.argv[1])
-    rank, world, _ = init_tp()
+    rank, world, _ = init_tp("gloo")  # CPU tensors, even on a machine with GPUs
     result = {"world_size": world, "backend": dist.get_backend(), "cases": cases(rank, world),
               "errors": errors(world), "bench": bench(out.parent)}  # fmt: skip
     if rank == 0:

@@ -1,7 +1,8 @@
 """Tensor-parallel decoding (issue 14) on CPU: ``torchrun --nproc-per-node 2`` (gloo) runs every
 case of tests/_tp_worker.py in one launch — tiny OPT and Llama (GQA), TP=2 logits against TP=1,
-dense and sparse (every unit kept; a budget with fixed sets), greedy tokens for 16 steps, the
-predictors' per-rank top-k, one-sentence errors, and kernels/bench_engine_tp.py --quick."""
+dense and sparse (every unit kept; a budget with fixed sets; TEAL and CATS thresholds), greedy
+tokens for 16 steps, the predictors' per-rank top-k, one-sentence errors, and
+kernels/bench_engine_tp.py --quick."""
 
 from __future__ import annotations
 
@@ -47,8 +48,12 @@ def _case(run, model, case) -> dict:
     return next(r for r in run["cases"] if r["model"] == model and r["case"] == case)
 
 
-@pytest.mark.parametrize("model", ["tiny-opt", "tiny-llama"])
-@pytest.mark.parametrize("case", ["dense", "sparse_keep_all", "sparse_fixed_sets"])
+CASES = [(m, c) for m in ("tiny-opt", "tiny-llama")
+         for c in ("dense", "sparse_keep_all", "sparse_fixed_sets")]  # fmt: skip
+CASES += [("tiny-opt", "cats_calibrated"), ("tiny-llama", "teal_calibrated")]  # cut thresholds
+
+
+@pytest.mark.parametrize(("model", "case"), CASES)
 def test_tp2_logits_and_tokens_match_tp1(run, model, case):
     r = _case(run, model, case)
     assert run["world_size"] == 2 and run["backend"] == "gloo"

@@ -152,8 +152,17 @@ class TPDecoder(Decoder):
     :func:`shard_weights`). Other arguments as for ``Decoder``; ``group`` is the process group
     (default: the world). Logits are the whole vocabulary's, the same on every rank.
 
-    >>> TPDecoder.set_indices.__doc__.split(";")[0]  # (a process group is needed to build one)
-    'Fix the kept neurons / heads of ``layer`` by *global* indices'
+    One process can hold a group of one (a real launch is ``torchrun``, see module doc):
+
+    >>> import torch.distributed as dist
+    >>> from dejavu_lab.engine import Decoder
+    >>> from dejavu_lab.models import random_model
+    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    >>> m, ids = random_model("tiny-opt").model, torch.tensor([[5, 6, 7]])
+    >>> dec, ref = TPDecoder(m, max_seq_len=16), Decoder(m, max_seq_len=16)
+    >>> dec.w.shard.heads, dec.generate(ids, 4).tolist() == ref.generate(ids, 4).tolist()
+    ((0, 4), True)
+    >>> dist.destroy_process_group()
     """
 
     def __init__(self, model, *, max_seq_len: int, sparse: SparseConfig | None = None,
