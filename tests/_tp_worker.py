@@ -32,7 +32,7 @@ T0 = time.perf_counter()
 
 def log(*what) -> None:
     """Progress on stderr (the test shows it when the launch fails)."""
-    print(f"[rank {dist.get_rank()} {time.perf_counter() - T0:6.1f} s]", *what, file=sys.stderr,
+    print(f"[rank {dist.get_rank()} {time.perf_counter() - T0:6.1f} s, cpu {time.process_time():.1f} s]", *what, file=sys.stderr,
           flush=True)  # fmt: skip
 
 
@@ -101,6 +101,14 @@ def cases(rank: int, world: int) -> list[dict]:
         sp = SparseConfig(method=method, thresholds=thr)
         rows.append(compare(f"{method}_calibrated", preset, Decoder(m16, max_seq_len=L, sparse=sp),
                             TPDecoder(m16, max_seq_len=L, sparse=sp), ids, rank))  # fmt: skip
+    # post-LN OPT with project_in/out and an odd vocabulary (the last lm_head shard padded)
+    m = random_model("tiny-opt-postln", seed=0, vocab_size=127).model
+    ids = torch.randint(0, 127, (1, PROMPT + STEPS), generator=torch.Generator().manual_seed(2))
+    rows.append(compare("dense_odd_vocab", "tiny-opt-postln", Decoder(m, max_seq_len=32),
+                        TPDecoder(m, max_seq_len=32), ids, rank))  # fmt: skip
+    m = random_model("tiny-llama", seed=0).model  # lm_head replicated instead of vocab-parallel
+    rows.append(compare("dense_replicated_head", "tiny-llama", Decoder(m, max_seq_len=32),
+                        TPDecoder(m, max_seq_len=32, vocab_parallel=False), ids, rank))  # fmt: skip
     return rows
 
 
@@ -174,6 +182,7 @@ def main() -> None:
     rank, world, _ = init_tp("gloo")  # CPU tensors, even on a machine with GPUs
     result = {"world_size": world, "backend": dist.get_backend(), "cases": cases(rank, world),
               "errors": errors(world), "bench": bench(out.parent)}  # fmt: skip
+    log("done")
     if rank == 0:
         out.write_text(json.dumps(result, indent=1))
     dist.barrier()

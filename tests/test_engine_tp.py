@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _audit import sentence
 
 from dejavu_lab.engine import EngineError, TPDecoder
 from dejavu_lab.models import random_model
@@ -51,6 +52,7 @@ def _case(run, model, case) -> dict:
 CASES = [(m, c) for m in ("tiny-opt", "tiny-llama")
          for c in ("dense", "sparse_keep_all", "sparse_fixed_sets")]  # fmt: skip
 CASES += [("tiny-opt", "cats_calibrated"), ("tiny-llama", "teal_calibrated")]  # cut thresholds
+CASES += [("tiny-opt-postln", "dense_odd_vocab"), ("tiny-llama", "dense_replicated_head")]
 
 
 @pytest.mark.parametrize(("model", "case"), CASES)
@@ -80,7 +82,7 @@ def test_world_sizes_that_do_not_divide_give_one_sentence(run):
     assert "255 MLP neurons" in e["neurons"] and "one process" in e["neurons"]
     assert "give every rank" in e["unbalanced"]
     for msg in e.values():
-        assert msg.count(". ") == 0 and msg.endswith("."), msg
+        sentence(msg, "EngineError")  # one line that says what to do
 
 
 def test_quick_bench_records_every_variant(run):
@@ -94,5 +96,6 @@ def test_quick_bench_records_every_variant(run):
 
 
 def test_no_process_group_says_launch_with_torchrun():
-    with pytest.raises(EngineError, match="torchrun"):
+    with pytest.raises(EngineError, match="launch this script with `torchrun") as e:
         TPDecoder(random_model("tiny-opt", dtype=torch.float16).model, max_seq_len=16)
+    sentence(str(e.value), "EngineError")

@@ -45,7 +45,7 @@ Without a process group the decoder refuses in one sentence:
 >>> TPDecoder(random_model("tiny-opt").model, max_seq_len=16)
 Traceback (most recent call last):
 ...
-dejavu_lab.engine.config.EngineError: torch.distributed is not initialised: launch this script with `torchrun --nproc-per-node N script.py` and call dejavu_lab.engine.init_tp() before building a TPDecoder.
+dejavu_lab.engine.config.EngineError: torch.distributed is not initialised: launch this script with `torchrun --nproc-per-node N script.py` and run dejavu_lab.engine.init_tp() before building a TPDecoder.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
             "NVSHMEM_DISABLE_NVLS": "1"}  # fmt: skip
 _NOT_INIT = (
     "torch.distributed is not initialised: launch this script with `torchrun --nproc-per-node N "
-    "script.py` and call dejavu_lab.engine.init_tp() before building a TPDecoder."
+    "script.py` and run dejavu_lab.engine.init_tp() before building a TPDecoder."
 )
 # torch 2.13 renames all_gather_into_tensor (deprecated there); the GPU image's 2.11 has the old
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -85,14 +85,14 @@ def init_tp(backend: str | None = None, *, timeout_s: float = 600) -> tuple[int,
     >>> "RANK" in os.environ or init_tp()
     Traceback (most recent call last):
     ...
-    dejavu_lab.engine.config.EngineError: this process was not started by torchrun (its environment has no RANK and WORLD_SIZE); launch it with `torchrun --nproc-per-node N script.py`.
+    dejavu_lab.engine.config.EngineError: this process was not started by torchrun (its environment has no RANK and WORLD_SIZE); launch it with torchrun: run `torchrun --nproc-per-node N script.py`.
     """
     os.environ.update(NVLS_OFF)  # NCCL reads them when its communicator starts
     if not dist.is_initialized():
         if not all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR")):
             raise EngineError(
                 "this process was not started by torchrun (its environment has no RANK and "
-                "WORLD_SIZE); launch it with `torchrun --nproc-per-node N script.py`."
+                "WORLD_SIZE); launch it with torchrun: run `torchrun --nproc-per-node N script.py`."
             )
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         timeout = datetime.timedelta(seconds=timeout_s)
@@ -116,7 +116,7 @@ def split_indices(idx, n: int, world_size: int) -> list[torch.Tensor]:
     """
     idx = torch.as_tensor(idx).long().flatten().cpu()
     if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n):
-        raise EngineError(f"indices must lie in [0, {n - 1}].")
+        raise EngineError(f"indices must lie in [0, {n - 1}]; pass global unit indices.")
     per = n // world_size
     return [torch.sort(idx[(idx >= r * per) & (idx < (r + 1) * per)] - r * per).values
             for r in range(world_size)]  # fmt: skip

@@ -91,9 +91,14 @@ def tp_shard(arch: Arch, rank: int, world_size: int, *, vocab: int) -> TPShard:
     """
     W = world_size
     if isinstance(W, bool) or not isinstance(W, int) or W < 1:
-        raise EngineError(f"world_size must be a whole number of ranks >= 1, got {W!r}.")
+        raise EngineError(
+            f"world_size must be a whole number of ranks >= 1, got {W!r}; pass e.g. 2."
+        )
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < W:
-        raise EngineError(f"rank must be a whole number in [0, {W - 1}], got {rank!r}.")
+        raise EngineError(
+            f"rank must be a whole number in [0, {W - 1}], got {rank!r}; pass "
+            "torch.distributed.get_rank()."
+        )
     H, Hkv, n = arch.n_heads, arch.n_kv_heads, arch.d_mlp
     bad = [f"the {k} {what}{'s' if k != 1 else ''}" for k, what in
            ((H, "query head"), (Hkv, "KV head"), (n, "MLP neuron")) if k % W]  # fmt: skip
@@ -162,7 +167,10 @@ def shard_weights(w: DecoderWeights, rank: int, world_size: int, *, vocab_parall
     True
     """
     if isinstance(w, ShardedWeights):
-        raise EngineError("these weights are already one rank's shard; shard the full weights.")
+        raise EngineError(
+            "these weights are already one rank's shard; pass the full weights "
+            "(decoder_weights(model))."
+        )
     a, V = w.arch, w.lm_head.shape[0]
     s = tp_shard(a, rank, world_size, vocab=V)
     dev = torch.device(device) if device is not None else w.device
@@ -244,7 +252,8 @@ def random_shard(preset, rank: int, world_size: int, *, device: str | torch.devi
     a = get_arch(cfg)
     if a.model_type not in ENGINE_TYPES:
         raise EngineError(
-            f"the engine runs {', '.join(ENGINE_TYPES)} blocks; {a.model_type!r} is not one of them."
+            f"the engine runs {', '.join(ENGINE_TYPES)} blocks; {a.model_type!r} is not one of "
+            "them: use an OPT or Llama preset."
         )
     V, d = cfg.vocab_size, a.d_model
     s = tp_shard(a, rank, world_size, vocab=V)
