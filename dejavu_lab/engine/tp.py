@@ -71,7 +71,7 @@ _NOT_INIT = (
     "torch.distributed is not initialised: launch this script with `torchrun --nproc-per-node N "
     "script.py` and run dejavu_lab.engine.init_tp() before building a TPDecoder."
 )
-# torch 2.13 renames all_gather_into_tensor (deprecated there); the GPU image's 2.11 has the old
+# torch 2.13 (CPU here) deprecates all_gather_into_tensor for all_gather_single; older: the former
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
