@@ -1,7 +1,8 @@
 """A static-KV-cache decoder built from Hugging Face weights, dense or contextually sparse (§5.1).
 
 One module per idea; the imports run one way (``config -> weights -> sets, threshold_blocks ->
-decoder -> thresholds``; ``nbytes`` and ``report`` stand alone):
+decoder -> thresholds``; ``weights -> tp_weights``, ``decoder, tp_weights -> tp``; ``nbytes``
+and ``report`` stand alone):
 
 - :mod:`~dejavu_lab.engine.config`  — :class:`SparseConfig` (what a step keeps) and
   :class:`EngineError`;
@@ -15,6 +16,10 @@ decoder -> thresholds``; ``nbytes`` and ``report`` stand alone):
 - :mod:`~dejavu_lab.engine.thresholds` — :func:`calibrate_thresholds` for a target sparsity from
   a dense prefill (speed benchmarks on random weights);
 - :mod:`~dejavu_lab.engine.nbytes`  — :func:`step_bytes`: the bytes a step reads (its floor);
+- :mod:`~dejavu_lab.engine.tp_weights` — :func:`shard_weights`, :func:`random_shard`: one
+  tensor-parallel rank's share of the weights (Megatron layout);
+- :mod:`~dejavu_lab.engine.tp` — :class:`TPDecoder`: the decoder on one rank of
+  ``torch.distributed`` (``torchrun``), its block outputs all-reduced;
 - :mod:`~dejavu_lab.engine.report`  — tables and figures of the end-to-end chapter (imported on
   first use: it needs pandas and plotly);
 - :mod:`~dejavu_lab.engine.profile_report` — the decode step's GPU time per kernel inside its
@@ -40,6 +45,8 @@ from .nbytes import predictor_bytes, step_bytes
 from .sets import KeptSets
 from .threshold_blocks import DENSE_OPS, ThresholdBlocks, dense_ops
 from .thresholds import calibrate_thresholds, column_norms, keep_all
+from .tp import NVLS_OFF, TPDecoder, init_tp, split_indices
+from .tp_weights import ShardedWeights, TPShard, random_shard, shard_weights, tp_shard
 from .weights import DecoderWeights, LayerWeights, decoder_weights
 
 _REPORT = ("PAPER", "breakdown", "breakdown_figure", "latency_table", "load", "method_table",
@@ -63,6 +70,15 @@ __all__ = [
     "keep_all",
     "predictor_bytes",
     "step_bytes",
+    "NVLS_OFF",
+    "ShardedWeights",
+    "TPDecoder",
+    "TPShard",
+    "init_tp",
+    "random_shard",
+    "shard_weights",
+    "split_indices",
+    "tp_shard",
     *_REPORT,
 ]
 

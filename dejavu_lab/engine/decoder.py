@@ -196,12 +196,17 @@ class Decoder(KeptSets, ThresholdBlocks):
         return F.linear(x, self.w.lm_head)  # [S, V]
 
     def _block(self, i: int, x: torch.Tensor, attn, mlp) -> torch.Tensor:
-        lw, kind = self.w.layers[i], self.w.norm
+        lw, kind, r = self.w.layers[i], self.w.norm, self._reduce
         if self.arch.pre_ln:
-            h = x + attn(i, _norm(x, lw.ln_attn, kind))
-            return h + mlp(i, _norm(h, lw.ln_mlp, kind))
-        h = _norm(x + attn(i, x), lw.ln_attn, kind)  # post-LN (OPT-350m)
-        return _norm(h + mlp(i, h), lw.ln_mlp, kind)
+            h = x + r(attn(i, _norm(x, lw.ln_attn, kind)))
+            return h + r(mlp(i, _norm(h, lw.ln_mlp, kind)))
+        h = _norm(x + r(attn(i, x)), lw.ln_attn, kind)  # post-LN (OPT-350m)
+        return _norm(h + r(mlp(i, h)), lw.ln_mlp, kind)
+
+    def _reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """A block's output [S, d] as the residual stream adds it: itself here; the
+        tensor-parallel decoder (:mod:`dejavu_lab.engine.tp`) all-reduces its ranks' shares."""
+        return t
 
     def _mlp_sparse(self, i: int, x: torch.Tensor) -> torch.Tensor:
         """DejaVu's MLP over the kept neurons: up (or gate/up), activation and down."""
