@@ -25,8 +25,10 @@ chromium:
 	    { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq chromium >/dev/null 2>&1; }; }; } || \
 	  echo "chromium could not be installed: the rendered-page tests will be skipped"
 
+# One worker per core, each taking whole files (a file's fixtures — the book build, the demo
+# model — load once): the book's build runs beside the rest of the suite.
 test: $(STAMP) chromium
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -n auto --dist loadfile
 
 lint: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

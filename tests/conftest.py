@@ -1,7 +1,16 @@
-"""Shared fixtures: the real demo model is loaded once per test session."""
+"""Shared fixtures: the real demo model is loaded once per test session (per worker)."""
+
+import os
 
 import pytest
 import torch
+
+# make test runs one pytest-xdist worker per core: each gets its share of the cores, so two
+# workers' matmuls do not fight over the same two cores
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(
+        max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    )
 
 from dejavu_lab.models import load_model, random_model
 
