@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import importlib
 
+from .batch import MAX_BATCH, BatchDecoder
 from .config import METHODS, SITES, EngineError, SparseConfig
 from .decoder import Decoder
 from .nbytes import predictor_bytes, step_bytes
@@ -45,7 +46,9 @@ _REPORT = ("PAPER", "breakdown", "breakdown_figure", "latency_table", "load", "m
 
 __all__ = [
     "DENSE_OPS",
+    "MAX_BATCH",
     "METHODS",
+    "BatchDecoder",
     "SITES",
     "Decoder",
     "DecoderWeights",
