@@ -44,6 +44,7 @@ import torch
 
 from ..checks import engine as check_engine
 from .batch_blocks import BatchBlocks
+from .batch_prompts import batch_prompts
 from .batch_sets import BatchSets
 from .config import EngineError, SparseConfig
 from .decoder import Decoder, _norm
@@ -152,45 +153,9 @@ class BatchDecoder(BatchSets, BatchBlocks, Decoder):
         return logits
 
     def _prompts(self, prompts, attention_mask=None) -> list[torch.Tensor]:
-        """A list of 1-D id tensors, or [B, S] ids with an optional HF attention_mask."""
-        vocab = self.w.embed.shape[0]
-        if isinstance(prompts, torch.Tensor):
-            ids = check_engine.prompt(prompts, batch=prompts.shape[0] if prompts.dim() == 2 else 1,
-                                      vocab=vocab)  # fmt: skip
-            if attention_mask is None:
-                rows = list(ids)
-            else:
-                if (
-                    not isinstance(attention_mask, torch.Tensor)
-                    or attention_mask.shape != ids.shape
-                ):
-                    raise EngineError(
-                        f"attention_mask must be a tensor of the ids' shape {tuple(ids.shape)} "
-                        "(1 = a token, 0 = padding)."
-                    )
-                rows = [r[m.to(r.device).bool()] for r, m in zip(ids, attention_mask, strict=True)]
-        elif isinstance(prompts, (list, tuple)):
-            if attention_mask is not None:
-                raise EngineError("attention_mask goes with [B, S] ids; a list needs none.")
-            rows = [check_engine.prompt(p, vocab=vocab)[0] for p in prompts]
-        else:
-            raise EngineError(
-                f"prompts must be a list of 1-D id tensors or [B, S] ids, got {type(prompts).__name__}."
-            )
-        if not 1 <= len(rows) <= self.max_batch:
-            raise EngineError(
-                f"the batch has {len(rows)} sequences but this BatchDecoder decodes 1 to "
-                f"{self.max_batch} (max_batch); split the batch or build a larger one (<= 32)."
-            )
-        for b, r in enumerate(rows):
-            if r.numel() == 0:
-                raise EngineError(f"sequence {b}'s prompt is empty; give each at least one token.")
-            if r.numel() >= self.max_seq_len:
-                raise EngineError(
-                    f"sequence {b}'s prompt has {r.numel()} tokens but the cache holds "
-                    f"{self.max_seq_len}; build the BatchDecoder with a larger max_seq_len."
-                )
-        return [r.to(self.w.device) for r in rows]
+        return batch_prompts(prompts, attention_mask, vocab=self.w.embed.shape[0],
+                             max_batch=self.max_batch, max_seq_len=self.max_seq_len,
+                             device=self.w.device)  # fmt: skip
 
     @contextlib.contextmanager
     def _slot(self, b: int):
@@ -235,6 +200,50 @@ class BatchDecoder(BatchSets, BatchBlocks, Decoder):
                 self.tokens[b, r.numel() + 1 :] = self.eos
         self._accept(self._choose(logits), self.pos_t[: self.B])
         return logits
+
+    @torch.no_grad()
+    def copy_prefill(self, other: BatchDecoder, slots=None) -> None:
+        """Start from ``other``'s fresh prefill of the same model (its weights in any dtype: an
+        fp32 prefill is several times faster on a CPU): its cache slots ``slots`` (default: its
+        whole batch) become this decoder's sequences 0, 1, ..., so several configurations decode
+        from one prefill (quality comparisons, benchmarks).
+
+        >>> import torch
+        >>> from dejavu_lab.engine import SparseConfig, decoder_weights
+        >>> from dejavu_lab.models import random_model
+        >>> w = decoder_weights(random_model("tiny-llama", dtype=torch.bfloat16).model)
+        >>> dense = BatchDecoder(w, max_seq_len=16, max_batch=2)
+        >>> _ = dense.prefill([torch.tensor([1, 2, 3]), torch.tensor([4, 5])])
+        >>> alone = BatchDecoder(w, max_seq_len=16, max_batch=1, sparse=SparseConfig(0.5, 0.5))
+        >>> alone.copy_prefill(dense, slots=[1])  # sequence 1 alone, no second prefill
+        >>> alone.lengths, alone.step().shape
+        ([2], torch.Size([1, 128]))
+        """
+        same = (other.arch.n_layers, other.Hkv, other.dh, other.w.embed.shape)
+        if same != (self.arch.n_layers, self.Hkv, self.dh, self.w.embed.shape):
+            raise EngineError(
+                "copy_prefill needs a decoder of the same model (its layers, heads, vocabulary)."
+            )
+        if other.B == 0 or other.n_steps:
+            raise EngineError("copy_prefill copies a fresh prefill; call other.prefill first.")
+        slots = list(range(other.B)) if slots is None else [int(b) for b in slots]
+        if not 1 <= len(slots) <= self.max_batch or not set(slots) <= set(range(other.B)):
+            raise EngineError(
+                f"slots must name 1 to {self.max_batch} of the other decoder's sequences "
+                f"0..{other.B - 1}."
+            )
+        lengths = [other.lengths[b] for b in slots]
+        if max(lengths) >= self.max_seq_len:
+            raise EngineError(f"a prompt of {max(lengths)} tokens does not fit this cache.")
+        T, B = max(lengths), len(slots)
+        at = torch.tensor(slots, device=self.w.device)
+        self.kv[:, :, :B, :, :T] = other.kv[:, :, at, :, :T].to(self.kv.dtype)
+        self.tokens[:B, : T + 1] = other.tokens[at, : T + 1]
+        if self.eos is not None:
+            for b, n in enumerate(lengths):
+                self.tokens[b, n + 1 :] = self.eos
+        self._start(lengths)
+        self._accept(other.tokens[at, torch.tensor(lengths, device=at.device)], self.pos_t[:B])
 
     def rewind(self, lengths) -> None:
         """Decode again from the first ``lengths[b]`` tokens of slot b, whose keys and values
