@@ -245,13 +245,42 @@ def test_triton_kernels_through_the_interpreter(monkeypatch):
 @pytest.mark.skipif(CPU, reason="CUDA graphs need a GPU")
 def test_graph_replays_equal_eager_steps():
     m = model("tiny-llama-mha", dtype=HALF, seed=10)
+    prompts, cont = rand_ids([5, 3, 8], seed=13), torch.stack(rand_ids([9] * 3, seed=14))
     for sp in (None, SparseConfig(0.5, 0.5, kv_window=4)):
         dec = BatchDecoder(m, max_seq_len=24, max_batch=3, sparse=sp)
-        prompts = rand_ids([5, 3, 8], seed=13)
-        eager = [t.tolist() for t in dec.generate(prompts, 10, graph=False)]
-        assert [t.tolist() for t in dec.generate(prompts, 10, graph=True)] == eager
+        eager = forced(dec, prompts, cont)
+        dec.prefill(prompts)
+        dec.capture()
+        replay = [dec.step(cont[:, t]).clone() for t in range(cont.shape[1])]
+        assert relerr(torch.stack(replay, 1).float(), eager[:, 1:]) < 1e-3
         sampled = [dec.generate(prompts, 6, do_sample=True, seed=4) for _ in range(2)]
         assert [t.tolist() for t in sampled[0]] == [t.tolist() for t in sampled[1]]
+
+
+def test_bench_batch_quick_records_every_variant(tmp_path, monkeypatch):
+    """kernels/bench_engine.py --batch on CPU (--quick): the plumbing of the one GPU run."""
+    if not CPU:
+        pytest.skip("the GPU run is the benchmark itself")
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "kernels" / "bench_engine.py"
+    monkeypatch.setenv("DEJAVU_LAB_RESULTS", str(tmp_path))
+    spec = importlib.util.spec_from_file_location("bench_engine", script)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_engine", bench)
+    spec.loader.exec_module(bench)
+    bench.main(["--batch", "1,2", "--quick", "--prompts", "8", "--no-check"])
+    rows = json.loads((tmp_path / "engine_batch.json").read_text())["rows"]
+    assert not [r for r in rows if "error" in r]
+    got = {(r["model"], r["engine"], r["batch"]) for r in rows if r["kind"] == "batch"}
+    want = {(m, e, b) for m in ("tiny-opt", "tiny-llama") for b in (1, 2)
+            for e in ("dense", "sparse", "sparse_uncapped")}  # fmt: skip
+    assert got == want
+    sparse = [r for r in rows if r["kind"] == "batch" and r["engine"] == "sparse"]
+    assert all(0 < r["mlp_union"] <= 1 and r["part_attention_ms"] > 0 for r in sparse)
 
 
 def test_bad_inputs_are_one_sentence_engine_errors():

@@ -10,8 +10,9 @@ cache and tables, and the batch's ``B``, ``W``, plans and per-sequence buffers):
   kernel or PyTorch with a [B, T] mask of each sequence's own positions;
 - deferred KV (Knowl 5): the step recomputes the union heads' K/V over the window of each
   sequence, ``B x W`` rows in one gather-GEMV (at most 32: ``W = min(kv_window, 32 // B)``, and
-  no deferral below 4), so a head outside the union writes no K/V until the window's flush
-  (``_flush``: one dense K/V pass over every sequence's window) or until it joins the union.
+  no deferral below 4, nor when the union has room for every head), so a head outside the
+  union writes no K/V until the window's flush (``_flush``: one dense K/V pass over every
+  sequence's window) or until it joins the union.
 """
 
 from __future__ import annotations
@@ -34,13 +35,15 @@ class BatchBlocks:
     >>> from dejavu_lab.engine import BatchDecoder, SparseConfig
     >>> from dejavu_lab.models import random_model
     >>> m = random_model("tiny-opt", dtype=torch.float16).model  # 4 heads: deferred KV
-    >>> dec = BatchDecoder(m, max_seq_len=32, sparse=SparseConfig(0.5, 0.5, kv_window=16))
-    >>> [dec._window_for(b) for b in (1, 2, 4, 8, 16, 32)]  # B x W <= 32 rows, else none
-    [16, 16, 8, 4, 0, 0]
+    >>> dec = BatchDecoder(m, max_seq_len=32, sparse=SparseConfig(0.5, 0.75, kv_window=16))
+    >>> [dec._window_for(b) for b in (1, 2, 4, 8, 16, 32)]  # B x W <= 32 rows, B heads < 4
+    [16, 16, 0, 0, 0, 0]
     """
 
     def _window_for(self, B: int) -> int:
         """The deferred-KV window at batch size B: B x W rows fit one gather-GEMV (<= 32)."""
+        if self.method == "dejavu" and min(self.H, B * self.k_heads) == self.H:
+            return 0  # the union can hold every head: nothing to defer
         w = min(self.window, MAX_ROWS // B)
         return w if (w == self.window or w >= 4) else 0
 

@@ -66,13 +66,16 @@ def batch_quality(
     ``perplexity``, and for batched runs the mean realised union (``mlp_union``,
     ``heads_union``) and the MLP fraction read (``mlp_read``), over layers and steps.
 
+    >>> import os
+    >>> from unittest import mock
     >>> from dejavu_lab.collect import fingerprint
     >>> from dejavu_lab.models import random_model
     >>> from dejavu_lab.predictors import PredictorConfig, Predictors
     >>> lm = random_model("tiny-llama", seed=0)
     >>> pred = Predictors(fingerprint(lm.model, lm.arch), PredictorConfig(mode="lookahead"))
     >>> windows = torch.randint(0, 128, (3, 12), generator=torch.Generator().manual_seed(0))
-    >>> t = batch_quality(lm.model, pred, windows, union_budgets=(None, 0.5))
+    >>> with mock.patch.dict(os.environ, TRITON_INTERPRET="0"):  # the kernels' references
+    ...     t = batch_quality(lm.model, pred, windows, union_budgets=(None, 0.5))
     >>> sorted(t.run.unique())
     ['batch 1', 'batch 3', 'batch 3, union <= 50%', 'dense']
     >>> t.groupby("run").tokens.sum().tolist()  # 3 windows x 5 decode steps each
