@@ -54,7 +54,7 @@ def kept_sets(dec: BatchDecoder, B: int, seed: int = 0) -> None:
         mlp = torch.stack([torch.randperm(a.d_mlp, generator=g)[: dec.k_mlp] for _ in range(B)])
         heads = []
         for _ in range(B):
-            if group > 1:  # k_h / group whole groups
+            if group > 1 and dec.k_heads % group == 0:  # k_h / group whole groups
                 kv = torch.randperm(a.n_kv_heads, generator=g)[: dec.k_heads // group]
                 heads.append((kv[:, None] * group + torch.arange(group)).reshape(-1))
             else:

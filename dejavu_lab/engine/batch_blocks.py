@@ -65,18 +65,15 @@ class BatchBlocks:
         sequence's own heads attended, the union's W_O rows; x [B, d] -> [B, d]."""
         lw, p, B, W, dh = self.w.layers[i], self._plan, self.B, self.W, self.dh
         uh = p.head_idx.shape[1]
+        every = uh == self.H and not W  # the union holds every head: the dense projections
         if W:
             self.hwin[i].index_copy_(0, self._rows, x)
             x = self.hwin[i, : B * W]
-        qkv = sparse_mlp_up(
-            x,
-            lw.w_qkv,
-            p.qkv_idx[i],
-            bias=lw.b_qkv,
-            activation="none",
-            rows_per_index=dh,
-            validate=False,
-        )  # [rows, (Uh + 2 n_kv) dh]
+        if every:
+            qkv = self._qkv(i, x)
+        else:  # [rows, (Uh + 2 n_kv) dh]
+            qkv = sparse_mlp_up(x, lw.w_qkv, p.qkv_idx[i], bias=lw.b_qkv, activation="none",
+                                rows_per_index=dh, validate=False)  # fmt: skip
         n_kv = (p.qkv_idx.shape[1] - uh) // 2
         if self.cos is not None:  # queries and keys, each row at its own position
             rope_(qkv, self.cos, self.sin, self._positions, n_rot=uh + n_kv)
@@ -89,8 +86,16 @@ class BatchBlocks:
         o = sparse_attention_core(qkv, kc[:B], vc[:B], self._seqlen, p.head_idx[i], n_heads=self.H,
                                   kv_heads=None if W else self._kv_all, scale=self.scale,
                                   head_mask=p.mask[i])  # fmt: skip
+        if every:  # o is in head order, zeros where a sequence skips a head
+            return self._out(i, o)
         return sparse_mlp_down(o, lw.w_o_t, p.head_idx[i], bias=lw.b_o, rows_per_index=dh,
                                validate=False)  # fmt: skip
+
+    def _mlp_sparse(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """The union's neurons; when the buffer holds every neuron, the dense MLP (cuBLAS)."""
+        if self._plan.mlp_idx.shape[1] == self.arch.d_mlp:
+            return self._mlp_torch(i, x)
+        return super()._mlp_sparse(i, x)
 
     def _attn_all(self, i: int, x: torch.Tensor) -> torch.Tensor:
         """Every head of every sequence (dense, TEAL, WINA, CATS); x [B, d] -> [B, d]."""
