@@ -147,6 +147,18 @@ def test_deferred_kv_is_exact_per_sequence():
     assert t[t.block == "heads"].groupby("layer").union.max().tolist() == [2, 1]
 
 
+def test_parts_run_whenever_the_window_is_full():
+    """The benchmark times each part after decoding; with a full deferred-KV window the parts
+    flush first, as a step would (the H200 run of 691f74d stopped on that index)."""
+    m = model("tiny-llama-mha", dtype=HALF, seed=11)
+    dec = BatchDecoder(m, max_seq_len=16, max_batch=2, sparse=SparseConfig(0.5, 0.75, kv_window=3))
+    dec.prefill(rand_ids([3, 4], seed=15))
+    dec.decode(3)  # the window of 3 is full
+    for part in dec.parts().values():
+        part()
+    assert dec.wstart == 3 and dec.step().shape == (2, 128)
+
+
 def test_union_sizes_and_the_union_budget():
     m = model("tiny-opt", dtype=HALF, seed=5)  # 256 neurons, 4 heads
     a, b = torch.arange(0, 64), torch.arange(32, 96)  # 32 shared: a union of 96

@@ -396,6 +396,8 @@ class BatchDecoder(BatchSets, BatchBlocks, Decoder):
         """Zero-argument callables running one part of a decode step over every layer at the
         current batch size, for timing by :mod:`kernels.bench_engine` (``--batch``)."""
         L, attn, mlp, B = self.arch.n_layers, self._attn, self._mlp, self.B
+        if self.W and self.n_steps - self.wstart >= self.W:
+            self._flush()  # the window is full: a step would flush first (its rows are [0, W))
         x = torch.randn(B, self.arch.d_model, dtype=self.w.dtype, device=self.w.device)
 
         def run_attn():

@@ -27,7 +27,7 @@ from .batch import BatchDecoder
 from .config import EngineError, SparseConfig
 from .weights import decoder_weights
 
-__all__ = ["batch_quality"]
+__all__ = ["batch_quality", "batch_unions"]
 
 
 def _nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -121,3 +121,60 @@ def batch_quality(
         run = f"batch {B}" if budget is None else f"batch {B}, union <= {budget:.0%}"
         record(run, nll, union_budget=budget, **_union_means(dec))
     return pd.DataFrame(rows)
+
+
+def batch_unions(
+    model,
+    predictors,
+    windows: torch.Tensor,
+    batch_sizes=(1, 2, 4, 8),
+    *,
+    prompt: int | None = None,
+    steps: int = 8,
+    mlp_sparsity: float = 0.5,
+    head_sparsity: float = 0.3,
+    dtype: torch.dtype = torch.bfloat16,
+) -> pd.DataFrame:
+    """The union the engine realises with DejaVu's predictors, per batch size: the first B
+    windows decoded together (teacher-forced, ``steps`` steps from one prefill), no cap.
+
+    One row per (batch_size, block, layer): ``union`` (mean fraction of the layer's neurons or
+    heads the live sequences asked for) — the measured counterpart of
+    :func:`dejavu_lab.measure.union_sparsity`'s prediction from oracle sets.
+
+    >>> import os
+    >>> from unittest import mock
+    >>> from dejavu_lab.collect import fingerprint
+    >>> from dejavu_lab.models import random_model
+    >>> from dejavu_lab.predictors import PredictorConfig, Predictors
+    >>> lm = random_model("tiny-llama", seed=0)
+    >>> pred = Predictors(fingerprint(lm.model, lm.arch), PredictorConfig(mode="lookahead"))
+    >>> windows = torch.randint(0, 128, (4, 10), generator=torch.Generator().manual_seed(0))
+    >>> with mock.patch.dict(os.environ, TRITON_INTERPRET="0"):  # the kernels' references
+    ...     u = batch_unions(lm.model, pred, windows, (1, 4), steps=2)
+    >>> u.groupby(["block", "batch_size"]).union.mean().round(2).tolist()  # heads (3 of 4 at B = 1), MLP
+    [0.75, ..., 0.5, ...]
+    """
+    B = max(batch_sizes)
+    if not isinstance(windows, torch.Tensor) or windows.dim() != 2 or windows.shape[0] < B:
+        raise EngineError(f"windows must be a [n, W] tensor of token ids with n >= {B}.")
+    W = windows.shape[1]
+    prompt = W // 2 if prompt is None else int(prompt)
+    steps = min(int(steps), W - prompt - 1)
+    if prompt < 1 or steps < 1:
+        raise EngineError(f"prompt={prompt} must leave decode steps in the window of {W}.")
+    w = decoder_weights(copy.deepcopy(model).to(dtype))
+    windows = windows[:B].to(w.device)
+    first = BatchDecoder(decoder_weights(model), max_seq_len=W, max_batch=B)
+    first.prefill(list(windows[:, :prompt]))
+    dec = BatchDecoder(w, max_seq_len=W, max_batch=B, predictors=predictors,
+                       sparse=SparseConfig(mlp_sparsity, head_sparsity))  # fmt: skip
+    frames = []
+    for b in batch_sizes:
+        dec.copy_prefill(first, list(range(b)))
+        for t in range(steps):
+            dec.step(windows[:b, prompt + t])
+        u = dec.union_sizes()
+        u = (u.union / u.total).groupby([u.block, u.layer]).mean().rename("union").reset_index()
+        frames.append(u.assign(batch_size=b))
+    return pd.concat(frames, ignore_index=True)[["batch_size", "block", "layer", "union"]]
