@@ -39,15 +39,19 @@ logits, sparse with everything kept vs dense, graph vs eager). Results:
     python kernels/bench_engine.py --models opt-30b --prompts 512 --hf-new-tokens 16
     python kernels/bench_engine.py --models facebook/opt-6.7b --prompts 512   # a real checkpoint
     python kernels/bench_engine.py --quick                    # CPU plumbing check, tiny shapes
+    python kernels/bench_engine.py --batch 1,4,8,16,32 --models llama-3-8b,opt-30b \
+        --prompts 512,2048 --new-tokens 32              # batches: kernels/bench_engine_batch.py
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -539,7 +543,19 @@ def main(argv=None):
                     "; '' for none")  # fmt: skip
     ap.add_argument("--parts-at", type=int, default=512, help="prompt of the time breakdown")
     ap.add_argument("--no-check", action="store_true", help="skip the small-model check")
-    ap.add_argument("--name", default="engine_e2e", help="results/<name>.json")
+    ap.add_argument("--name", default=None, help="results/<name>.json (default engine_e2e, "
+                    "with --batch engine_batch)")  # fmt: skip
+    ap.add_argument(
+        "--batch",
+        default=None,
+        help="batch sizes, e.g. 1,4,8,16,32: time BatchDecoder (kernels/bench_engine_batch.py)",
+    )
+    ap.add_argument(
+        "--union-budget",
+        type=float,
+        default=None,
+        help="--batch: fraction of MLP neurons a step's union reads (default 0.3 OPT, 0.5 Llama)",
+    )
     ap.add_argument("--quick", action="store_true", help="CPU plumbing check at tiny shapes")
     args = ap.parse_args(argv)
     command = "python kernels/bench_engine.py " + " ".join(
@@ -548,6 +564,15 @@ def main(argv=None):
     device = "cuda" if cuda() else "cpu"
     if not cuda() and not args.quick:
         sys.exit("bench_engine.py needs an NVIDIA GPU (or --quick for a CPU plumbing check).")
+    if args.batch:  # the batched engine's benchmark lives in its own file
+        args.name = args.name or "engine_batch"
+        spec = importlib.util.spec_from_file_location(
+            "bench_engine_batch", Path(__file__).with_name("bench_engine_batch.py")
+        )
+        batch = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(batch)
+        return batch.run(args, command)
+    args.name = args.name or "engine_e2e"
     methods = [m for m in args.methods.split(",") if m]
     if set(methods) - set(ALL_METHODS):
         sys.exit(f"--methods takes {', '.join(ALL_METHODS)}, got {args.methods!r}.")

@@ -232,6 +232,67 @@ def test_sparse_attention_core(dtype, heads_kv, all_kv, seed):
     torch.testing.assert_close(vc, v_cache, msg=lambda m: f"{m}; seed={seed}")
 
 
+@pytest.mark.parametrize(("dtype", "splits"), [(torch.float16, 1), (torch.bfloat16, 3)])
+@pytest.mark.parametrize("heads_kv", [(4, 4), (8, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("all_kv", [False, True], ids=["needed-kv", "every-kv"])
+def test_sparse_attention_core_per_sequence_heads(dtype, heads_kv, all_kv, splits, seed):
+    """A batch's union of heads, each sequence attending its own (head_mask): skipped heads
+    output zeros, every projected K/V is appended, and no cache row past a sequence is read."""
+    n_heads, n_kv = heads_kv
+    dh, t_max, batch = 16, 24, 3
+    heads = pick(n_heads, 0.75)  # the union
+    kv_heads = torch.arange(n_kv) if all_kv else None
+    n_s = n_kv if all_kv else (heads.numel() if n_heads == n_kv else (heads // 4).unique().numel())
+    qkv = torch.randn(batch, (heads.numel() + 2 * n_s) * dh, dtype=dtype)
+    seqlens = torch.tensor([t_max, 7, 1], dtype=torch.int32)
+    mask = torch.rand(batch, heads.numel()) < 0.5
+    mask[1] = False  # a sequence that attends nothing (finished, or all its heads skipped)
+    mask[2, 0] = True
+    k_cache = torch.randn(batch, n_kv, t_max, dh, dtype=dtype)
+    v_cache = torch.randn(batch, n_kv, t_max, dh, dtype=dtype)
+    for b in range(batch):  # positions not yet written must never be read
+        k_cache[b, :, seqlens[b] - 1 :] = float("nan")
+        v_cache[b, :, seqlens[b] - 1 :] = float("nan")
+    kc, vc = k_cache.clone(), v_cache.clone()
+    kw = dict(n_heads=n_heads, kv_heads=kv_heads)
+    cfg = {"kv_splits": splits, "BLOCK_T": 16}
+    given = mask if splits > 1 else mask.to(torch.int8)  # bool or int masks
+    out = sparse_attention_core(qkv, kc, vc, seqlens, heads, head_mask=given, config=cfg, **kw)
+    ref = sparse_attention_core_ref(qkv, k_cache, v_cache, seqlens, heads, head_mask=mask, **kw)
+    assert_close(out, ref, dtype, seed)
+    blocks = out.view(batch, heads.numel(), dh)
+    assert not blocks[~mask].any(), f"a skipped head wrote non-zeros; seed={seed}"
+    tol = dict(rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(kc, k_cache, **tol, msg=lambda m: f"{m}; seed={seed}")
+    torch.testing.assert_close(vc, v_cache, **tol, msg=lambda m: f"{m}; seed={seed}")
+
+
+def test_sparse_attention_with_per_sequence_heads(seed):
+    n_heads, dh, d, t_max, batch = 4, 16, 32, 12, 2
+    dtype = torch.float16
+    x = torch.randn(batch, d, dtype=dtype)
+    w_qkv = (torch.randn(3 * n_heads * dh, d) / d**0.5).to(dtype)
+    w_o_t = (torch.randn(n_heads * dh, d) / (n_heads * dh) ** 0.5).to(dtype)
+    seqlens = torch.tensor([t_max, 5], dtype=torch.int32)
+    kc, vc = (torch.randn(batch, n_heads, t_max, dh, dtype=dtype) for _ in range(2))
+    heads, mask = torch.tensor([2, 0, 3]), torch.tensor([[1, 0, 1], [0, 1, 1]], dtype=torch.int8)
+    out = sparse_attention(x, w_qkv, w_o_t, kc.clone(), vc.clone(), seqlens, heads,
+                           n_heads=n_heads, head_mask=mask)  # fmt: skip
+    ref = sparse_attention_ref(x, w_qkv, w_o_t, kc, vc, seqlens, heads, n_heads=n_heads,
+                               head_mask=mask)  # fmt: skip
+    assert_close(out, ref, dtype, seed)
+    own = heads[mask[1].bool()]  # sequence 1 alone with its own heads: the same output
+    alone = sparse_attention_ref(x[1:], w_qkv, w_o_t, kc[1:].clone(), vc[1:].clone(),
+                                 seqlens[1:], own, n_heads=n_heads)  # fmt: skip
+    assert_close(out[1:], alone, dtype, seed)
+    with pytest.raises(ValueError, match="head_mask has shape"):
+        sparse_attention(x, w_qkv, w_o_t, kc, vc, seqlens, heads, n_heads=n_heads,
+                         head_mask=mask[:, :2])  # fmt: skip
+    with pytest.raises(TypeError, match="head_mask must be a bool or integer"):
+        sparse_attention(x, w_qkv, w_o_t, kc, vc, seqlens, heads, n_heads=n_heads,
+                         head_mask=mask.float())  # fmt: skip
+
+
 # ------------------------------------------------------------------------------ KV window
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 5])

@@ -13,6 +13,9 @@ and ``report`` stand alone):
 - :mod:`~dejavu_lab.engine.threshold_blocks` — :class:`ThresholdBlocks`: attention over every
   head and the MLP with TEAL/WINA/CATS thresholds, or dense (torch or our kernels per op);
 - :mod:`~dejavu_lab.engine.decoder` — :class:`Decoder`: prefill, the decode step, CUDA graphs;
+- :mod:`~dejavu_lab.engine.batch`   — :class:`BatchDecoder`: 1-32 sequences in lockstep, each with
+  its own cache slot and heads, the MLP's union of their sets (:mod:`~dejavu_lab.engine.
+  batch_sets`, :mod:`~dejavu_lab.engine.batch_blocks`);
 - :mod:`~dejavu_lab.engine.thresholds` — :func:`calibrate_thresholds` for a target sparsity from
   a dense prefill (speed benchmarks on random weights);
 - :mod:`~dejavu_lab.engine.nbytes`  — :func:`step_bytes`: the bytes a step reads (its floor);
@@ -39,6 +42,7 @@ from __future__ import annotations
 
 import importlib
 
+from .batch import MAX_BATCH, BatchDecoder
 from .config import METHODS, SITES, EngineError, SparseConfig
 from .decoder import Decoder
 from .nbytes import predictor_bytes, step_bytes
@@ -54,7 +58,9 @@ _REPORT = ("PAPER", "breakdown", "breakdown_figure", "latency_table", "load", "m
 
 __all__ = [
     "DENSE_OPS",
+    "MAX_BATCH",
     "METHODS",
+    "BatchDecoder",
     "SITES",
     "Decoder",
     "DecoderWeights",

@@ -149,8 +149,7 @@ class Decoder(KeptSets, ThresholdBlocks):
         dejavu_heads = method == "dejavu" and sparse.head_sparsity > 0
         self.window = sparse.kv_window if (dejavu_heads and mha) else 0
         t_alloc = self.max_seq_len + max(self.window, 1)
-        # kv: [L, 2, Hkv, T, dh] static cache (zeros: never NaN, even where deferred)
-        self.kv = torch.zeros(a.n_layers, 2, self.Hkv, t_alloc, self.dh, dtype=dt, device=dev)
+        self.kv = self._new_cache(t_alloc)  # [L, 2, Hkv, T, dh]
         self.ar_t = torch.arange(t_alloc, device=dev)
         self.ar_w = torch.arange(max(self.window, 1), device=dev)
         self.pos_t = torch.zeros(1, dtype=torch.long, device=dev)  # position of the token fed
@@ -177,6 +176,12 @@ class Decoder(KeptSets, ThresholdBlocks):
         self._init_thresholds()
         if method == "dejavu":
             self._init_sparse(sparse)
+
+    def _new_cache(self, t_alloc: int) -> torch.Tensor:
+        """The static KV cache [L, 2, Hkv, T, dh] (zeros: never NaN, even where deferred); a
+        batched decoder (:mod:`~dejavu_lab.engine.batch`) allocates one slot per sequence."""
+        shape = (self.arch.n_layers, 2, self.Hkv, t_alloc, self.dh)
+        return torch.zeros(shape, dtype=self.w.dtype, device=self.w.device)
 
     # ----------------------------------------------------------------------------- the blocks
 
@@ -314,6 +319,16 @@ class Decoder(KeptSets, ThresholdBlocks):
         """One greedy decode step on the static buffers (what the CUDA graph records)."""
         x = self._embed(self.tok_t, self.pos_t)  # [1, d]
         self._per_step()
+        logits = self._head(self._layers(x))  # [1, V]
+        nxt = logits.argmax(-1)
+        self.tokens.index_copy_(0, self.pos_t + 1, nxt)
+        self.tok_t.copy_(nxt)
+        self.pos_t.add_(1)
+        return logits
+
+    def _layers(self, x: torch.Tensor) -> torch.Tensor:
+        """Every block of a decode step on x [B, d], the lookahead predictors of layer i + 1
+        on the side stream while layer i computes (a batched decoder shares this loop)."""
         attn, mlp = self._attn, self._mlp
         pred = self.predictors is not None
         side = self._side if (pred and x.is_cuda and self.sparse.side_stream) else None
@@ -332,12 +347,7 @@ class Decoder(KeptSets, ThresholdBlocks):
             x = self._block(i, x, attn, mlp)
             if side is not None:
                 torch.cuda.current_stream().wait_stream(side)
-        logits = self._head(x)  # [1, V]
-        nxt = logits.argmax(-1)
-        self.tokens.index_copy_(0, self.pos_t + 1, nxt)
-        self.tok_t.copy_(nxt)
-        self.pos_t.add_(1)
-        return logits
+        return x
 
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:

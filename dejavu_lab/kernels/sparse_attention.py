@@ -14,6 +14,13 @@ query heads ``heads`` (shared by a union batch of 1-32 sequences, each with its 
    time, like W2) with :func:`sparse_mlp_down`.
 
 Skipped heads' keys and values are not written (Deja Vu defers them; see Knowl 5).
+
+In a batch each sequence keeps its own heads (attention needs no union: each sequence reads
+only its own cache). ``head_mask`` [B, h] says which of the ``heads`` (the batch's union, whose
+rows the projections read) sequence b attends: a program whose sequence keeps none of its KV
+head's query heads reads no cache (it still appends the new key/value: a head's K/V is written
+whenever its rows are projected), and a head a sequence skips outputs zeros, so ``W_O``'s rows
+of the union add nothing for it.
 """
 
 from __future__ import annotations
@@ -69,12 +76,15 @@ def sparse_attention_kernel(
     qk_scale,  # softmax scale * log2(e)
     chunk,  # cached positions per split (a multiple of BLOCK_T)
     part_ptr,  # [B * n_kv * n_split, BLOCK_G, DH + 2] fp32 partial (acc, m, l) per split
+    mask_ptr,  # [B, n_q] per-sequence head mask (HAS_MASK): 0 = this sequence skips the head
+    stride_mask,
     GROUP: tl.constexpr,  # query heads per KV head
     BLOCK_G: tl.constexpr,  # next power of two >= GROUP
     DH: tl.constexpr,
     BLOCK_T: tl.constexpr,
     PARTIAL: tl.constexpr,  # several splits of the context (flash-decoding); combine after
     DIRECT: tl.constexpr,  # GROUP == 1 and kv_heads == heads: program s serves query slot s
+    HAS_MASK: tl.constexpr,  # per-sequence heads (mask_ptr)
 ):
     b = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
@@ -89,6 +99,9 @@ def sparse_attention_kernel(
     else:
         slot = tl.load(q_slot_ptr + kvh * GROUP + offs_g, mask=mask_g, other=-1)
     sel = slot >= 0
+    keep = sel
+    if HAS_MASK:  # the union's heads this sequence attends
+        keep = sel & (tl.load(mask_ptr + b * stride_mask + slot, mask=sel, other=0) != 0)
     row = qkv_ptr + b * stride_qkv
     q_ptrs = row + slot[:, None].to(tl.int64) * DH + offs_dh[None, :]
     q = tl.load(q_ptrs, mask=sel[:, None], other=0.0).to(tl.float32) * qk_scale  # [BLOCK_G, DH]
@@ -113,6 +126,8 @@ def sparse_attention_kernel(
         acc = tl.zeros((BLOCK_G, DH), tl.float32)
     lo = split * chunk
     hi = tl.minimum(seqlen - 1, lo + chunk)
+    if HAS_MASK:  # no kept query head in this group: read none of its cache
+        hi = tl.where(tl.sum(keep.to(tl.int32), axis=0) > 0, hi, lo)
     for t0 in range(lo, hi, BLOCK_T):
         offs_t = t0 + tl.arange(0, BLOCK_T)
         mask_t = offs_t < hi
@@ -134,7 +149,7 @@ def sparse_attention_kernel(
         tl.store(base + offs_g * (DH + 2) + DH, m)
         tl.store(base + offs_g * (DH + 2) + DH + 1, l_sum)
     else:
-        o = acc / l_sum[:, None]
+        o = tl.where(keep[:, None], acc / l_sum[:, None], 0.0)  # a skipped head outputs zeros
         o_ptrs = o_ptr + b * stride_o + slot[:, None].to(tl.int64) * DH + offs_dh[None, :]
         tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=sel[:, None])
 
@@ -148,10 +163,13 @@ def sparse_attention_combine_kernel(
     n_kv,
     n_split,
     stride_o,
+    mask_ptr,
+    stride_mask,
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
     DH: tl.constexpr,
     DIRECT: tl.constexpr,
+    HAS_MASK: tl.constexpr,
 ):
     """Merge the splits' online-softmax states: o = sum_i 2^(m_i - M) acc_i / sum_i 2^(m_i - M) l_i."""
     b = tl.program_id(0).to(tl.int64)
@@ -176,9 +194,13 @@ def sparse_attention_combine_kernel(
         w = tl.exp2(tl.load(base + DH) - big_m)  # 0 for an empty split (m = -inf)
         l_sum += w * tl.load(base + DH + 1)
         acc += w[:, None] * tl.load(base[:, None] + offs_dh[None, :])
-    o = acc / l_sum[:, None]
+    sel = slot >= 0
+    keep = sel
+    if HAS_MASK:
+        keep = sel & (tl.load(mask_ptr + b * stride_mask + slot, mask=sel, other=0) != 0)
+    o = tl.where(keep[:, None], acc / l_sum[:, None], 0.0)
     o_ptrs = o_ptr + b * stride_o + slot[:, None].to(tl.int64) * DH + offs_dh[None, :]
-    tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=(slot >= 0)[:, None])
+    tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=sel[:, None])
 
 
 def _programs(device: torch.device) -> int:
@@ -204,9 +226,21 @@ def _q_slot(heads, n_heads):
     return q_slot
 
 
+def _check_mask(head_mask, batch, n_q, device):
+    """head_mask: None, or a [B, h] bool/int tensor on ``device`` with contiguous rows."""
+    if head_mask is None:
+        return
+    if not isinstance(head_mask, torch.Tensor) or head_mask.dtype.is_floating_point:
+        raise TypeError("head_mask must be a bool or integer tensor [B, h] (1 = attend).")
+    check_device(device, head_mask=head_mask)
+    check_shape("head_mask", head_mask, (batch, n_q))
+    if head_mask.stride(1) != 1:
+        raise ValueError("head_mask needs contiguous rows; pass head_mask.contiguous().")
+
+
 def sparse_attention_ref(
     x, w_qkv, w_o_t, k_cache, v_cache, seqlens, heads, *, n_heads, b_qkv=None, b_o=None,
-    scale=None,
+    scale=None, head_mask=None,
 ):  # fmt: skip
     """Plain-PyTorch reference (fp32 math); updates the caches of the needed KV heads in place.
 
@@ -235,7 +269,9 @@ def sparse_attention_ref(
         pos = int(seqlens[bi]) - 1
         k_cache[bi, kv_heads, pos] = k[bi, kv_heads].to(k_cache.dtype)
         v_cache[bi, kv_heads, pos] = v[bi, kv_heads].to(v_cache.dtype)
-        for h in heads_l.tolist():
+        for j, h in enumerate(heads_l.tolist()):
+            if head_mask is not None and not head_mask[bi, j]:
+                continue  # this sequence skips head h: zeros
             kk = k_cache[bi, h // group, : pos + 1].float()
             vv = v_cache[bi, h // group, : pos + 1].float()
             p = torch.softmax(kk @ q[bi, h] * scale, dim=0)
@@ -259,6 +295,7 @@ def sparse_attention(
     b_o: torch.Tensor | None = None,
     kv_heads: torch.Tensor | None = None,
     scale: float | None = None,
+    head_mask: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     validate: bool | None = None,
     config: dict | None = None,
@@ -270,7 +307,9 @@ def sparse_attention(
     k_cache, v_cache: [B, n_kv, T_max, d_head] (written at ``seqlens - 1`` for needed KV heads);
     seqlens: [B] int lengths including the new token; heads: [h] distinct query heads.
     ``kv_heads`` (the sorted needed KV heads) avoids a host sync for GQA models under CUDA
-    graphs; for multi-head attention it equals ``heads``. ``config`` tunes the projections.
+    graphs; for multi-head attention it equals ``heads``. ``head_mask`` [B, h] (bool or int):
+    which of ``heads`` each sequence attends (the rest output zeros; see the module doc).
+    ``config`` tunes the projections.
 
     >>> _ = torch.manual_seed(0)
     >>> H, dh, T, f16 = 4, 16, 8, torch.float16  # 4 heads of 16, d = 64, cache of 8 positions
@@ -320,6 +359,7 @@ def sparse_attention(
     check_index("heads", heads, n_heads, device, validate)
     if kv_heads is not None:
         check_index("kv_heads", kv_heads, n_kv, device, validate)
+    _check_mask(head_mask, batch, heads.numel(), device)
     if validate is not False and not (
         device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     ):
@@ -331,7 +371,8 @@ def sparse_attention(
     res2 = res.view(batch, d)
     if not use_triton(device):
         res2.copy_(sparse_attention_ref(xb, w_qkv, w_o_t, k_cache, v_cache, seqlens, heads,
-                                        n_heads=n_heads, b_qkv=b_qkv, b_o=b_o, scale=scale))  # fmt: skip
+                                        n_heads=n_heads, b_qkv=b_qkv, b_o=b_o, scale=scale,
+                                        head_mask=head_mask))  # fmt: skip
         return res
     if heads.numel() == 0:
         res2.copy_(b_o.expand(batch, d) if b_o is not None else torch.zeros_like(res2))
@@ -343,14 +384,15 @@ def sparse_attention(
     qkv = sparse_mlp_up(xb, w_qkv, qkv_idx, bias=b_qkv, activation="none", rows_per_index=dh,
                         validate=False, config=cfg.get("up"))  # fmt: skip
     o = sparse_attention_core(qkv, k_cache, v_cache, seqlens, heads, n_heads=n_heads,
-                              kv_heads=kvh, scale=scale, config=cfg)  # fmt: skip
+                              kv_heads=kvh, scale=scale, head_mask=head_mask,
+                              config=cfg)  # fmt: skip
     sparse_mlp_down(o, w_o_t, heads, bias=b_o, rows_per_index=dh, out=res2, validate=False,
                     config=cfg.get("down"))  # fmt: skip
     return res
 
 
 def sparse_attention_core_ref(qkv, k_cache, v_cache, seqlens, heads, *, n_heads, kv_heads=None,
-                              scale=None):  # fmt: skip
+                              scale=None, head_mask=None):  # fmt: skip
     """Plain-PyTorch reference of :func:`sparse_attention_core` (fp32 math); updates the caches.
 
     >>> H, dh, f16 = 4, 16, torch.float16
@@ -378,6 +420,8 @@ def sparse_attention_core_ref(qkv, k_cache, v_cache, seqlens, heads, *, n_heads,
         vv = v_cache[bi, heads_l // group, : pos + 1].float()
         p = torch.softmax((kk @ blocks[bi, :n_q, :, None])[..., 0] * scale, dim=-1)
         out[bi] = (p[:, None, :] @ vv)[:, 0]
+    if head_mask is not None:  # heads a sequence skips output zeros (their K/V still written)
+        out *= (head_mask != 0).to(out.device)[:, :, None]
     return out.view(batch, n_q * dh).to(qkv.dtype)
 
 
@@ -391,6 +435,7 @@ def sparse_attention_core(
     n_heads: int,
     kv_heads: torch.Tensor | None = None,
     scale: float | None = None,
+    head_mask: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     config: dict | None = None,
 ) -> torch.Tensor:
@@ -401,7 +446,10 @@ def sparse_attention_core(
     default ``heads`` when ``n_heads == n_kv``, else the sorted groups of ``heads``). Appends
     each row's K/V at ``seqlens - 1`` and attends over positions ``< seqlens``; returns the
     attention output [B, h d_head] in ``heads`` order (what ``W_O^T``'s selected rows multiply).
-    No input checks (the engine calls it inside a CUDA graph); ``sparse_attention`` checks.
+    ``head_mask`` [B, h] (bool or int, contiguous rows): per sequence, which of ``heads`` it
+    attends; a skipped head's output is zero and a KV head none of whose kept query heads the
+    sequence attends has no cache read (its new K/V is still appended). No input checks (the
+    engine calls it inside a CUDA graph); ``sparse_attention`` checks.
 
     >>> _ = torch.manual_seed(0)
     >>> H, dh, f16 = 4, 16, torch.float16
@@ -411,6 +459,12 @@ def sparse_attention_core(
     >>> ref = sparse_attention_core_ref(qkv, kc, vc, torch.tensor([5]), heads, n_heads=H)
     >>> o.shape, torch.allclose(o, ref, atol=1e-2)
     (torch.Size([1, 32]), True)
+    >>> kc2, vc2 = kc.repeat(2, 1, 1, 1), vc.repeat(2, 1, 1, 1)  # two sequences, own heads:
+    >>> mask = torch.tensor([[True, True], [False, True]])  # the second attends head 1 only
+    >>> o2 = sparse_attention_core(qkv.repeat(2, 1), kc2, vc2, torch.tensor([5, 5]), heads,
+    ...                            n_heads=H, head_mask=mask)
+    >>> torch.allclose(o2[0], o[0], atol=1e-2), o2[1, :dh].abs().max().item()  # head 3: zeros
+    (True, 0.0)
     """
     batch, n_kv, t_max, dh = k_cache.shape
     dtype, device = qkv.dtype, qkv.device
@@ -418,7 +472,8 @@ def sparse_attention_core(
     res = out if out is not None else torch.empty((batch, n_q * dh), dtype=dtype, device=device)
     if not use_triton(device):
         res.copy_(sparse_attention_core_ref(qkv, k_cache, v_cache, seqlens, heads,
-                                            n_heads=n_heads, kv_heads=kv_heads, scale=scale))  # fmt: skip
+                                            n_heads=n_heads, kv_heads=kv_heads, scale=scale,
+                                            head_mask=head_mask))  # fmt: skip
         return res
     cfg = config or {}
     group = n_heads // n_kv
@@ -440,6 +495,10 @@ def sparse_attention_core(
     n_split = max(1, min(steps, want))
     chunk = triton.cdiv(steps, n_split) * block_t
     n_split = triton.cdiv(max(t_max - 1, 1), chunk)
+    has_mask = head_mask is not None
+    mask = res if not has_mask else (head_mask.view(torch.uint8)
+                                     if head_mask.dtype == torch.bool else head_mask)  # fmt: skip
+    stride_mask = mask.stride(0) if has_mask else 0
     part = (
         torch.empty(
             (batch * n_kv_sel * n_split, block_g, dh + 2), dtype=torch.float32, device=device
@@ -450,12 +509,12 @@ def sparse_attention_core(
     sparse_attention_kernel[(batch, n_kv_sel, n_split)](
         qkv, k_cache, v_cache, seqlens, kv_heads, q_slot, res, n_q, n_kv_sel, qkv.stride(0),
         *k_cache.stride()[:3], *v_cache.stride()[:3], res.stride(0), scale * math.log2(math.e),
-        chunk, part, GROUP=group, BLOCK_G=block_g, DH=dh, BLOCK_T=block_t, PARTIAL=n_split > 1,
-        DIRECT=direct, num_warps=cfg.get("num_warps", 4),
+        chunk, part, mask, stride_mask, GROUP=group, BLOCK_G=block_g, DH=dh, BLOCK_T=block_t,
+        PARTIAL=n_split > 1, DIRECT=direct, HAS_MASK=has_mask, num_warps=cfg.get("num_warps", 4),
     )  # fmt: skip
     if n_split > 1:
         sparse_attention_combine_kernel[(batch, n_kv_sel)](
-            part, kv_heads, q_slot, res, n_kv_sel, n_split, res.stride(0),
-            GROUP=group, BLOCK_G=block_g, DH=dh, DIRECT=direct, num_warps=4,
+            part, kv_heads, q_slot, res, n_kv_sel, n_split, res.stride(0), mask, stride_mask,
+            GROUP=group, BLOCK_G=block_g, DH=dh, DIRECT=direct, HAS_MASK=has_mask, num_warps=4,
         )  # fmt: skip
     return res

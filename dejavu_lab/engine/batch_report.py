@@ -1,0 +1,170 @@
+"""Tables and figures of the batched-decoding chapter (Deja Vu Appendix C.1; Polar Sparsity).
+
+Reads what ``kernels/bench_engine.py --batch`` recorded (``results/engine_batch.json``) and
+shapes it: tokens/s against the batch size, dense vs sparse, beside issue 13's targets; the
+realised MLP and head unions beside what independent uniform sets predict; where a step's time
+goes as the batch grows; and the CPU quality table of :func:`~dejavu_lab.engine.batch_quality.
+batch_quality`.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+import plotly.express as px
+
+from .. import results
+
+__all__ = [
+    "PAPER",
+    "TARGETS",
+    "breakdown_figure",
+    "load",
+    "quality_table",
+    "targets",
+    "throughput_figure",
+    "throughput_table",
+    "union_table",
+]
+
+NAME = "engine_batch"
+# Polar Sparsity (Shrestha et al. 2025): up to 2.2x end to end across batch sizes; Deja Vu
+# Appendix C.1: union sparsity shrinks with B but stays sub-linear on OPT-175B.
+PAPER = {"Polar Sparsity, across batch sizes": "up to 2.2x"}
+# issue 13: (model, prompt, batch) -> sparse / dense tokens per second at least
+TARGETS = {("llama-3-8b", 2048, 16): 1.5, ("llama-3-8b", 2048, 32): 1.3,
+           ("opt-30b", 512, 1): 2.0, ("opt-30b", 512, 4): 1.5}  # fmt: skip
+ENGINES = {
+    "dense": "dense",
+    "sparse": "sparse (union capped)",
+    "sparse_uncapped": "sparse (whole union)",
+}
+
+
+def load(name: str = NAME):
+    """(rows, provenance) of the recorded batched run.
+
+    >>> frame, prov = load()
+    >>> "gpu" in prov, {"batch", "check"} <= set(frame["kind"])
+    (True, True)
+    """
+    return results.load(name)
+
+
+def _runs(frame: pd.DataFrame) -> pd.DataFrame:
+    r = frame[frame["kind"] == "batch"]
+    if "error" in r:
+        r = r[r["error"].isna()]
+    return r.astype({"prompt": int, "batch": int})
+
+
+def throughput_table(frame: pd.DataFrame) -> pd.DataFrame:
+    """Tokens/s per (model, prompt, batch): dense, sparse (capped, and the whole union where
+    recorded), their ratios, and the GB each step reads.
+
+    >>> t = throughput_table(load()[0])
+    >>> list(t.columns)[:3]
+    ['dense tok/s', 'sparse tok/s', 'sparse / dense']
+    """
+    r = _runs(frame)
+    tps = r.pivot_table(index=["model", "prompt", "batch"], columns="engine", values="tokens_per_s")
+    gb = r.pivot_table(index=["model", "prompt", "batch"], columns="engine", values="bytes_total")
+    out = pd.DataFrame(index=tps.index)
+    out["dense tok/s"] = tps["dense"]
+    out["sparse tok/s"] = tps["sparse"]
+    out["sparse / dense"] = tps["sparse"] / tps["dense"]
+    if "sparse_uncapped" in tps:
+        out["whole union / dense"] = tps["sparse_uncapped"] / tps["dense"]
+    out["dense GB/step"] = gb["dense"] / 1e9
+    out["sparse GB/step"] = gb["sparse"] / 1e9
+    out["bytes ratio"] = gb["dense"] / gb["sparse"]
+    return out
+
+
+def targets(frame: pd.DataFrame) -> pd.DataFrame:
+    """Issue 13's targets beside the recorded ratios (NaN where the run has no such row).
+
+    >>> targets(load()[0]).columns.tolist()
+    ['target', 'measured', 'met']
+    """
+    t = throughput_table(frame)["sparse / dense"]
+    rows = {k: {"target": v, "measured": t.get(k, float("nan"))} for k, v in TARGETS.items()}
+    out = pd.DataFrame(rows).T
+    out.index.names = ["model", "prompt", "batch"]
+    out["met"] = out["measured"] >= out["target"]
+    return out
+
+
+def throughput_figure(frame: pd.DataFrame):
+    """Tokens/s against the batch size, one panel per model, a line per engine and prompt.
+
+    >>> throughput_figure(load()[0]).layout.xaxis.type
+    'log'
+    """
+    r = _runs(frame).copy()
+    r["engine"] = r["engine"].map(ENGINES).fillna(r["engine"])
+    r["prompt"] = "prompt " + r["prompt"].astype(str)
+    fig = px.line(r.sort_values("batch"), x="batch", y="tokens_per_s", color="engine",
+                  line_dash="prompt", facet_col="model", markers=True, log_x=True,
+                  labels={"batch": "batch size B (sequences)", "tokens_per_s": "tokens / s"},
+                  title="Decoding throughput against the batch size")  # fmt: skip
+    fig.update_xaxes(tickvals=sorted(r["batch"].unique()))
+    fig.update_yaxes(matches=None)
+    return fig
+
+
+def union_table(frame: pd.DataFrame) -> pd.DataFrame:
+    """The realised unions of the sparse runs (mean over layers and steps) beside independent
+    uniform sets of the same size, ``1 - (1 - p)^B``, and what the capped buffer reads.
+
+    >>> t = union_table(load()[0])
+    >>> "MLP union (measured)" in t.columns
+    True
+    """
+    r = _runs(frame)
+    r = r[r["engine"] == "sparse"].set_index(["model", "prompt", "batch"])
+    keep_mlp, keep_heads = 1 - r["mlp_sparsity"], 1 - r["head_sparsity"]
+    b = r.index.get_level_values("batch")
+    return pd.DataFrame({
+        "MLP union (measured)": r["mlp_union"],
+        "MLP union (uniform sets)": 1 - (1 - keep_mlp) ** b,
+        "MLP read (union budget)": r["mlp_read"],
+        "heads union (measured)": r["heads_union"],
+        "heads union (uniform sets)": 1 - (1 - keep_heads) ** b,
+    })  # fmt: skip
+
+
+def breakdown_figure(frame: pd.DataFrame, model: str, prompt: int):
+    """ms of each part of the step over every layer (timed alone, CUDA graphs) per batch size,
+    dense beside sparse: attention (projections and each sequence's cache), MLP, the unions.
+
+    >>> fig = breakdown_figure(load()[0], "llama-3-8b", 2048)
+    >>> sorted({t.name for t in fig.data}) == sorted({"attention", "MLP", "unions", "lm_head"})
+    True
+    """
+    r = _runs(frame)
+    r = r[(r["model"] == model) & (r["prompt"] == prompt) & r["engine"].isin(["dense", "sparse"])]
+    parts = {"part_attention_ms": "attention", "part_mlp_ms": "MLP", "part_unions_ms": "unions",
+             "part_lm_head_ms": "lm_head"}  # fmt: skip
+    long = r.melt(id_vars=["engine", "batch"], value_vars=[p for p in parts if p in r],
+                  var_name="part", value_name="ms").dropna()  # fmt: skip
+    long["part"] = long["part"].map(parts)
+    long["batch"] = "B = " + long["batch"].astype(str)
+    fig = px.bar(long, x="batch", y="ms", color="part", facet_col="engine", barmode="stack",
+                 title=f"Where a step's time goes ({model} shape, prompt {prompt})",
+                 labels={"ms": "ms per step (parts timed alone)", "batch": ""})  # fmt: skip
+    return fig
+
+
+def quality_table(quality: pd.DataFrame) -> pd.DataFrame:
+    """Perplexity per window (rows) and run (columns), with the mean over windows; from
+    :func:`~dejavu_lab.engine.batch_quality.batch_quality`.
+
+    >>> q = pd.DataFrame({"window": [0, 0, 1, 1], "run": ["batch 1", "batch 2"] * 2,
+    ...                   "perplexity": [30.0, 28.0, 40.0, 41.0]})
+    >>> quality_table(q).loc["mean"].tolist()
+    [35.0, 34.5]
+    """
+    t = quality.pivot(index="window", columns="run", values="perplexity")
+    t.loc["mean"] = t.mean()
+    order = sorted(t.columns, key=lambda c: (c != "dense", c != "batch 1", c))
+    return t[order]
