@@ -41,6 +41,7 @@ logits, sparse with everything kept vs dense, graph vs eager). Results:
     python kernels/bench_engine.py --quick                    # CPU plumbing check, tiny shapes
     python kernels/bench_engine.py --batch 1,4,8,16,32 --models llama-3-8b,opt-30b \
         --prompts 512,2048 --new-tokens 32              # batches: kernels/bench_engine_batch.py
+    python kernels/bench_engine.py --tp 8 --models opt-175b  # torchrun kernels/bench_engine_tp.py
 """
 
 from __future__ import annotations
@@ -513,6 +514,23 @@ def print_table(ceiling: float) -> None:
         print(f"error: {r.get('model')} {r.get('engine')}: {r['error'][:160]}")
 
 
+def _run_tp(args) -> int:
+    """``--tp N``: ``torchrun --nproc-per-node N kernels/bench_engine_tp.py`` with the options
+    that carry over (models, the first prompt, new tokens, the results name, --quick)."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.tp),
+           str(Path(__file__).with_name("bench_engine_tp.py"))]  # fmt: skip
+    if args.models != ",".join(MODELS):
+        cmd += ["--models", args.models]
+    if args.prompts:
+        cmd += ["--prompt", args.prompts.split(",")[0]]
+    cmd += ["--new-tokens", str(args.new_tokens)] + (["--name", args.name] if args.name else [])
+    cmd += ["--quick"] if args.quick else []
+    print(" ".join(cmd), flush=True)
+    return subprocess.call(cmd)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(MODELS), help="comma-separated presets or HF ids")
@@ -556,23 +574,28 @@ def main(argv=None):
         default=None,
         help="--batch: fraction of MLP neurons a step's union reads (default 0.3 OPT, 0.5 Llama)",
     )
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: relaunches "
+                    "kernels/bench_engine_tp.py under torchrun with this many processes")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="CPU plumbing check at tiny shapes")
     args = ap.parse_args(argv)
+    if args.tp > 1:  # one process per GPU: torchrun runs the tensor-parallel benchmark
+        return _run_tp(args)
     command = "python kernels/bench_engine.py " + " ".join(
         argv if argv is not None else sys.argv[1:]
     )
     device = "cuda" if cuda() else "cpu"
     if not cuda() and not args.quick:
         sys.exit("bench_engine.py needs an NVIDIA GPU (or --quick for a CPU plumbing check).")
+    quick = "_quick" if args.quick else ""  # a CPU plumbing run never replaces a GPU recording
     if args.batch:  # the batched engine's benchmark lives in its own file
-        args.name = args.name or "engine_batch"
+        args.name = args.name or "engine_batch" + quick
         spec = importlib.util.spec_from_file_location(
             "bench_engine_batch", Path(__file__).with_name("bench_engine_batch.py")
         )
         batch = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(batch)
         return batch.run(args, command)
-    args.name = args.name or "engine_e2e"
+    args.name = args.name or "engine_e2e" + quick
     methods = [m for m in args.methods.split(",") if m]
     if set(methods) - set(ALL_METHODS):
         sys.exit(f"--methods takes {', '.join(ALL_METHODS)}, got {args.methods!r}.")

@@ -311,6 +311,8 @@ def main(argv=None) -> None:
         )
     dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
     prompt, new = (8, 4) if args.quick else (args.prompt, args.new_tokens)
+    if args.quick and args.name == "engine_tp":  # a CPU run never replaces a GPU recording
+        args.name = "engine_tp_quick"
     if args.quick:
         models = ["tiny-opt", "tiny-llama"]
     elif args.models == "auto":

@@ -287,7 +287,7 @@ def test_bench_batch_quick_records_every_variant(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "bench_engine", bench)
     spec.loader.exec_module(bench)
     bench.main(["--batch", "1,2", "--quick", "--prompts", "8", "--no-check"])
-    rows = json.loads((tmp_path / "engine_batch.json").read_text())["rows"]
+    rows = json.loads((tmp_path / "engine_batch_quick.json").read_text())["rows"]
     assert not [r for r in rows if "error" in r]
     got = {(r["model"], r["engine"], r["batch"]) for r in rows if r["kind"] == "batch"}
     want = {(m, e, b) for m in ("tiny-opt", "tiny-llama") for b in (1, 2)
