@@ -39,7 +39,14 @@ from dejavu_lab.kernels import (
     sparse_mlp_up,
     tuning,
 )
-from dejavu_lab.kernels.bench import copy_ceiling, graph_us, relerr
+from dejavu_lab.kernels.bench import (
+    copy_ceiling,
+    graph_us,
+    print_rows,
+    relerr,
+    rotation_copies,
+    sweep,
+)
 
 SHAPES = [  # (name, d, n, gated, activation)
     ("llama3.2-1b", 2048, 8192, True, "silu"),
@@ -90,10 +97,6 @@ for (_op, _b1), _cs in CANDIDATES.items():
         _c.setdefault("preload", _b1)
 
 
-L2_ROTATE_BYTES = 4 * 60e6
-MAX_BYTES = 6e9
-
-
 class MlpWeights:
     """Weight copies of one MLP: w_in [copies, 2n or n, d], w_down_t [copies, n, d].
 
@@ -105,10 +108,8 @@ class MlpWeights:
     def __init__(self, d, n, gated, act, *, dtype=torch.float16, min_kept=0.1, device=None):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.d, self.n, self.gated, self.act, self.dtype = d, n, gated, act, dtype
-        rows = (3 if gated else 2) * n
-        full = rows * d * 2
-        self.copies = max(1, min(math.ceil(L2_ROTATE_BYTES / (min_kept * full)),
-                                 int(MAX_BYTES // full), 64))  # fmt: skip
+        full = (3 if gated else 2) * n * d * 2
+        self.copies = rotation_copies(min_kept * full, full)
         dev = self.device
         self.w_in = torch.randn(self.copies, (2 if gated else 1) * n, d, dtype=dtype, device=dev)
         self.w_in.mul_(d**-0.5)
@@ -220,25 +221,19 @@ def tune(command):
                 k, calls = m.calls(kept, batch)
                 dense = graph_us(calls["dense"])
                 for op in ("fused", "cats"):
-                    best = None
-                    for cfg in CANDIDATES[(op, batch == 1)]:
-                        _, c2 = m.calls(kept, batch, cfg, cfg)
-                        try:
-                            err = m.check("ours" if op == "fused" else "cats", kept, batch, cfg)
-                            if not err < 5e-3:  # a wrong candidate is never recorded
-                                print(f"  {op} {cfg}: WRONG, relative error {err:.2e}")
-                                continue
-                            us = graph_us(c2["ours" if op == "fused" else "cats"])
-                        except Exception as exc:  # a candidate that fails to compile is skipped
-                            print(f"  {cfg}: {type(exc).__name__}: {str(exc)[:200]}")
-                            continue
-                        nb = m.nbytes(k, batch, cats=op == "cats")
+                    p = "ours" if op == "fused" else "cats"
+                    point = (m, kept, batch, p)
+                    timed = sweep(CANDIDATES[(op, batch == 1)],
+                                  lambda cfg, q=point: q[0].check(q[3], q[1], q[2], cfg),
+                                  lambda cfg, q=point: graph_us(q[0].calls(q[1], q[2], cfg, cfg)[1][q[3]]))  # fmt: skip
+                    nb = m.nbytes(k, batch, cats=op == "cats")
+                    for cfg, us in timed:
                         rows.append({"op": f"{op}_mlp", "shape": name, "d_in": d, "d_out": n,
                                      "kept": kept, "k": k, "batch": batch, "config": cfg,
                                      "us": us, "dense_us": dense, "bytes": nb})  # fmt: skip
-                        best = us if best is None else min(best, us)
+                    best = min((us for _, us in timed), default=math.nan)
                     print(f"tune {op:5s} {name:12s} B={batch:2d} kept={kept:.2f}: dense {dense:7.1f}"
-                          f" best {best or float('nan'):7.1f} us", flush=True)  # fmt: skip
+                          f" best {best:7.1f} us", flush=True)  # fmt: skip
         del m
         torch.cuda.empty_cache()
     path = results.save("tuning_fused_mlp", rows, command=command)
@@ -271,14 +266,11 @@ def table(ceiling):
     return rows
 
 
-def print_table(rows):
-    print(f"\n{'shape':12s} {'B':>2s} {'kept':>4s} | {'dense':>6s} {'contig':>6s} {'two':>6s} "
-          f"{'ours':>6s} {'cats':>6s} us | frac ideal | vs contig | target us | TB/s ours cats")  # fmt: skip
-    for r in rows:
-        print(f"{r['shape']:12s} {r['batch']:2d} {r['kept']:4.2f} | {r['dense_us']:6.1f} "
-              f"{r['contig_us']:6.1f} {r['two_us']:6.1f} {r['ours_us']:6.1f} {r['cats_us']:6.1f}    | "
-              f"{r['frac_ideal']:10.2f} | {r['vs_contig']:9.2f} | {r['target_us']:9.1f} | "
-              f"{r['ours_tbps']:4.2f} {r['cats_tbps']:4.2f}")  # fmt: skip
+COLUMNS = [("shape", "shape", "12s"), ("B", "batch", "2d"), ("kept", "kept", "4.2f"),
+           ("dense", "dense_us", "6.1f"), ("contig", "contig_us", "6.1f"), ("two", "two_us", "6.1f"),
+           ("ours", "ours_us", "6.1f"), ("cats", "cats_us", "6.1f"), ("frac", "frac_ideal", "5.2f"),
+           ("vs_contig", "vs_contig", "9.2f"), ("target", "target_us", "6.1f"),
+           ("TB/s", "ours_tbps", "5.2f"), ("cats", "cats_tbps", "5.2f")]  # fmt: skip
 
 
 def main(argv=None):
@@ -292,7 +284,7 @@ def main(argv=None):
     global SHAPES, KEPT, BATCHES
     if args.quick:
         SHAPES, KEPT, BATCHES = [("tiny", 32, 96, True, "silu")], [0.5, 0.1], [1, 4]
-        print_table(table(1.0))
+        print_rows(table(1.0), COLUMNS)
         return
     if not torch.cuda.is_available():
         raise SystemExit("bench_fused_mlp needs a CUDA GPU (use --quick for a CPU check).")
@@ -302,7 +294,7 @@ def main(argv=None):
     if args.tune:
         tune(command)
     rows = table(ceiling)
-    print_table(rows)
+    print_rows(rows, COLUMNS)
     path = results.save("sparse_mlp_fused", rows, command=command, extra={"copy_tbps": ceiling})
     print(f"wrote {path}")
 

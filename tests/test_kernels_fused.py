@@ -8,13 +8,9 @@ opt-in one-launch atomic path (interpreter only). On a GPU box:
     DEJAVU_TEST_DEVICE=cuda TRITON_INTERPRET=0 pytest tests/test_kernels_fused.py
 """
 
-import os
-import random
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are decorated
-
 import pytest
 import torch
+from kernel_helpers import DEVICE, DTYPES, assert_close, on_device, pick, seed
 
 from dejavu_lab.kernels import (
     cats_mlp,
@@ -24,9 +20,7 @@ from dejavu_lab.kernels import (
 )
 from dejavu_lab.kernels.fused_mlp import default_config, fused_mlp_kernel
 
-DEVICE = os.environ.get("DEJAVU_TEST_DEVICE", "cpu")
-DTYPES = [torch.float16, torch.bfloat16]
-TOL = {torch.float16: 3e-3, torch.bfloat16: 3e-2}
+FIXTURES = (on_device, seed)  # pytest finds fixtures by name in this module
 N, D = 96, 80  # neurons, model width (not multiples of the tiles: masked tails)
 CASES = {  # (activation, gated, biases)
     "relu-bias": ("relu", False, True),
@@ -42,33 +36,6 @@ def small(batch, **extra):
     return {**cfg, **extra}
 
 
-@pytest.fixture(autouse=True)
-def on_device():
-    if DEVICE != "cpu" and not torch.cuda.is_available():
-        pytest.skip(f"DEJAVU_TEST_DEVICE={DEVICE} but torch sees no CUDA GPU; unset it on a CPU")
-    with torch.device(DEVICE):
-        yield
-
-
-@pytest.fixture
-def seed():
-    s = random.randrange(2**31)
-    torch.manual_seed(s)
-    return s
-
-
-def relerr(out, ref):
-    out, ref = out.double(), ref.double()
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-12)).item()
-
-
-def assert_close(out, ref, dtype, seed):
-    assert out.shape == ref.shape, (out.shape, ref.shape)
-    assert not out.isnan().any(), f"unwritten (NaN) output elements; seed={seed}"
-    err = relerr(out, ref)
-    assert err < TOL[dtype], f"relative error {err:.2e}; seed={seed}"
-
-
 def mlp(dtype, batch, case):
     act, gated, biased = CASES[case]
     x = torch.randn(batch, D, dtype=dtype)
@@ -79,10 +46,6 @@ def mlp(dtype, batch, case):
     out = torch.full((batch, D), float("nan"), dtype=dtype)
     kw = dict(activation=act, b_in=b_in, b_down=b_down)
     return x, w_in, w_down_t, out, gated, kw
-
-
-def pick(n, frac):
-    return torch.randperm(n)[: round(frac * n)].to(torch.int32)
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="on a GPU the compiled kernels run")

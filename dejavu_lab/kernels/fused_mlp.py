@@ -41,25 +41,28 @@ from ._common import (
     check_device,
     check_float,
     check_index,
-    check_out,
-    check_rowmajor,
     check_shape,
+    check_vector,
+    check_weight,
     dot_acc,
+    interpret,
     next_pow2,
+    output,
     upcast_dot,
     use_triton,
 )
+from ._reduce import gpu_fence
 from .sparse_mlp_down import sparse_mlp_down
-from .threshold_gemv import check_thr, threshold_gemv
 
 __all__ = [
     "FUSED_ACTIVATIONS",
-    "cats_mlp",
-    "cats_mlp_ref",
+    "check_mlp",
     "default_config",
     "fused_mlp_kernel",
     "fused_sparse_mlp",
     "fused_sparse_mlp_ref",
+    "hidden_ref",
+    "launch",
 ]
 
 # gelu: exact (erf) form, HF "gelu"; gelu_tanh: HF "gelu_pytorch_tanh" (Gemma's GeGLU)
@@ -203,6 +206,7 @@ def fused_mlp_kernel(
     BLOCK_C: tl.constexpr,  # output columns per step of the down phase
     BLOCK_F: tl.constexpr,  # output columns per step of the final conversion
     UPCAST: tl.constexpr,  # fp32 tl.dot (CPU interpreter, bf16)
+    FENCE: tl.constexpr,  # fence.acq_rel.gpu in every thread before the arrival (GPU only)
 ):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -264,7 +268,8 @@ def fused_mlp_kernel(
                 mc = cols < D
                 wd = _load_down(wd_ptr, neu, stride_wd, cols, keep_n, mc, BLOCK_B)
                 _down_add(h, wd, ws_ptr, offs_b, mask_b, cols, mc, D, BLOCK_B, UPCAST)
-        # the last program to arrive converts the sums (see threshold_gemv's split_reduce)
+        # the last program to arrive converts the sums (see _reduce.split_reduce)
+        gpu_fence(offs_c, FENCE)
         tl.debug_barrier()
         arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
         if arrived == tl.num_programs(0) - 1:
@@ -286,20 +291,30 @@ def fused_mlp_kernel(
 
 
 # ----------------------------------------------------------------------------- references
-def _act_ref(h: torch.Tensor, activation: str) -> torch.Tensor:
+def act_ref(h: torch.Tensor, activation: str) -> torch.Tensor:
+    """The activation in PyTorch (one of :data:`FUSED_ACTIVATIONS`).
+
+    >>> act_ref(torch.tensor([-1.0, 2.0]), "relu")
+    tensor([0., 2.])
+    """
     if activation == "gelu_tanh":
         return F.gelu(h, approximate="tanh")
     return {"relu": torch.relu, "gelu": F.gelu, "silu": F.silu, "none": lambda t: t}[activation](h)
 
 
-def _hidden_ref(x, w_in, n, *, activation, gated, b_in=None):
-    """(act(gate) [B, n], up [B, n] or None) in fp32 for every neuron."""
+def hidden_ref(x, w_in, n, *, activation, gated, b_in=None):
+    """(act(gate) [B, n], up [B, n] or None) in fp32 for every neuron.
+
+    >>> a, u = hidden_ref(torch.ones(1, 2), torch.ones(4, 2), 2, activation="relu", gated=True)
+    >>> a.tolist(), u.tolist()
+    ([[2.0, 2.0]], [[2.0, 2.0]])
+    """
     z = x.float() @ w_in.float().T
     if b_in is not None:
         z = z + b_in.float()
     if gated:
-        return _act_ref(z[:, :n], activation), z[:, n:]
-    return _act_ref(z, activation), None
+        return act_ref(z[:, :n], activation), z[:, n:]
+    return act_ref(z, activation), None
 
 
 def fused_sparse_mlp_ref(x, w_in, w_down_t, idx, *, activation, gated, b_in=None, b_down=None):
@@ -313,33 +328,10 @@ def fused_sparse_mlp_ref(x, w_in, w_down_t, idx, *, activation, gated, b_in=None
     """
     xb = x if x.dim() == 2 else x[None]
     n = w_down_t.shape[0]
-    a, u = _hidden_ref(xb, w_in, n, activation=activation, gated=gated, b_in=b_in)
+    a, u = hidden_ref(xb, w_in, n, activation=activation, gated=gated, b_in=b_in)
     h = a if u is None else a * u
     rows = idx.long()
     y = h[:, rows].to(x.dtype).float() @ w_down_t[rows].float()
-    if b_down is not None:
-        y = y + b_down.float()
-    y = y.to(x.dtype)
-    return y if x.dim() == 2 else y[0]
-
-
-def cats_mlp_ref(x, w_gate_up, w_down_t, thr, *, activation, b_in=None, b_down=None):
-    """Plain-PyTorch CATS reference: keep neuron j of token b iff ``|act(gate_j . x_b)| > thr[j]``.
-
-    ``w_gate_up`` [2n, d] (gate rows then up rows: SwiGLU/GeGLU) or [n, d] (fc1: ReLU/GELU MLP).
-
-    >>> x = torch.ones(1, 2, dtype=torch.float16)
-    >>> w_in = torch.tensor([[1.0, 1.0], [0.5, 0.0], [3.0, 0.0]], dtype=torch.float16)  # fc1
-    >>> w_down_t = torch.ones(3, 2, dtype=torch.float16)
-    >>> cats_mlp_ref(x, w_in, w_down_t, torch.ones(3), activation="relu")  # 0.5 <= 1: dropped
-    tensor([[5., 5.]], dtype=torch.float16)
-    """
-    xb = x if x.dim() == 2 else x[None]
-    n = w_down_t.shape[0]
-    gated = w_gate_up.shape[0] == 2 * n
-    a, u = _hidden_ref(xb, w_gate_up, n, activation=activation, gated=gated, b_in=b_in)
-    h = torch.where(a.abs() > thr.float(), a if u is None else a * u, 0.0)
-    y = h.to(x.dtype).float() @ w_down_t.float()
     if b_down is not None:
         y = y + b_down.float()
     y = y.to(x.dtype)
@@ -373,32 +365,34 @@ def default_config(op: str, batch: int, d: int, k: int, n: int, *,
     return cfg
 
 
-def _check_mlp(x, w_in, w_down_t, activation, b_in, b_down):
-    """Shared checks; returns (xb [B, d], squeeze, n, d)."""
+def check_mlp(x, w_in, w_down_t, activation, b_in, b_down):
+    """Shared checks of the MLP kernels; returns (xb [B, d], squeeze, n, d).
+
+    >>> x, w = torch.zeros(2, 8, dtype=torch.float16), torch.zeros(6, 8, dtype=torch.float16)
+    >>> check_mlp(x, w, w[:3], "silu", None, None)[1:]  # gate+up of 3 neurons, d = 8
+    (False, 3, 8)
+    """
     check_float("x", x)
     dtype, device = x.dtype, x.device
     check_device(device, w_in=w_in, w_down_t=w_down_t, b_in=b_in, b_down=b_down)
-    for name, t in (("w_in", w_in), ("w_down_t", w_down_t)):
-        check_float(name, t, dtype)
-        check_rowmajor(name, t)
+    check_weight("w_in", w_in, dtype)
+    check_weight("w_down_t", w_down_t, dtype)
     n, d = w_down_t.shape
     if w_in.shape[1] != d:
         raise ValueError(f"w_in has shape {tuple(w_in.shape)} but w_down_t is [{n}, {d}]; "
                          f"both hold rows of length d = {d}.")  # fmt: skip
     if activation not in FUSED_ACTIVATIONS:
         raise ValueError(f"activation {activation!r} is not one of {FUSED_ACTIVATIONS}.")
-    if b_in is not None:
-        check_float("b_in", b_in, dtype)
-        check_shape("b_in", b_in, (w_in.shape[0],))
-    if b_down is not None:
-        check_float("b_down", b_down, dtype)
-        check_shape("b_down", b_down, (d,))
+    check_vector("b_in", b_in, w_in.shape[0], dtype)
+    check_vector("b_down", b_down, d, dtype)
     xb, squeeze = as_batch("x", x, d)
     return xb, squeeze, n, d
 
 
-def _launch(xb, w_in, w_down_t, idx, thr, b_in, b_down, res2, h, *, cats, gated, activation,
-            k, n, cfg):  # fmt: skip
+def launch(xb, w_in, w_down_t, idx, thr, b_in, b_down, res2, h, *, cats, gated, activation,
+           k, n, cfg):  # fmt: skip
+    """Launch the kernel on checked inputs: ``h`` given, write it (two-launch path), else the
+    one-launch atomic path."""
     batch, d = xb.shape
     device = xb.device
     # batch 1 with "dot": the tensor-core path, token padded to 16 (pipelined weight loads)
@@ -420,7 +414,8 @@ def _launch(xb, w_in, w_down_t, idx, thr, b_in, b_down, res2, h, *, cats, gated,
         HAS_DOWN_BIAS=b_down is not None, WRITE_H=write_h, PRELOAD=bool(cfg.get("preload")),
         BLOCK_B=block_b, BLOCK_BS=block_bs, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k,
         BLOCK_C=block_c, BLOCK_F=max(16, min(next_pow2(d), 8192 // block_bs)),
-        UPCAST=upcast_dot(xb.dtype), num_warps=cfg["num_warps"],
+        UPCAST=upcast_dot(xb.dtype), FENCE=bool(cfg.get("fence", True)) and not interpret(),
+        num_warps=cfg["num_warps"],
         num_stages=cfg.get("num_stages", 2),
     )  # fmt: skip
 
@@ -461,15 +456,12 @@ def fused_sparse_mlp(
     >>> y.shape, torch.allclose(y, ref, atol=1e-2)
     (torch.Size([16]), True)
     """
-    xb, squeeze, n, d = _check_mlp(x, w_in, w_down_t, activation, b_in, b_down)
+    xb, squeeze, n, d = check_mlp(x, w_in, w_down_t, activation, b_in, b_down)
     dtype, device = x.dtype, x.device
     check_shape("w_in", w_in, ((2 * n) if gated else n, d))
     check_index("idx", idx, n, device, validate)
     batch, k = xb.shape[0], idx.numel()
-    shape = (d,) if squeeze else (batch, d)
-    check_out(out, shape, dtype, device)
-    res = out if out is not None else torch.empty(shape, dtype=dtype, device=device)
-    res2 = res.view(batch, d)
+    res, res2 = output(out, batch, d, squeeze, dtype, device)
     if k == 0:
         res2.copy_(b_down.expand(batch, d) if b_down is not None else torch.zeros_like(res2))
         return res
@@ -481,71 +473,9 @@ def fused_sparse_mlp(
     kw = dict(cats=False, gated=gated, activation=activation, k=k, n=n, cfg=cfg)
     if deterministic or cfg.get("mode") == "two":
         h = torch.empty((batch, k), dtype=dtype, device=device)
-        _launch(xb, w_in, w_down_t, idx, None, b_in, None, res2, h, **kw)
+        launch(xb, w_in, w_down_t, idx, None, b_in, None, res2, h, **kw)
         sparse_mlp_down(h, w_down_t, idx, bias=b_down, out=res2, validate=False,
                         config=cfg.get("down"))  # fmt: skip
     else:
-        _launch(xb, w_in, w_down_t, idx, None, b_in, b_down, res2, None, **kw)
-    return res
-
-
-def cats_mlp(
-    x: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down_t: torch.Tensor,
-    thr: torch.Tensor,
-    *,
-    activation: str,
-    b_in: torch.Tensor | None = None,
-    b_down: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
-    deterministic: bool = False,
-    config: dict | None = None,
-) -> torch.Tensor:
-    """CATS: dense gate, threshold fused, up and down rows read only for the kept neurons.
-
-    x: [d] or [B, d] (B <= 32); w_gate_up: [2n, d] (gate rows then up rows; SwiGLU/GeGLU) or
-    [n, d] (fc1 of a ReLU/GELU MLP: ``h = act(fc1 . x + b)`` kept where ``|h| > thr``);
-    w_down_t: [n, d]; thr: fp32 [n]. Neuron j counts for token b iff
-    ``|act(gate_j . x_b)| > thr[j]``; its up and down rows are read iff some token keeps it.
-    No host sync, launch shape fixed by the shapes (CUDA-graph capturable). By default two
-    launches without atomics (h, then :func:`~.threshold_gemv`), deterministic;
-    ``config={"mode": "atomic"}`` is the one-launch kernel (see the module docstring).
-
-    >>> _ = torch.manual_seed(0)
-    >>> x = torch.randn(2, 16, dtype=torch.float16)  # a union batch of 2 tokens
-    >>> w = torch.randn(128, 16, dtype=torch.float16) / 4  # gate + up of n = 64 neurons
-    >>> w_down_t = torch.randn(64, 16, dtype=torch.float16) / 8
-    >>> thr = torch.full((64,), 0.3)  # |silu(gate)| > 0.3 survives
-    >>> y = cats_mlp(x, w, w_down_t, thr, activation="silu")
-    >>> torch.allclose(y, cats_mlp_ref(x, w, w_down_t, thr, activation="silu"), atol=1e-2)
-    True
-    """
-    xb, squeeze, n, d = _check_mlp(x, w_gate_up, w_down_t, activation, b_in, b_down)
-    dtype, device = x.dtype, x.device
-    if w_gate_up.shape[0] not in (n, 2 * n):
-        raise ValueError(f"w_gate_up has {w_gate_up.shape[0]} rows; expected 2n = {2 * n} "
-                         f"(gate then up) or n = {n} (fc1) for w_down_t's {n} neurons.")  # fmt: skip
-    gated = w_gate_up.shape[0] == 2 * n
-    check_thr(thr, n)
-    check_device(device, thr=thr)
-    batch = xb.shape[0]
-    shape = (d,) if squeeze else (batch, d)
-    check_out(out, shape, dtype, device)
-    res = out if out is not None else torch.empty(shape, dtype=dtype, device=device)
-    res2 = res.view(batch, d)
-    if not use_triton(device):
-        res2.copy_(cats_mlp_ref(xb, w_gate_up, w_down_t, thr, activation=activation, b_in=b_in,
-                                b_down=b_down))  # fmt: skip
-        return res
-    cfg = {**default_config("cats", batch, d, n, n, device=device), **(config or {})}
-    kw = dict(cats=True, gated=gated, activation=activation, k=n, n=n, cfg=cfg)
-    if deterministic or cfg.get("mode") == "two":
-        h = torch.empty((batch, n), dtype=dtype, device=device)
-        _launch(xb, w_gate_up, w_down_t, None, thr, b_in, None, res2, h, **kw)
-        zeros = _workspace.buffer(device, "zero_thresholds", n, torch.float32)[:n]
-        threshold_gemv(h, w_down_t, zeros, bias=b_down, out=res2, deterministic=True,
-                       config=cfg.get("down"))  # fmt: skip
-    else:
-        _launch(xb, w_gate_up, w_down_t, None, thr, b_in, b_down, res2, None, **kw)
+        launch(xb, w_in, w_down_t, idx, None, b_in, b_down, res2, None, **kw)
     return res
