@@ -18,6 +18,7 @@ is only good for checking the plumbing (tiny shapes).
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 import time
@@ -204,7 +205,7 @@ def print_rows(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
     shape      us
     a         1.2
     """
-    widths = [len(format(0.0 if "f" in f else "", f)) for _, _, f in columns]
+    widths = [int("".join(itertools.takewhile(str.isdigit, f)) or 0) for _, _, f in columns]
     print(" ".join(f"{h:>{w}s}" if i else f"{h:{w}s}" for i, ((h, _, _), w) in
                    enumerate(zip(columns, widths, strict=True))))  # fmt: skip
     for r in rows:
