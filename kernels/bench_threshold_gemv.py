@@ -54,11 +54,6 @@ HIDDEN = {
     8192: 28672,
     12288: 49152,
 }  # Llama-3.2-1B .. OPT-175B
-TUNE_SHAPES = sorted(
-    {(n, d) for d, n in HIDDEN.items()}
-    | {(d, n) for d, n in HIDDEN.items()}
-    | {(d_in, d_out) for _, d_in, d_out in SHAPES}
-)
 KEPT = [0.5, 0.2, 0.1]
 BATCHES = [1, 16]
 TEAL_US = {0.5: 17.7, 0.2: 15.4, 0.1: 14.8}  # issue 11: TEAL's kernel, 11008->4096, batch 1
@@ -70,33 +65,28 @@ def _cfg(r, d, w, pps, pf, **kw):
             **kw}  # fmt: skip
 
 
-C, M, A1 = {"compact": True}, {"compact": False}, {"acc2d": False}
+C, M, A1, AT = {"compact": True}, {"compact": False}, {"acc2d": False}, {"reduce": "atomic"}
+TILE = 10**4  # programs per SM: as many as there are row tiles, one tile per program (TEAL's grid)
 CANDIDATES = {  # swept by --tune; every one computes the same function (checked first)
     1: [  # FMAs over compacted rows (C) or masked row tiles (M); prefetch 2: next tile in flight
-        _cfg(32, 128, 4, 4, 1, **C),
-        _cfg(64, 128, 4, 4, 2, **C, **A1),
-        _cfg(128, 128, 4, 2, 2, **C, **A1),
         _cfg(128, 128, 4, 4, 1, **C, **A1),
-        _cfg(64, 256, 4, 4, 2, **C, **A1),
-        _cfg(64, 256, 8, 2, 2, **C, **A1),
-        _cfg(128, 256, 8, 2, 2, **C, **A1),
-        _cfg(32, 256, 4, 4, 2, **C),
-        _cfg(64, 128, 4, 8, 2, **C, **A1),
-        _cfg(256, 128, 8, 2, 1, **C, **A1),
-        _cfg(64, 128, 4, 4, 2, **M, **A1),
-        _cfg(128, 128, 4, 4, 2, **M, **A1),
-        _cfg(128, 256, 8, 2, 2, **M, **A1),
-        _cfg(64, 256, 4, 4, 1, **M, **A1),
-        _cfg(256, 128, 8, 2, 2, **M, **A1),
-        _cfg(32, 128, 4, 8, 2, **M),
+        _cfg(32, 128, 4, 4, 1, **C),
+        _cfg(128, 128, 4, 2, 2, **C, **A1),
+        _cfg(64, 128, 4, 12, 1, **C, **A1),
+        _cfg(32, 128, 4, 16, 1, **C, **AT),
+        _cfg(64, 128, 4, 8, 1, **C, **A1, **AT),
+        _cfg(128, 128, 4, 4, 1, **C, **A1, **AT),
+        _cfg(64, 128, 4, TILE, 0, **M, **A1, **AT),
+        _cfg(128, 128, 4, TILE, 0, **M, **A1, **AT),
+        _cfg(64, 256, 8, TILE, 0, **M, **A1, **AT),
+        _cfg(128, 256, 8, TILE, 0, **M, **A1, **AT),
+        _cfg(32, 256, 4, TILE, 0, **M, **AT),
     ],
-    16: [  # tl.dot over compacted rows or masked row tiles, Triton-pipelined loads
+    16: [  # tl.dot over compacted rows, Triton-pipelined loads (serial reduction only)
         _cfg(32, 128, 4, 2, 1, num_stages=3, **C),
-        _cfg(64, 128, 4, 4, 1, num_stages=3, **C),
-        _cfg(64, 128, 4, 4, 0, num_stages=4, **M),
-        _cfg(32, 128, 4, 8, 0, num_stages=3, **M),
         _cfg(64, 256, 8, 2, 1, num_stages=3, **C),
-        _cfg(128, 128, 8, 2, 0, num_stages=3, **M),
+        _cfg(64, 128, 4, 8, 1, num_stages=3, **C),
+        _cfg(128, 128, 4, 4, 1, num_stages=3, **C),
     ],
 }
 for _c in CANDIDATES[1] + CANDIDATES[16]:
@@ -203,10 +193,13 @@ def check_correctness():
     print(f"correctness: worst fp16 relative error {worst:.2e} (bf16 checked too)")
 
 
-def table(shapes, batches, ceiling):
+TEAL_LIKE = _cfg(64, 128, 4, TILE, 0, **M, **A1, **AT)  # TEAL's scheme in our kernel
+
+
+def table(shapes, batches, ceiling, dtype=torch.float16):
     rows = []
     for name, d_in, d_out in shapes:
-        case = GemvCase(d_in, d_out, min_kept=min(KEPT))
+        case = GemvCase(d_in, d_out, min_kept=min(KEPT), dtype=dtype)
         for batch in batches:
             dense = None
             for kept in KEPT:
@@ -214,19 +207,21 @@ def table(shapes, batches, ceiling):
                 dense = dense or graph_us(calls["dense"])
                 t = {p: graph_us(calls[p]) for p in ("contig", "ours")}  # ours: no kept hint
                 t["hinted"] = graph_us(case.calls(kept, batch, hint=kept)[1]["ours"])
-                t["masked"] = graph_us(case.calls(kept, batch, {"compact": False})[1]["ours"])
+                if batch == 1:  # masked loads of one row tile per program, fp32 atomics
+                    t["masked"] = graph_us(case.calls(kept, batch, TEAL_LIKE)[1]["ours"])
                 nb = nbytes(k, d_in, d_out, batch)
                 # what the wrapper picks without a hint (kept=None) and with one
                 cfg = tuning.lookup("threshold_gemv", d_in, d_out, None, batch, case.device)
                 cfg_k = tuning.lookup("threshold_gemv", d_in, d_out, kept, batch, case.device)
-                row = {"shape": name, "d_in": d_in, "d_out": d_out, "kept": kept, "k": k,
+                row = {"shape": name, "dtype": str(dtype).split(".")[-1], "d_in": d_in,
+                       "d_out": d_out, "kept": kept, "k": k,
                        "batch": batch, "dense_us": dense, "bytes": nb, "config": cfg,
                        "hinted_config": cfg_k, **{f"{p}_us": v for p, v in t.items()},
                        "frac_ideal": dense * kept / t["ours"],
                        "frac_ideal_hinted": dense * kept / t["hinted"],
                        "vs_contig": t["contig"] / t["ours"],
                        "ours_tbps": nb / (t["ours"] * 1e-6) / 1e12, "copy_tbps": ceiling}  # fmt: skip
-                if (d_in, d_out) == (11008, 4096) and batch == 1:
+                if (d_in, d_out) == (11008, 4096) and batch == 1 and dtype == torch.float16:
                     row.update(teal_us=TEAL_US[kept], vs_teal=TEAL_US[kept] / t["ours"])
                 rows.append(row)
         del case
@@ -234,7 +229,8 @@ def table(shapes, batches, ceiling):
     return rows
 
 
-COLUMNS = [("shape", "shape", "16s"), ("B", "batch", "2d"), ("kept", "kept", "4.2f"),
+COLUMNS = [("shape", "shape", "16s"), ("dtype", "dtype", "8s"), ("B", "batch", "2d"),
+           ("kept", "kept", "4.2f"),
            ("dense", "dense_us", "6.1f"), ("contig", "contig_us", "6.1f"),
            ("masked", "masked_us", "6.1f"), ("ours", "ours_us", "6.1f"),
            ("hinted", "hinted_us", "6.1f"), ("frac", "frac_ideal", "5.2f"),
@@ -248,8 +244,8 @@ def main(argv=None):
     ap.add_argument(
         "--tune", action="store_true", help="sweep tilings first (results/tuning_*.json)"
     )
-    ap.add_argument("--tune-shapes", choices=["all", "llama"], default="all",
-                    help="tune at every d in HIDDEN (all) or only the Llama shapes")  # fmt: skip
+    ap.add_argument("--tune-d", type=int, nargs="*", default=sorted(HIDDEN),
+                    help="model widths of HIDDEN to tune at, beside the Llama shapes")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="tiny shapes (plumbing check, CPU)")
     args = ap.parse_args(argv)
     command = "python kernels/bench_threshold_gemv.py " + " ".join(argv or sys.argv[1:])
@@ -264,8 +260,10 @@ def main(argv=None):
     print(f"copy ceiling: {ceiling:.2f} TB/s")
     check_correctness()
     if args.tune:
-        tune(TUNE_SHAPES if args.tune_shapes == "all" else [s[1:] for s in SHAPES], command)
+        tune(sorted({s[1:] for s in SHAPES} | {(a, b) for d in args.tune_d for a, b in
+                                              ((d, HIDDEN[d]), (HIDDEN[d], d))}), command)  # fmt: skip
     rows = table(SHAPES, BATCHES, ceiling)
+    rows += table([SHAPES[0], SHAPES[3]], [1], ceiling, dtype=torch.bfloat16)
     print_rows(rows, COLUMNS)
     path = results.save("threshold_gemv", rows, command=command, extra={"copy_tbps": ceiling})
     print(f"wrote {path}")

@@ -2,8 +2,7 @@
 
 Fresh random inputs every run (the seed is in each failure message), unsorted distinct kept
 neurons, ReLU/GELU MLPs with biases and SwiGLU/GeGLU gated MLPs, outputs poisoned with NaN,
-fp16 and bf16, batch 1 and union batches up to 32, the default two-launch path and the
-opt-in one-launch atomic path (interpreter only). On a GPU box:
+fp16 and bf16, batch 1 and union batches up to 32, every tiling. On a GPU box:
 
     DEJAVU_TEST_DEVICE=cuda TRITON_INTERPRET=0 pytest tests/test_kernels_fused.py
 """
@@ -78,7 +77,7 @@ def test_fused_sparse_mlp(dtype, batch, kept, case, seed):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("batch", [1, 6])
-@pytest.mark.parametrize("variant", ["deterministic", "no-preload", "wide-tiles", "dot"])
+@pytest.mark.parametrize("variant", ["deterministic", "wide-tiles", "dot"])
 def test_fused_sparse_mlp_variants(dtype, batch, variant, seed):
     x, w_in, w_down_t, out, gated, kw = mlp(dtype, batch, "swiglu")
     idx = pick(N, 0.4)
@@ -86,12 +85,10 @@ def test_fused_sparse_mlp_variants(dtype, batch, variant, seed):
     extra = {}
     if variant == "deterministic":
         extra["deterministic"] = True
-    elif variant == "no-preload":
-        cfg["preload"] = False
     elif variant == "dot":  # tensor-core path at every batch (batch 1 padded to 16)
         cfg.update(BLOCK_N=16, dot=True, num_stages=3)
     else:  # whole rows in one step (BLOCK_K, BLOCK_C >= d), more neurons per program
-        cfg.update(BLOCK_N=16 if batch == 1 else 32, BLOCK_K=128, BLOCK_C=128, preload=True)
+        cfg.update(BLOCK_N=16 if batch == 1 else 32, BLOCK_K=128, BLOCK_C=128)
     fused_sparse_mlp(x, w_in, w_down_t, idx, gated=gated, out=out, config=cfg, **extra, **kw)
     assert_close(out, fused_sparse_mlp_ref(x, w_in, w_down_t, idx, gated=gated, **kw), dtype, seed)
 
@@ -112,23 +109,13 @@ def test_fused_batch_32_default_config_1d_and_empty(seed):
     assert default_config("fused", 1, D, 40, N, device=x.device)["mode"] == "two"
 
 
-@pytest.mark.skipif(
-    DEVICE != "cpu",
-    reason="the one-launch atomic mode fails at real shapes on "
-    "an H200 with Triton 3.6 (opt-in only); the interpreter checks its logic",
-)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("batch", [1, 5])
-@pytest.mark.parametrize("case", ["relu-bias", "swiglu"])
-def test_one_launch_atomic_mode(dtype, batch, case, seed):
-    x, w_in, w_down_t, out, gated, kw = mlp(dtype, batch, case)
-    idx = pick(N, 0.4)
-    cfg = small(batch, mode="atomic", preload=batch == 1)
-    fused_sparse_mlp(x, w_in, w_down_t, idx, gated=gated, out=out, config=cfg, **kw)
-    assert_close(out, fused_sparse_mlp_ref(x, w_in, w_down_t, idx, gated=gated, **kw), dtype, seed)
-    thr = cats_thr(x, w_in, kw, 0.3)
-    got = cats_mlp(x, w_in, w_down_t, thr, config={**cfg, "BLOCK_N": 16}, **kw)
-    assert_close(got, cats_mlp_ref(x, w_in, w_down_t, thr, **kw), dtype, seed)
+def test_the_removed_one_launch_mode_is_refused():
+    x, w_in, w_down_t, _, gated, kw = mlp(torch.float16, 1, "swiglu")
+    with pytest.raises(ValueError, match="mode='atomic' was removed"):
+        fused_sparse_mlp(x, w_in, w_down_t, pick(N, 0.5), gated=gated,
+                         config=small(1, mode="atomic"), **kw)  # fmt: skip
+    with pytest.raises(ValueError, match="mode='atomic' was removed"):
+        cats_mlp(x, w_in, w_down_t, torch.zeros(N), config={"mode": "atomic"}, **kw)
 
 
 def test_fused_deterministic_is_bitwise_repeatable(seed):

@@ -5,10 +5,9 @@ calibrated for a target sparsity) and computes up and down only for the kept neu
 program of :func:`~.fused_mlp.fused_mlp_kernel` (``CATS=True``) computes the gate of its
 ``BLOCK_N`` neurons densely, applies the threshold, and reads up and down rows only for the
 neurons some token keeps (masked row loads: a skipped row costs no memory traffic). Launch shape
-fixed by the shapes; no host sync. By default (and with ``deterministic=True``) the kernel writes
-``h`` and :func:`~.threshold_gemv` over the nonzero entries of ``h`` reduces the down projection
-in a fixed order; ``config={"mode": "atomic"}`` is the one-launch kernel (see
-:mod:`.fused_mlp`).
+fixed by the shapes; no host sync. The kernel writes ``h`` (zero where dropped) and
+:func:`~.threshold_gemv` over the nonzero entries of ``h`` reduces the down projection in a
+fixed order (two launches; the one-launch atomic variant was removed, see :mod:`.fused_mlp`).
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ import torch
 
 from . import _workspace
 from ._common import check_device, check_thr, output, use_triton
-from .fused_mlp import check_mlp, default_config, hidden_ref, launch
+from .fused_mlp import check_mlp, check_mode, default_config, hidden_ref, launch
 from .threshold_gemv import threshold_gemv
 
 __all__ = ["cats_mlp", "cats_mlp_ref"]
@@ -65,9 +64,9 @@ def cats_mlp(
     [n, d] (fc1 of a ReLU/GELU MLP: ``h = act(fc1 . x + b)`` kept where ``|h| > thr``);
     w_down_t: [n, d]; thr: fp32 [n]. Neuron j counts for token b iff
     ``|act(gate_j . x_b)| > thr[j]``; its up and down rows are read iff some token keeps it.
-    No host sync, launch shape fixed by the shapes (CUDA-graph capturable). By default two
-    launches without atomics (h, then :func:`~.threshold_gemv`), deterministic;
-    ``config={"mode": "atomic"}`` is the one-launch kernel (see the module docstring).
+    No host sync, launch shape fixed by the shapes (CUDA-graph capturable). Two launches
+    without atomics (h, then :func:`~.threshold_gemv`): the same bits on every call
+    (``deterministic`` changes nothing; kept for callers of the removed one-launch mode).
 
     >>> _ = torch.manual_seed(0)
     >>> x = torch.randn(2, 16, dtype=torch.float16)  # a union batch of 2 tokens
@@ -93,13 +92,11 @@ def cats_mlp(
                                 b_down=b_down))  # fmt: skip
         return res
     cfg = {**default_config("cats", batch, d, n, n, device=device), **(config or {})}
-    kw = dict(cats=True, gated=gated, activation=activation, k=n, n=n, cfg=cfg)
-    if deterministic or cfg.get("mode") == "two":
-        h = torch.empty((batch, n), dtype=dtype, device=device)
-        launch(xb, w_gate_up, w_down_t, None, thr, b_in, None, res2, h, **kw)
-        zeros = _workspace.buffer(device, "zero_thresholds", n, torch.float32)[:n]
-        threshold_gemv(h, w_down_t, zeros, bias=b_down, out=res2, deterministic=True,
-                       config=cfg.get("down"))  # fmt: skip
-    else:
-        launch(xb, w_gate_up, w_down_t, None, thr, b_in, b_down, res2, None, **kw)
+    check_mode(cfg)
+    h = torch.empty((batch, n), dtype=dtype, device=device)
+    launch(xb, w_gate_up, None, thr, b_in, h, cats=True, gated=gated, activation=activation, k=n,
+           n=n, cfg=cfg)  # fmt: skip
+    zeros = _workspace.buffer(device, "zero_thresholds", n, torch.float32)[:n]
+    threshold_gemv(h, w_down_t, zeros, bias=b_down, out=res2, deterministic=True,
+                   config=cfg.get("down"))  # fmt: skip
     return res

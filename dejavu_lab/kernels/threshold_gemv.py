@@ -62,6 +62,8 @@ __all__ = [
 ]
 
 REDUCE = {"direct": 0, "serial": 1, "atomic": 2}
+ATOMIC_DOT = ("config reduce='atomic' is exact only on the FMA path (batch 1 without 'dot'); "
+              "tensor-core tiles reduce with 'serial'.")  # fmt: skip
 
 
 @triton.jit
@@ -377,6 +379,8 @@ def _launch(xb, w_t, thr, bias, res2, cfg: dict) -> None:
     reduce = "direct" if n_split == 1 else cfg.get("reduce", "serial")
     if reduce not in REDUCE:
         raise ValueError(f"config reduce={reduce!r} is not 'serial' or 'atomic'.")
+    if reduce == "atomic" and block_b > 1:
+        raise ValueError(ATOMIC_DOT)
     if reduce == "serial":
         ws = _workspace.partials(device, n_split * batch * d_out)
     elif reduce == "atomic":
