@@ -52,7 +52,7 @@ from ._common import (
     upcast_dot,
     use_triton,
 )
-from ._reduce import chunk, split_reduce
+from ._reduce import chunk, convert_kernel, split_reduce
 
 __all__ = [
     "default_config",
@@ -61,7 +61,7 @@ __all__ = [
     "threshold_gemv_ref",
 ]
 
-REDUCE = {"direct": 0, "serial": 1, "atomic": 2}
+REDUCE = {"direct": 0, "serial": 1, "atomic": 2, "atomic2": 3}
 ATOMIC_DOT = ("config reduce='atomic' is exact only on the FMA path (batch 1 without 'dot'); "
               "tensor-core tiles reduce with 'serial'.")  # fmt: skip
 
@@ -261,7 +261,7 @@ def threshold_gemv_kernel(
     stride_ob,
     rows_per_split,
     n_split,
-    REDUCE: tl.constexpr,  # 0 one split writes out, 1 serial partials, 2 atomics
+    REDUCE: tl.constexpr,  # 0 one split writes out, 1 serial partials, 2 atomics, 3 atomics only
     HAS_BIAS: tl.constexpr,
     COMPACT: tl.constexpr,  # compact the surviving rows first (else masked row tiles)
     BLOCK_B: tl.constexpr,  # 1 (FMA path) or >= 16 (tl.dot path)
@@ -378,17 +378,17 @@ def _launch(xb, w_t, thr, bias, res2, cfg: dict) -> None:
     n_split, rows_per_split = _split(d_in, cfg, n_col, 16 if compact else block_r)
     reduce = "direct" if n_split == 1 else cfg.get("reduce", "serial")
     if reduce not in REDUCE:
-        raise ValueError(f"config reduce={reduce!r} is not 'serial' or 'atomic'.")
-    if reduce == "atomic" and block_b > 1:
+        raise ValueError(f"config reduce={reduce!r} is not one of 'serial', 'atomic', 'atomic2'.")
+    if reduce.startswith("atomic") and block_b > 1:
         raise ValueError(ATOMIC_DOT)
     if reduce == "serial":
         ws = _workspace.partials(device, n_split * batch * d_out)
-    elif reduce == "atomic":
+    elif reduce.startswith("atomic"):
         ws = _workspace.sums(device, batch * d_out)
     else:
         ws = res2
     rows = _workspace.rows(device, n_col * n_split * rows_per_split) if compact else ws
-    counts = _workspace.counters(device, n_col) if n_split > 1 else ws
+    counts = _workspace.counters(device, n_col) if reduce in ("serial", "atomic") else ws
     block_bs = next_pow2(batch)
     scan = cfg.get("SCAN") or max(16, min(next_pow2(rows_per_split), 4096 // block_bs))
     acc2d = cfg.get("acc2d")
@@ -405,6 +405,12 @@ def _launch(xb, w_t, thr, bias, res2, cfg: dict) -> None:
         CHUNK=chunk(n_split, 32 * 32 * cfg["num_warps"] // (block_b * block_d)), FENCE=fence,
         num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 2),
     )  # fmt: skip
+    if reduce == "atomic2":  # the sums to the output (and back to zero): a second launch
+        n = batch * d_out
+        convert_kernel[(triton.cdiv(n, 1024),)](
+            ws, bias if bias is not None else ws, res2, n, d_out, HAS_BIAS=bias is not None,
+            BLOCK=1024, num_warps=4,
+        )  # fmt: skip
 
 
 def threshold_gemv(
@@ -454,7 +460,7 @@ def threshold_gemv(
         res2.copy_(threshold_gemv_ref(xb, w_t, thr, bias=bias))
         return res
     cfg = {**default_config(xb.shape[0], d_in, d_out, kept, device=device), **(config or {})}
-    if deterministic and cfg.get("reduce") == "atomic":
+    if deterministic and str(cfg.get("reduce")).startswith("atomic"):
         cfg["reduce"] = "serial"
     _launch(xb, w_t, thr, bias, res2, cfg)
     return res
