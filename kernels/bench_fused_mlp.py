@@ -1,8 +1,10 @@
 """Fused sparse MLP and CATS vs dense cuBLAS, contiguous cuBLAS and the two-kernel path.
 
-Deja Vu §4.4 runs a sparse MLP as an up gather then a down gather; issue 12 fuses them:
-:func:`dejavu_lab.kernels.fused_sparse_mlp` reads the kept neurons' gate/up rows, applies the
-activation and accumulates their down rows in one launch. :func:`~dejavu_lab.kernels.cats_mlp`
+Deja Vu §4.4 runs a sparse MLP as an up gather then a down gather:
+:func:`dejavu_lab.kernels.fused_sparse_mlp` reads the kept neurons' gate and up rows in one pass
+and applies the activation in one launch, then reduces their down rows in a second (the
+one-launch atomic variant was removed: slower, and wrong with tensor-core tiles, see
+:mod:`dejavu_lab.kernels.fused_mlp`). :func:`~dejavu_lab.kernels.cats_mlp`
 is CATS (dense gate, threshold fused, up/down of the kept neurons only). For Llama SwiGLU
 shapes (d, n) = (4096, 11008), (5120, 13824), (4096, 14336) plus d = 2048, 8192 and OPT-175B's
 ReLU MLP (12288, 49152), at 50 / 20 / 10% kept, batch 1 and a union batch of 16, in CUDA-graph
@@ -70,31 +72,22 @@ CANDIDATES = {  # (op, batch 1?) -> configs swept by --tune (each checked first)
         _cfg(4, 1024, 1024, 4),
         _cfg(16, 512, 512, 8),
         _cfg(4, 2048, 2048, 8),
-        _cfg(16, 128, 128, 4, dot=True, num_stages=4, preload=False),
-        _cfg(8, 1024, 1024, 8, mode="two"),
+        _cfg(16, 128, 128, 4, dot=True, num_stages=4),
     ],
     ("fused", False): [
         _cfg(16, 128, 128, 4, num_stages=3),
-        _cfg(32, 128, 256, 8, num_stages=3),
-        _cfg(16, 128, 128, 4, num_stages=3, mode="two"),
-        _cfg(32, 128, 128, 4, num_stages=3, mode="two"),
+        _cfg(32, 128, 128, 4, num_stages=3),
     ],
     ("cats", True): [
         _cfg(32, 512, 512, 8),
         _cfg(16, 1024, 1024, 8),
         _cfg(64, 256, 256, 8),
-        _cfg(32, 512, 512, 8, mode="two"),
     ],
     ("cats", False): [
         _cfg(32, 128, 128, 4, num_stages=3),
         _cfg(64, 128, 128, 8, num_stages=3),
-        _cfg(32, 128, 128, 4, num_stages=3, mode="two"),
     ],
 }
-for (_op, _b1), _cs in CANDIDATES.items():
-    for _c in _cs:
-        _c.setdefault("mode", "atomic")
-        _c.setdefault("preload", _b1)
 
 
 class MlpWeights:
@@ -198,7 +191,7 @@ def check_correctness():
         m = MlpWeights(d, n, gated, act, min_kept=1.0)
         for batch in (1, 16, 32):
             for p in ("ours", "cats"):
-                for extra in ({}, {"mode": "two"}):
+                for extra in ({}, {"BLOCK_N": 16, "dot": True}):
                     err = m.check(p, 0.1, batch, extra or None)
                     worst = max(worst, err)
                     if not err < 5e-3:

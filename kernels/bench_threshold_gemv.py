@@ -8,8 +8,12 @@ set), this times in CUDA-graph replay, on weights rotated through more than 4x t
 
 - ``dense``: cuBLAS ``x @ w_t`` over every row (ideal sparse time = dense x kept);
 - ``contig``: cuBLAS over the same number of rows stored contiguously (a gather-free layout);
-- ``masked``: our kernel without compaction (TEAL's scheme: masked loads of fixed row tiles);
-- ``ours``: the threshold GEMV (tuned config when ``results/tuning_*.json`` has one).
+- ``masked`` (batch 1): TEAL's scheme in our kernel: one masked row tile per program, fp32
+  atomics (``TEAL_LIKE``);
+- ``ours``: the threshold GEMV as the wrapper picks it without a hint (the tuned config best on
+  average over the kept fractions); ``hinted``: with ``kept=`` the budget (its tuned config).
+
+bf16 rows repeat two shapes at batch 1.
 
 TEAL's own split-K kernel, measured on this H200 for issue 11 (fp16, batch 1, graph replay,
 11008->4096): 17.7 / 15.4 / 14.8 µs at 50 / 20 / 10% kept against a 25.4 µs dense GEMV.
@@ -17,7 +21,7 @@ TEAL's own split-K kernel, measured on this H200 for issue 11 (fp16, batch 1, gr
 them in ``results/tuning_threshold_gemv.json`` (read at run time by
 :mod:`dejavu_lab.kernels.tuning`). Writes ``results/threshold_gemv.json``.
 
-    PYTHONPATH=. python kernels/bench_threshold_gemv.py [--tune] [--quick]
+    PYTHONPATH=. python kernels/bench_threshold_gemv.py [--tune [--tune-d 2048 8192]] [--quick]
 """
 
 from __future__ import annotations
@@ -65,24 +69,27 @@ def _cfg(r, d, w, pps, pf, **kw):
             **kw}  # fmt: skip
 
 
-C, M, A1 = {"compact": True}, {"compact": False}, {"acc2d": False}
-AT, AT2 = {"reduce": "atomic"}, {"reduce": "atomic2"}
+C, M, A1, AT = {"compact": True}, {"compact": False}, {"acc2d": False}, {"reduce": "atomic"}
 TILE = 10**4  # programs per SM: as many as there are row tiles, one tile per program (TEAL's grid)
 CANDIDATES = {  # swept by --tune; every one computes the same function (checked first)
     1: [  # FMAs over compacted rows (C) or masked row tiles (M); prefetch 2: next tile in flight
         _cfg(128, 128, 4, 4, 1, **C, **A1),
         _cfg(32, 128, 4, 4, 1, **C),
         _cfg(128, 128, 4, 2, 2, **C, **A1),
+        _cfg(64, 128, 4, 12, 1, **C, **A1),
+        _cfg(32, 128, 4, 16, 1, **C, **AT),
+        _cfg(64, 128, 4, 8, 1, **C, **A1, **AT),
         _cfg(128, 128, 4, 4, 1, **C, **A1, **AT),
-        _cfg(64, 128, 4, TILE, 0, **M, **A1, **AT2),  # atomics only, then a conversion
-        _cfg(128, 128, 4, TILE, 0, **M, **A1, **AT2),
-        _cfg(128, 128, 8, TILE, 0, **M, **A1, **AT2),
-        _cfg(64, 256, 8, TILE, 0, **M, **A1, **AT2),
-        _cfg(32, 128, 4, TILE, 0, **M, **AT2),
-        _cfg(32, 256, 4, TILE, 0, **M, **AT2),
+        _cfg(64, 128, 4, TILE, 0, **M, **A1, **AT),
+        _cfg(128, 128, 4, TILE, 0, **M, **A1, **AT),
+        _cfg(64, 256, 8, TILE, 0, **M, **A1, **AT),
+        _cfg(128, 256, 8, TILE, 0, **M, **A1, **AT),
+        _cfg(32, 256, 4, TILE, 0, **M, **AT),
     ],
     16: [  # tl.dot over compacted rows, Triton-pipelined loads (serial reduction only)
         _cfg(32, 128, 4, 2, 1, num_stages=3, **C),
+        _cfg(64, 256, 8, 2, 1, num_stages=3, **C),
+        _cfg(64, 128, 4, 8, 1, num_stages=3, **C),
         _cfg(128, 128, 4, 4, 1, num_stages=3, **C),
     ],
 }
@@ -190,7 +197,7 @@ def check_correctness():
     print(f"correctness: worst fp16 relative error {worst:.2e} (bf16 checked too)")
 
 
-TEAL_LIKE = _cfg(64, 128, 4, TILE, 0, **M, **A1, **AT2)  # TEAL's scheme in our kernel
+TEAL_LIKE = _cfg(64, 128, 4, TILE, 0, **M, **A1, **AT)  # TEAL's scheme in our kernel
 
 
 def table(shapes, batches, ceiling, dtype=torch.float16):

@@ -5,8 +5,6 @@ A program holds an fp32 tile ``y`` [BLOCK_B, BLOCK_D] that is one split's share 
 of the column tile to arrive to sum in split order (``REDUCE=1``: CUTLASS's serial split-K,
 deterministic), or adds it into a zeroed fp32 buffer with atomics (``REDUCE=2``). An arrival
 counter per column tile (zero between launches, reset by the last arrival) decides who sums.
-``REDUCE=3`` only adds into the buffer (no counter: every program exits at once, which a grid of
-one small tile per program needs) and :func:`convert_kernel`, a second launch, writes the output.
 
 Ordering: every thread's partial stores precede a CTA barrier, which precedes one gpu-scope
 acq_rel atomic on the counter; the last arrival's loads follow its acquire. ``FENCE`` also
@@ -49,8 +47,6 @@ def split_reduce(y, ws_ptr, count_ptr, b_ptr, out_ptr, offs_b, offs_d, mask_b, m
     mask = mask_b[:, None] & mask_d[None, :]
     if REDUCE == 0:
         finish(y, b_ptr, out_ptr, offs_b, offs_d, mask, mask_d, stride_ob, HAS_BIAS)
-    elif REDUCE == 3:  # atomics only; convert_kernel follows
-        tl.atomic_add(ws_ptr + offs_b[:, None] * D + offs_d[None, :], y, mask=mask, sem="relaxed")
     else:
         if REDUCE == 1:  # fp32 partial per split, summed in split order by the last arrival
             p_ptrs = ws_ptr + (pid_s * B + offs_b[:, None]).to(tl.int64) * D + offs_d[None, :]
@@ -79,19 +75,6 @@ def split_reduce(y, ws_ptr, count_ptr, b_ptr, out_ptr, offs_b, offs_d, mask_b, m
                 tl.store(s_ptrs, tl.zeros(y.shape, tl.float32), mask=mask)
             tl.atomic_xchg(count_ptr + pid_d, 0)  # ready for the next launch
             finish(tot, b_ptr, out_ptr, offs_b, offs_d, mask, mask_d, stride_ob, HAS_BIAS)
-
-
-@triton.jit
-def convert_kernel(ws_ptr, b_ptr, out_ptr, N, D, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    """out = ws (+ bias) cast to the output dtype over [B, D] flattened (N = B * D), and ws
-    left at zero for the next launch."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < N
-    v = tl.load(ws_ptr + offs, mask=m, other=0.0, cache_modifier=".cg")
-    tl.store(ws_ptr + offs, tl.zeros((BLOCK,), tl.float32), mask=m)
-    if HAS_BIAS:
-        v += tl.load(b_ptr + offs % D, mask=m, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, v.to(out_ptr.dtype.element_ty), mask=m)
 
 
 def chunk(n_split: int, cap: int) -> int:

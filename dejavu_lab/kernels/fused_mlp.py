@@ -293,7 +293,16 @@ def check_mlp(x, w_in, w_down_t, activation, b_in, b_down):
 
 
 def launch(xb, w_in, idx, thr, b_in, h, *, cats, gated, activation, k, n, cfg):
-    """Launch the kernel on checked inputs: h [B, k] (CATS: [B, n]) of the kept neurons."""
+    """Launch the kernel on checked inputs: h [B, k] (CATS: [B, n]) of the kept neurons.
+
+    >>> x, w = torch.ones(1, 8, dtype=torch.float16), torch.ones(4, 8, dtype=torch.float16)
+    >>> h = torch.empty(1, 2, dtype=torch.float16)  # gate rows 0-1, up rows 2-3 of 2 neurons
+    >>> launch(x, w, torch.tensor([0, 1], dtype=torch.int32), None, None, h, cats=False,
+    ...        gated=True, activation="relu", k=2, n=2,
+    ...        cfg={"BLOCK_N": 2, "BLOCK_K": 8, "num_warps": 1})  # relu(8) * 8
+    >>> h
+    tensor([[64., 64.]], dtype=torch.float16)
+    """
     batch, d = xb.shape
     # batch 1 with "dot": the tensor-core path, token padded to 16 (pipelined weight loads)
     block_b = 16 if batch == 1 and cfg.get("dot") else batch_block(batch)

@@ -13,20 +13,32 @@ own entries are masked by its own rule. Nothing leaves the GPU: no index list, n
 a launch shape fixed by the tensor shapes, so the call sits inside a CUDA graph.
 
 Work split: programs tile the output columns (``BLOCK_D``) and split the input rows
-(``n_split``). Each program scans its row chunk, computes the union mask from ``x`` and
-``thr`` and (``compact``, the default) writes the surviving row numbers into a private scratch
-slice, then streams only those rows, ``BLOCK_R`` at a time: every load carries useful bytes at
-any sparsity (TEAL's kernel masks the loads of a fixed row tile instead, which keeps the
-memory pipeline mostly empty at 10% kept; ``compact=False`` does that, for comparison).
-Batch 1 multiplies with FMAs, union batches with ``tl.dot`` (token tile padded to 16).
+(``n_split``). Each program either (``compact``, the default) scans its row chunk, computes the
+union mask from ``x`` and ``thr``, writes the surviving row numbers into a private scratch slice
+and streams only those rows, ``BLOCK_R`` at a time, so every load carries useful bytes at any
+sparsity; or (``compact=False``) streams contiguous row tiles with the loads masked by the rule
+(TEAL's scheme; ``prefetch`` loads x and thr one or two steps ahead and, with 2, the next
+tile's weights during this tile's multiply). Batch 1 multiplies with FMAs (``acc2d=False``
+reduces over the rows every step: fewer registers, taller tiles), union batches with
+``tl.dot`` (token tile padded to 16).
 
-Reduction over the splits, fp32 throughout: ``reduce="serial"`` (default, deterministic) writes
-fp32 partials and the last program of each column tile to arrive (an arrival counter, as
-CUTLASS's serial split-K) sums them in split order; ``reduce="atomic"`` adds into an fp32
-buffer with atomics and the last program converts it (order-dependent rounding, like TEAL's
-atomic split-K). One split writes the output directly. The atomic mode is opt-in only: on
-the H200 with Triton 3.6 it failed correctness checks with the tensor-core tiles (batch > 1,
-``dot``), see :mod:`.tuning`.
+Reduction over the splits, fp32 throughout (:mod:`._reduce`): ``reduce="serial"``
+(deterministic) writes fp32 partials and the last program of each column tile to arrive sums
+them in split order; ``reduce="atomic"`` adds into an fp32 buffer and the last arrival converts
+it (order-dependent rounding, like TEAL's atomic split-K; ``deterministic=True`` forbids it).
+Atomics are refused with tensor-core tiles: on an H200 with Triton 3.6 they lost or doubled
+64-column groups of the output (``tests/test_kernels_threshold.py`` reproduces it at 11008 ->
+4096); on the FMA path they are exact at the real shapes (same test).
+
+Measured on the H200 (``results/threshold_gemv.json``, CUDA-graph replay, fp16, batch 1,
+11008 -> 4096, dense cuBLAS 27.5 µs): 22.2 / 14.5 / 11.2 µs at 50 / 20 / 10% kept (0.62 /
+0.38 / 0.24 of the ideal dense x kept) against TEAL's published kernel at 17.7 / 15.4 / 14.8:
+faster at 20 and 10%, slower at 50%. About 4-7 µs of each call is fixed cost (the mask scan
+and the row list's round trip through L2 before the first weight load, the split reduction
+after the last); looped masked row tiles cost about a dense read whatever the kept fraction,
+and one small masked tile per program (TEAL's grid, here with fp32 atomics and an arrival
+counter) was slower still (39 µs at 50%). bf16: the same at 11008 -> 4096, 10-25% slower at
+4096 -> 11008.
 """
 
 from __future__ import annotations
@@ -52,7 +64,7 @@ from ._common import (
     upcast_dot,
     use_triton,
 )
-from ._reduce import chunk, convert_kernel, split_reduce
+from ._reduce import chunk, split_reduce
 
 __all__ = [
     "default_config",
@@ -61,7 +73,7 @@ __all__ = [
     "threshold_gemv_ref",
 ]
 
-REDUCE = {"direct": 0, "serial": 1, "atomic": 2, "atomic2": 3}
+REDUCE = {"direct": 0, "serial": 1, "atomic": 2}
 ATOMIC_DOT = ("config reduce='atomic' is exact only on the FMA path (batch 1 without 'dot'); "
               "tensor-core tiles reduce with 'serial'.")  # fmt: skip
 
@@ -261,7 +273,7 @@ def threshold_gemv_kernel(
     stride_ob,
     rows_per_split,
     n_split,
-    REDUCE: tl.constexpr,  # 0 one split writes out, 1 serial partials, 2 atomics, 3 atomics only
+    REDUCE: tl.constexpr,  # 0 one split writes out, 1 serial partials, 2 atomics
     HAS_BIAS: tl.constexpr,
     COMPACT: tl.constexpr,  # compact the surviving rows first (else masked row tiles)
     BLOCK_B: tl.constexpr,  # 1 (FMA path) or >= 16 (tl.dot path)
@@ -339,9 +351,10 @@ def default_config(batch: int, d_in: int, d_out: int, kept: float | None = None,
     tuned = tuning.lookup("threshold_gemv", d_in, d_out, kept, batch, device)
     if tuned is not None:
         return tuned
-    if batch == 1:  # compacted rows, tall tiles, the next tile's weights in flight
-        cfg = {"BLOCK_R": 64, "BLOCK_D": 128, "num_warps": 4, "programs_per_sm": 4,
-               "prefetch": 2, "acc2d": False}  # fmt: skip
+    # the best deterministic configs of the H200 sweep (results/tuning_threshold_gemv.json)
+    if batch == 1:  # compacted rows, 128-row tiles, 4 programs per SM (128 registers each)
+        cfg = {"BLOCK_R": 128, "BLOCK_D": 128, "num_warps": 4, "programs_per_sm": 4,
+               "prefetch": 1, "acc2d": False}  # fmt: skip
     else:
         cfg = {"BLOCK_R": 32, "BLOCK_D": 128, "num_warps": 4, "num_stages": 3,
                "programs_per_sm": 2, "prefetch": 1}  # fmt: skip
@@ -378,17 +391,17 @@ def _launch(xb, w_t, thr, bias, res2, cfg: dict) -> None:
     n_split, rows_per_split = _split(d_in, cfg, n_col, 16 if compact else block_r)
     reduce = "direct" if n_split == 1 else cfg.get("reduce", "serial")
     if reduce not in REDUCE:
-        raise ValueError(f"config reduce={reduce!r} is not one of 'serial', 'atomic', 'atomic2'.")
-    if reduce.startswith("atomic") and block_b > 1:
+        raise ValueError(f"config reduce={reduce!r} is not 'serial' or 'atomic'.")
+    if reduce == "atomic" and block_b > 1:
         raise ValueError(ATOMIC_DOT)
     if reduce == "serial":
         ws = _workspace.partials(device, n_split * batch * d_out)
-    elif reduce.startswith("atomic"):
+    elif reduce == "atomic":
         ws = _workspace.sums(device, batch * d_out)
     else:
         ws = res2
     rows = _workspace.rows(device, n_col * n_split * rows_per_split) if compact else ws
-    counts = _workspace.counters(device, n_col) if reduce in ("serial", "atomic") else ws
+    counts = _workspace.counters(device, n_col) if n_split > 1 else ws
     block_bs = next_pow2(batch)
     scan = cfg.get("SCAN") or max(16, min(next_pow2(rows_per_split), 4096 // block_bs))
     acc2d = cfg.get("acc2d")
@@ -405,12 +418,6 @@ def _launch(xb, w_t, thr, bias, res2, cfg: dict) -> None:
         CHUNK=chunk(n_split, 32 * 32 * cfg["num_warps"] // (block_b * block_d)), FENCE=fence,
         num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 2),
     )  # fmt: skip
-    if reduce == "atomic2":  # the sums to the output (and back to zero): a second launch
-        n = batch * d_out
-        convert_kernel[(triton.cdiv(n, 1024),)](
-            ws, bias if bias is not None else ws, res2, n, d_out, HAS_BIAS=bias is not None,
-            BLOCK=1024, num_warps=4,
-        )  # fmt: skip
 
 
 def threshold_gemv(
@@ -460,7 +467,7 @@ def threshold_gemv(
         res2.copy_(threshold_gemv_ref(xb, w_t, thr, bias=bias))
         return res
     cfg = {**default_config(xb.shape[0], d_in, d_out, kept, device=device), **(config or {})}
-    if deterministic and str(cfg.get("reduce")).startswith("atomic"):
+    if deterministic and cfg.get("reduce") == "atomic":
         cfg["reduce"] = "serial"
     _launch(xb, w_t, thr, bias, res2, cfg)
     return res

@@ -53,7 +53,7 @@ def _safe(cfg: dict, batch: int) -> bool:
     """
     if cfg.get("mode", "two") != "two":
         return False
-    return not str(cfg.get("reduce")).startswith("atomic") or (batch == 1 and not cfg.get("dot"))
+    return cfg.get("reduce") != "atomic" or (batch == 1 and not cfg.get("dot"))
 
 
 def reload() -> None:
