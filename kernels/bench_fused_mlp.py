@@ -1,8 +1,10 @@
 """Fused sparse MLP and CATS vs dense cuBLAS, contiguous cuBLAS and the two-kernel path.
 
-Deja Vu §4.4 runs a sparse MLP as an up gather then a down gather; issue 12 fuses them:
-:func:`dejavu_lab.kernels.fused_sparse_mlp` reads the kept neurons' gate/up rows, applies the
-activation and accumulates their down rows in one launch. :func:`~dejavu_lab.kernels.cats_mlp`
+Deja Vu §4.4 runs a sparse MLP as an up gather then a down gather:
+:func:`dejavu_lab.kernels.fused_sparse_mlp` reads the kept neurons' gate and up rows in one pass
+and applies the activation in one launch, then reduces their down rows in a second (the
+one-launch atomic variant was removed: slower, and wrong with tensor-core tiles, see
+:mod:`dejavu_lab.kernels.fused_mlp`). :func:`~dejavu_lab.kernels.cats_mlp`
 is CATS (dense gate, threshold fused, up/down of the kept neurons only). For Llama SwiGLU
 shapes (d, n) = (4096, 11008), (5120, 13824), (4096, 14336) plus d = 2048, 8192 and OPT-175B's
 ReLU MLP (12288, 49152), at 50 / 20 / 10% kept, batch 1 and a union batch of 16, in CUDA-graph
@@ -39,7 +41,14 @@ from dejavu_lab.kernels import (
     sparse_mlp_up,
     tuning,
 )
-from dejavu_lab.kernels.bench import copy_ceiling, graph_us, relerr
+from dejavu_lab.kernels.bench import (
+    copy_ceiling,
+    graph_us,
+    print_rows,
+    relerr,
+    rotation_copies,
+    sweep,
+)
 
 SHAPES = [  # (name, d, n, gated, activation)
     ("llama3.2-1b", 2048, 8192, True, "silu"),
@@ -63,35 +72,22 @@ CANDIDATES = {  # (op, batch 1?) -> configs swept by --tune (each checked first)
         _cfg(4, 1024, 1024, 4),
         _cfg(16, 512, 512, 8),
         _cfg(4, 2048, 2048, 8),
-        _cfg(16, 128, 128, 4, dot=True, num_stages=4, preload=False),
-        _cfg(8, 1024, 1024, 8, mode="two"),
+        _cfg(16, 128, 128, 4, dot=True, num_stages=4),
     ],
     ("fused", False): [
         _cfg(16, 128, 128, 4, num_stages=3),
-        _cfg(32, 128, 256, 8, num_stages=3),
-        _cfg(16, 128, 128, 4, num_stages=3, mode="two"),
-        _cfg(32, 128, 128, 4, num_stages=3, mode="two"),
+        _cfg(32, 128, 128, 4, num_stages=3),
     ],
     ("cats", True): [
         _cfg(32, 512, 512, 8),
         _cfg(16, 1024, 1024, 8),
         _cfg(64, 256, 256, 8),
-        _cfg(32, 512, 512, 8, mode="two"),
     ],
     ("cats", False): [
         _cfg(32, 128, 128, 4, num_stages=3),
         _cfg(64, 128, 128, 8, num_stages=3),
-        _cfg(32, 128, 128, 4, num_stages=3, mode="two"),
     ],
 }
-for (_op, _b1), _cs in CANDIDATES.items():
-    for _c in _cs:
-        _c.setdefault("mode", "atomic")
-        _c.setdefault("preload", _b1)
-
-
-L2_ROTATE_BYTES = 4 * 60e6
-MAX_BYTES = 6e9
 
 
 class MlpWeights:
@@ -105,10 +101,8 @@ class MlpWeights:
     def __init__(self, d, n, gated, act, *, dtype=torch.float16, min_kept=0.1, device=None):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.d, self.n, self.gated, self.act, self.dtype = d, n, gated, act, dtype
-        rows = (3 if gated else 2) * n
-        full = rows * d * 2
-        self.copies = max(1, min(math.ceil(L2_ROTATE_BYTES / (min_kept * full)),
-                                 int(MAX_BYTES // full), 64))  # fmt: skip
+        full = (3 if gated else 2) * n * d * 2
+        self.copies = rotation_copies(min_kept * full, full)
         dev = self.device
         self.w_in = torch.randn(self.copies, (2 if gated else 1) * n, d, dtype=dtype, device=dev)
         self.w_in.mul_(d**-0.5)
@@ -197,7 +191,7 @@ def check_correctness():
         m = MlpWeights(d, n, gated, act, min_kept=1.0)
         for batch in (1, 16, 32):
             for p in ("ours", "cats"):
-                for extra in ({}, {"mode": "two"}):
+                for extra in ({}, {"BLOCK_N": 16, "dot": True}):
                     err = m.check(p, 0.1, batch, extra or None)
                     worst = max(worst, err)
                     if not err < 5e-3:
@@ -220,25 +214,19 @@ def tune(command):
                 k, calls = m.calls(kept, batch)
                 dense = graph_us(calls["dense"])
                 for op in ("fused", "cats"):
-                    best = None
-                    for cfg in CANDIDATES[(op, batch == 1)]:
-                        _, c2 = m.calls(kept, batch, cfg, cfg)
-                        try:
-                            err = m.check("ours" if op == "fused" else "cats", kept, batch, cfg)
-                            if not err < 5e-3:  # a wrong candidate is never recorded
-                                print(f"  {op} {cfg}: WRONG, relative error {err:.2e}")
-                                continue
-                            us = graph_us(c2["ours" if op == "fused" else "cats"])
-                        except Exception as exc:  # a candidate that fails to compile is skipped
-                            print(f"  {cfg}: {type(exc).__name__}: {str(exc)[:200]}")
-                            continue
-                        nb = m.nbytes(k, batch, cats=op == "cats")
+                    p = "ours" if op == "fused" else "cats"
+                    point = (m, kept, batch, p)
+                    timed = sweep(CANDIDATES[(op, batch == 1)],
+                                  lambda cfg, q=point: q[0].check(q[3], q[1], q[2], cfg),
+                                  lambda cfg, q=point: graph_us(q[0].calls(q[1], q[2], cfg, cfg)[1][q[3]]))  # fmt: skip
+                    nb = m.nbytes(k, batch, cats=op == "cats")
+                    for cfg, us in timed:
                         rows.append({"op": f"{op}_mlp", "shape": name, "d_in": d, "d_out": n,
                                      "kept": kept, "k": k, "batch": batch, "config": cfg,
                                      "us": us, "dense_us": dense, "bytes": nb})  # fmt: skip
-                        best = us if best is None else min(best, us)
+                    best = min((us for _, us in timed), default=math.nan)
                     print(f"tune {op:5s} {name:12s} B={batch:2d} kept={kept:.2f}: dense {dense:7.1f}"
-                          f" best {best or float('nan'):7.1f} us", flush=True)  # fmt: skip
+                          f" best {best:7.1f} us", flush=True)  # fmt: skip
         del m
         torch.cuda.empty_cache()
     path = results.save("tuning_fused_mlp", rows, command=command)
@@ -271,14 +259,11 @@ def table(ceiling):
     return rows
 
 
-def print_table(rows):
-    print(f"\n{'shape':12s} {'B':>2s} {'kept':>4s} | {'dense':>6s} {'contig':>6s} {'two':>6s} "
-          f"{'ours':>6s} {'cats':>6s} us | frac ideal | vs contig | target us | TB/s ours cats")  # fmt: skip
-    for r in rows:
-        print(f"{r['shape']:12s} {r['batch']:2d} {r['kept']:4.2f} | {r['dense_us']:6.1f} "
-              f"{r['contig_us']:6.1f} {r['two_us']:6.1f} {r['ours_us']:6.1f} {r['cats_us']:6.1f}    | "
-              f"{r['frac_ideal']:10.2f} | {r['vs_contig']:9.2f} | {r['target_us']:9.1f} | "
-              f"{r['ours_tbps']:4.2f} {r['cats_tbps']:4.2f}")  # fmt: skip
+COLUMNS = [("shape", "shape", "12s"), ("B", "batch", "2d"), ("kept", "kept", "4.2f"),
+           ("dense", "dense_us", "6.1f"), ("contig", "contig_us", "6.1f"), ("two", "two_us", "6.1f"),
+           ("ours", "ours_us", "6.1f"), ("cats", "cats_us", "6.1f"), ("frac", "frac_ideal", "5.2f"),
+           ("vs_contig", "vs_contig", "9.2f"), ("target", "target_us", "6.1f"),
+           ("TB/s", "ours_tbps", "5.2f"), ("cats", "cats_tbps", "5.2f")]  # fmt: skip
 
 
 def main(argv=None):
@@ -292,7 +277,7 @@ def main(argv=None):
     global SHAPES, KEPT, BATCHES
     if args.quick:
         SHAPES, KEPT, BATCHES = [("tiny", 32, 96, True, "silu")], [0.5, 0.1], [1, 4]
-        print_table(table(1.0))
+        print_rows(table(1.0), COLUMNS)
         return
     if not torch.cuda.is_available():
         raise SystemExit("bench_fused_mlp needs a CUDA GPU (use --quick for a CPU check).")
@@ -302,7 +287,7 @@ def main(argv=None):
     if args.tune:
         tune(command)
     rows = table(ceiling)
-    print_table(rows)
+    print_rows(rows, COLUMNS)
     path = results.save("sparse_mlp_fused", rows, command=command, extra={"copy_tbps": ceiling})
     print(f"wrote {path}")
 

@@ -10,13 +10,17 @@ On a GPU box the same tests check the compiled kernels on the GPU:
     DEJAVU_TEST_DEVICE=cuda TRITON_INTERPRET=0 pytest tests/test_kernels.py
 """
 
-import os
-import random
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are decorated
-
 import pytest
 import torch
+from kernel_helpers import (
+    DEVICE,
+    DTYPES,
+    TOL,
+    assert_close,
+    on_device,
+    pick,
+    seed,
+)
 
 from dejavu_lab.kernels import (
     kv_window_write,
@@ -34,43 +38,8 @@ from dejavu_lab.kernels import (
 )
 from dejavu_lab.kernels.sparse_mlp_up import sparse_mlp_up_kernel
 
-DEVICE = os.environ.get("DEJAVU_TEST_DEVICE", "cpu")  # where every test tensor is created
-DTYPES = [torch.float16, torch.bfloat16]
-TOL = {torch.float16: 3e-3, torch.bfloat16: 3e-2}  # relative Frobenius error
+FIXTURES = (on_device, seed)  # pytest finds fixtures by name in this module
 KEPT = [0.0, 0.1, 0.5, 1.0]
-
-
-@pytest.fixture(autouse=True)
-def on_device():
-    """Create each test's tensors on DEVICE (torch's default-device context)."""
-    if DEVICE != "cpu" and not torch.cuda.is_available():
-        pytest.skip(f"DEJAVU_TEST_DEVICE={DEVICE} but torch sees no CUDA GPU; unset it on a CPU")
-    with torch.device(DEVICE):
-        yield
-
-
-@pytest.fixture
-def seed():
-    s = random.randrange(2**31)
-    torch.manual_seed(s)
-    return s
-
-
-def relerr(out, ref):
-    out, ref = out.double(), ref.double()
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-12)).item()
-
-
-def assert_close(out, ref, dtype, seed):
-    assert out.shape == ref.shape, (out.shape, ref.shape)
-    assert not out.isnan().any(), f"unwritten (NaN) output elements; seed={seed}"
-    err = relerr(out, ref)
-    assert err < TOL[dtype], f"relative error {err:.2e}; seed={seed}"
-
-
-def pick(n, frac):
-    """round(frac * n) distinct indices in random (unsorted) order, int32."""
-    return torch.randperm(n)[: round(frac * n)].to(torch.int32)
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="on a GPU the compiled kernels run")

@@ -2,19 +2,14 @@
 
 Fresh random inputs every run (the seed is in each failure message), unsorted distinct kept
 neurons, ReLU/GELU MLPs with biases and SwiGLU/GeGLU gated MLPs, outputs poisoned with NaN,
-fp16 and bf16, batch 1 and union batches up to 32, the default two-launch path and the
-opt-in one-launch atomic path (interpreter only). On a GPU box:
+fp16 and bf16, batch 1 and union batches up to 32, every tiling. On a GPU box:
 
     DEJAVU_TEST_DEVICE=cuda TRITON_INTERPRET=0 pytest tests/test_kernels_fused.py
 """
 
-import os
-import random
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are decorated
-
 import pytest
 import torch
+from kernel_helpers import DEVICE, DTYPES, assert_close, on_device, pick, seed
 
 from dejavu_lab.kernels import (
     cats_mlp,
@@ -24,9 +19,7 @@ from dejavu_lab.kernels import (
 )
 from dejavu_lab.kernels.fused_mlp import default_config, fused_mlp_kernel
 
-DEVICE = os.environ.get("DEJAVU_TEST_DEVICE", "cpu")
-DTYPES = [torch.float16, torch.bfloat16]
-TOL = {torch.float16: 3e-3, torch.bfloat16: 3e-2}
+FIXTURES = (on_device, seed)  # pytest finds fixtures by name in this module
 N, D = 96, 80  # neurons, model width (not multiples of the tiles: masked tails)
 CASES = {  # (activation, gated, biases)
     "relu-bias": ("relu", False, True),
@@ -42,33 +35,6 @@ def small(batch, **extra):
     return {**cfg, **extra}
 
 
-@pytest.fixture(autouse=True)
-def on_device():
-    if DEVICE != "cpu" and not torch.cuda.is_available():
-        pytest.skip(f"DEJAVU_TEST_DEVICE={DEVICE} but torch sees no CUDA GPU; unset it on a CPU")
-    with torch.device(DEVICE):
-        yield
-
-
-@pytest.fixture
-def seed():
-    s = random.randrange(2**31)
-    torch.manual_seed(s)
-    return s
-
-
-def relerr(out, ref):
-    out, ref = out.double(), ref.double()
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-12)).item()
-
-
-def assert_close(out, ref, dtype, seed):
-    assert out.shape == ref.shape, (out.shape, ref.shape)
-    assert not out.isnan().any(), f"unwritten (NaN) output elements; seed={seed}"
-    err = relerr(out, ref)
-    assert err < TOL[dtype], f"relative error {err:.2e}; seed={seed}"
-
-
 def mlp(dtype, batch, case):
     act, gated, biased = CASES[case]
     x = torch.randn(batch, D, dtype=dtype)
@@ -79,10 +45,6 @@ def mlp(dtype, batch, case):
     out = torch.full((batch, D), float("nan"), dtype=dtype)
     kw = dict(activation=act, b_in=b_in, b_down=b_down)
     return x, w_in, w_down_t, out, gated, kw
-
-
-def pick(n, frac):
-    return torch.randperm(n)[: round(frac * n)].to(torch.int32)
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="on a GPU the compiled kernels run")
@@ -115,7 +77,7 @@ def test_fused_sparse_mlp(dtype, batch, kept, case, seed):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("batch", [1, 6])
-@pytest.mark.parametrize("variant", ["deterministic", "no-preload", "wide-tiles", "dot"])
+@pytest.mark.parametrize("variant", ["deterministic", "wide-tiles", "dot"])
 def test_fused_sparse_mlp_variants(dtype, batch, variant, seed):
     x, w_in, w_down_t, out, gated, kw = mlp(dtype, batch, "swiglu")
     idx = pick(N, 0.4)
@@ -123,12 +85,10 @@ def test_fused_sparse_mlp_variants(dtype, batch, variant, seed):
     extra = {}
     if variant == "deterministic":
         extra["deterministic"] = True
-    elif variant == "no-preload":
-        cfg["preload"] = False
     elif variant == "dot":  # tensor-core path at every batch (batch 1 padded to 16)
         cfg.update(BLOCK_N=16, dot=True, num_stages=3)
     else:  # whole rows in one step (BLOCK_K, BLOCK_C >= d), more neurons per program
-        cfg.update(BLOCK_N=16 if batch == 1 else 32, BLOCK_K=128, BLOCK_C=128, preload=True)
+        cfg.update(BLOCK_N=16 if batch == 1 else 32, BLOCK_K=128, BLOCK_C=128)
     fused_sparse_mlp(x, w_in, w_down_t, idx, gated=gated, out=out, config=cfg, **extra, **kw)
     assert_close(out, fused_sparse_mlp_ref(x, w_in, w_down_t, idx, gated=gated, **kw), dtype, seed)
 
@@ -149,23 +109,13 @@ def test_fused_batch_32_default_config_1d_and_empty(seed):
     assert default_config("fused", 1, D, 40, N, device=x.device)["mode"] == "two"
 
 
-@pytest.mark.skipif(
-    DEVICE != "cpu",
-    reason="the one-launch atomic mode fails at real shapes on "
-    "an H200 with Triton 3.6 (opt-in only); the interpreter checks its logic",
-)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("batch", [1, 5])
-@pytest.mark.parametrize("case", ["relu-bias", "swiglu"])
-def test_one_launch_atomic_mode(dtype, batch, case, seed):
-    x, w_in, w_down_t, out, gated, kw = mlp(dtype, batch, case)
-    idx = pick(N, 0.4)
-    cfg = small(batch, mode="atomic", preload=batch == 1)
-    fused_sparse_mlp(x, w_in, w_down_t, idx, gated=gated, out=out, config=cfg, **kw)
-    assert_close(out, fused_sparse_mlp_ref(x, w_in, w_down_t, idx, gated=gated, **kw), dtype, seed)
-    thr = cats_thr(x, w_in, kw, 0.3)
-    got = cats_mlp(x, w_in, w_down_t, thr, config={**cfg, "BLOCK_N": 16}, **kw)
-    assert_close(got, cats_mlp_ref(x, w_in, w_down_t, thr, **kw), dtype, seed)
+def test_the_removed_one_launch_mode_is_refused():
+    x, w_in, w_down_t, _, gated, kw = mlp(torch.float16, 1, "swiglu")
+    with pytest.raises(ValueError, match="mode='atomic' was removed"):
+        fused_sparse_mlp(x, w_in, w_down_t, pick(N, 0.5), gated=gated,
+                         config=small(1, mode="atomic"), **kw)  # fmt: skip
+    with pytest.raises(ValueError, match="mode='atomic' was removed"):
+        cats_mlp(x, w_in, w_down_t, torch.zeros(N), config={"mode": "atomic"}, **kw)
 
 
 def test_fused_deterministic_is_bitwise_repeatable(seed):

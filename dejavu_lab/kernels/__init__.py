@@ -26,13 +26,8 @@ gives the dense MLP:
 True
 """
 
-from .fused_mlp import (
-    FUSED_ACTIVATIONS,
-    cats_mlp,
-    cats_mlp_ref,
-    fused_sparse_mlp,
-    fused_sparse_mlp_ref,
-)
+from .cats_mlp import cats_mlp, cats_mlp_ref
+from .fused_mlp import FUSED_ACTIVATIONS, fused_sparse_mlp, fused_sparse_mlp_ref
 from .kv_window import kv_window_write, kv_window_write_ref
 from .row_norm import row_norm, row_norm_ref
 from .sparse_attention import (

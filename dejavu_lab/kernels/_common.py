@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -57,6 +58,30 @@ def check_rowmajor(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} must be a 2-D row-major tensor; pass {name}.contiguous().")
 
 
+def check_weight(name: str, w: torch.Tensor, dtype: torch.dtype) -> None:
+    """A weight matrix: the input's float dtype, 2-D, row-major."""
+    check_float(name, w, dtype)
+    check_rowmajor(name, w)
+
+
+def check_vector(name: str, t: torch.Tensor | None, n: int, dtype: torch.dtype) -> None:
+    """An optional bias-like vector: ``None``, or the input's float dtype with shape [n]."""
+    if t is not None:
+        check_float(name, t, dtype)
+        check_shape(name, t, (n,))
+
+
+def check_thr(thr: torch.Tensor, n: int, name: str = "thr") -> None:
+    """``thr`` must be a float32 vector of length ``n`` (one threshold per input column)."""
+    if not isinstance(thr, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(thr).__name__}.")
+    if thr.dtype != torch.float32:
+        raise TypeError(f"{name} has dtype {thr.dtype}; pass float32 thresholds (.float()).")
+    check_shape(name, thr, (n,))
+    if thr.stride(0) != 1:
+        raise ValueError(f"{name} must be contiguous; pass {name}.contiguous().")
+
+
 def check_index(
     name: str, idx: torch.Tensor, n: int, device: torch.device, validate: bool | None
 ) -> None:
@@ -107,6 +132,24 @@ def check_out(out: torch.Tensor | None, shape, dtype, device) -> None:
         )
     if not out.is_contiguous():
         raise ValueError("out must be contiguous; allocate it with torch.empty.")
+
+
+def output(out: torch.Tensor | None, batch: int, n: int, squeeze: bool, dtype, device):
+    """(result, its [batch, n] view): ``out`` checked, or a new tensor; [n] when ``squeeze``."""
+    shape = (n,) if squeeze else (batch, n)
+    check_out(out, shape, dtype, device)
+    res = out if out is not None else torch.empty(shape, dtype=dtype, device=device)
+    return res, res.view(batch, n)
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of ``device`` (2 on the CPU: small grids for the interpreter)."""
+    return _sm_count(device.index or 0) if device.type == "cuda" else 2
 
 
 def next_pow2(n: int) -> int:

@@ -18,6 +18,7 @@ is only good for checking the plumbing (tiny shapes).
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 import time
@@ -37,7 +38,10 @@ __all__ = [
     "copy_ceiling",
     "graph_us",
     "mlp_row",
+    "print_rows",
     "relerr",
+    "rotation_copies",
+    "sweep",
     "time_both",
 ]
 
@@ -155,9 +159,59 @@ def _rotating(calls: list[Callable[[], object]]) -> Callable[[], object]:
     return call
 
 
-def _copies(selected_bytes: float, copy_bytes: float) -> int:
+def rotation_copies(selected_bytes: float, copy_bytes: float) -> int:
+    """Weight copies to rotate through so every timed call reads cold weights: enough that
+    the selected bytes of all copies exceed 4x the L2, at most 64 and under 6 GB in all.
+
+    >>> rotation_copies(9e6, 90e6)  # 10% of an 11008x4096 fp16 matrix per call
+    27
+    """
     want = max(1, math.ceil(L2_FLUSH_BYTES / max(selected_bytes, 1.0)))
     return max(1, min(want, int(MAX_COPIES_BYTES // max(copy_bytes, 1.0)), 64))
+
+
+def sweep(
+    candidates: list[dict],
+    check: Callable[[dict], float],
+    time_us: Callable[[dict], float],
+    *,
+    tol: float = 5e-3,
+) -> list[tuple[dict, float]]:
+    """(config, µs) for each candidate that computes the right function (``check`` returns its
+    relative error; a wrong or failing candidate is printed and never recorded).
+
+    >>> sweep([{"a": 1}, {"a": 2}], check=lambda c: 0.0 if c["a"] == 1 else 1.0,
+    ...       time_us=lambda c: 5.0)
+      {'a': 2}: WRONG, relative error 1.00e+00
+    [({'a': 1}, 5.0)]
+    """
+    timed = []
+    for cfg in candidates:
+        try:
+            err = check(cfg)
+            if not err < tol:
+                print(f"  {cfg}: WRONG, relative error {err:.2e}")
+                continue
+            timed.append((cfg, time_us(cfg)))
+        except Exception as exc:  # a candidate that fails to compile is skipped
+            print(f"  {cfg}: {type(exc).__name__}: {str(exc)[:200]}")
+    return timed
+
+
+def print_rows(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
+    """A fixed-width table: ``columns`` = (header, row key, format spec); missing keys blank.
+
+    >>> print_rows([{"shape": "a", "us": 1.25}], [("shape", "shape", "6s"), ("us", "us", "6.1f")])
+    shape      us
+    a         1.2
+    """
+    widths = [int("".join(itertools.takewhile(str.isdigit, f)) or 0) for _, _, f in columns]
+    print(" ".join(f"{h:>{w}s}" if i else f"{h:{w}s}" for i, ((h, _, _), w) in
+                   enumerate(zip(columns, widths, strict=True))))  # fmt: skip
+    for r in rows:
+        cells = [format(r[k], f) if r.get(k) is not None else " " * w
+                 for (_, k, f), w in zip(columns, widths, strict=True)]  # fmt: skip
+        print(" ".join(cells))
 
 
 class MlpCase:
@@ -178,7 +232,7 @@ class MlpCase:
         device = device or ("cuda" if _cuda() else "cpu")
         self.d, self.n, self.dtype, self.device = d, hidden or 4 * d, dtype, torch.device(device)
         esize = torch.finfo(dtype).bits // 8
-        self.copies = _copies(min_kept * self.n * d * esize, self.n * d * esize)
+        self.copies = rotation_copies(min_kept * self.n * d * esize, self.n * d * esize)
         rows = self.copies * self.n
 
         def rand(*shape, scale):

@@ -1,30 +1,20 @@
-"""The sparse MLP in one launch: kept neurons' gate/up (or fc1) rows, activation, down rows.
+"""The sparse MLP over the kept neurons: gate/up (or fc1) rows and activation in one launch,
+the down rows in a second.
 
-Deja Vu §4.4 runs a sparse MLP as two gathers (up, then down); at the d = 2-5k of today's
-models each such GEMV moves only a few MB, and a lone small GEMV cannot fill HBM (issue 12:
-cuBLAS on a contiguous 10% slice of 11008x4096 reaches 1.3 of 4.2 TB/s). Here one program
-takes ``BLOCK_N`` kept neurons, reads their gate/up (or fc1) rows, forms
-``h = act(gate . x) * (up . x)`` (or ``act(fc1 . x + b)``) in fp32 — rounded once to the input
-dtype, as the model stores it — then reads the same neurons' down rows (``W_down.T``, one
-contiguous row per neuron) and adds ``h * row`` into an fp32 buffer with atomics; the last
-program to arrive converts the buffer to the output, adds the bias and leaves it at zero.
-Each byte of the kept weights is read once, in a single launch.
+Deja Vu §4.4 runs a sparse MLP as two gathers (up, then down). Here one program takes
+``BLOCK_N`` kept neurons, reads their gate and up rows in the same pass over x (or the fc1
+row), forms ``h = act(gate . x) * (up . x)`` (or ``act(fc1 . x + b)``) in fp32 and stores it
+rounded to the input dtype, as the model stores the activation; :func:`~.sparse_mlp_down` then
+reads the same neurons' down rows (``W_down.T``, one contiguous row per neuron) and reduces
+them in a fixed order. Each byte of the kept weights is read once. Batch 1 uses FMAs; union
+batches (2-32 tokens, one kept set) ``tl.dot``. CATS runs through the same kernel
+(:mod:`.cats_mlp`).
 
-:func:`cats_mlp` is CATS (Lee et al. 2024, ``lee2024cats``): every program computes the gate of
-its ``BLOCK_N`` neurons densely, keeps neuron j for token b iff ``|act(gate_j . x_b)| > thr[j]``,
-and reads up and down rows only for the neurons some token keeps (masked row loads: a skipped
-row costs no memory traffic). Launch shape fixed by the shapes; no host sync.
-
-Two reductions. ``mode="atomic"`` is the one-launch kernel described above. ``mode="two"``
-(the default, and what ``deterministic=True`` forces) has the same kernel write ``h`` instead
-and reduces the down projection without atomics in a second launch — :func:`~.sparse_mlp_down`
-over ``idx`` for the fused MLP, :func:`~.threshold_gemv` over the nonzero ``h`` for CATS —
-whose split sums run in a fixed order. Measured on the H200 with Triton 3.6
-(``results/tuning_fused_mlp.json``), the one-launch atomic kernel passes the interpreter
-tests and small GPU shapes but fails the correctness checks at the real shapes (relative
-errors 0.1-0.5), so it is opt-in only (``config={"mode": "atomic"}``) until that is found;
-the two-launch path passed at every shape. Batch 1 uses FMAs; union batches (2-32 tokens,
-one kept set) ``tl.dot``.
+A one-launch variant that accumulated the down rows with fp32 atomics (the last program to
+arrive converting the sums) was removed: measured on an H200 (Triton 3.6) it was slower than
+the two launches at every point checked (29.7 against 18.0 µs at Llama-2-7B, 10% kept,
+batch 1) and wrong with the tensor-core tiles (relative errors 0.2-0.4, see
+:mod:`.threshold_gemv` for the same defect in its atomic mode).
 """
 
 from __future__ import annotations
@@ -34,32 +24,32 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from . import _workspace
 from ._common import (
     as_batch,
     batch_block,
     check_device,
     check_float,
     check_index,
-    check_out,
-    check_rowmajor,
     check_shape,
+    check_vector,
+    check_weight,
     dot_acc,
     next_pow2,
+    output,
     upcast_dot,
     use_triton,
 )
 from .sparse_mlp_down import sparse_mlp_down
-from .threshold_gemv import check_thr, threshold_gemv
 
 __all__ = [
     "FUSED_ACTIVATIONS",
-    "cats_mlp",
-    "cats_mlp_ref",
+    "check_mlp",
     "default_config",
     "fused_mlp_kernel",
     "fused_sparse_mlp",
     "fused_sparse_mlp_ref",
+    "hidden_ref",
+    "launch",
 ]
 
 # gelu: exact (erf) form, HF "gelu"; gelu_tanh: HF "gelu_pytorch_tanh" (Gemma's GeGLU)
@@ -141,67 +131,27 @@ def _gated_dot(g_rows, u_rows, x_ptr, offs_b, mask_b, rmask, D, stride_xb,
 
 
 @triton.jit
-def _load_down(wd_ptr, neu, stride_wd, cols, rmask, mc, BLOCK_B: tl.constexpr):
-    """The kept neurons' down rows at columns ``cols``: [BLOCK_N, BLOCK_C] for the FMA path,
-    transposed [BLOCK_C, BLOCK_N] for the tl.dot path (so h is the dot's B operand as it is,
-    never a transposed accumulator)."""
-    if BLOCK_B == 1:
-        wd = tl.load(wd_ptr + neu[:, None] * stride_wd + cols[None, :],
-                     mask=rmask[:, None] & mc[None, :], other=0.0, eviction_policy="evict_first")  # fmt: skip
-    else:
-        wd = tl.load(wd_ptr + neu[None, :] * stride_wd + cols[:, None],
-                     mask=rmask[None, :] & mc[:, None], other=0.0)  # fmt: skip
-    return wd
-
-
-@triton.jit
-def _down_add(h, wd, ws_ptr, offs_b, mask_b, cols, mc, D, BLOCK_B: tl.constexpr,
-              UPCAST: tl.constexpr):  # fmt: skip
-    """ws[b, cols] += sum over the neurons of h[n, b] * wd[n, cols] (fp32 atomics)."""
-    if BLOCK_B == 1:
-        y = tl.sum(h * wd.to(tl.float32), axis=0)  # [BLOCK_C]
-        tl.atomic_add(ws_ptr + cols, y, mask=mc, sem="relaxed")
-    else:
-        yt = dot_acc(wd, h.to(wd.dtype), tl.zeros((wd.shape[0], BLOCK_B), tl.float32), UPCAST)
-        tl.atomic_add(ws_ptr + offs_b[None, :] * D + cols[:, None], yt,
-                      mask=mask_b[None, :] & mc[:, None], sem="relaxed")  # fmt: skip
-
-
-@triton.jit
 def fused_mlp_kernel(
     x_ptr,  # [B, D] tokens' inputs
     w_ptr,  # [n or 2n, D] fc1, or gate rows 0..n-1 then up rows n..2n-1
-    wd_ptr,  # [n, D] down weight transposed (one row per neuron)
     idx_ptr,  # [K] kept neurons (not CATS)
     thr_ptr,  # [n] fp32 CATS thresholds on |act(gate)|
     b_ptr,  # [n or 2n] bias of w (optional)
-    bd_ptr,  # [D] down bias (optional)
-    out_ptr,  # [B, D] output
-    h_ptr,  # [B, K] activations (WRITE_H)
-    ws_ptr,  # [B, D] fp32 sums, zero between launches
-    count_ptr,  # [1] int32 arrival counter, zero between launches
+    h_ptr,  # [B, K] activations of the kept neurons (CATS: of all n, zero where dropped)
     B,
     K,  # kept neurons (CATS: all n)
     D,
     N_UP,  # row offset of the up rows (n)
     stride_xb,
     stride_w,
-    stride_wd,
-    stride_ob,
     stride_hb,
     CATS: tl.constexpr,  # neurons are this program's block of all n, kept by threshold
     GATED: tl.constexpr,
     ACT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    HAS_DOWN_BIAS: tl.constexpr,
-    WRITE_H: tl.constexpr,  # write h and stop (the two-launch deterministic path)
-    PRELOAD: tl.constexpr,  # load the first down tile before the up phase
     BLOCK_B: tl.constexpr,  # 1 (FMA path) or >= 16 (tl.dot path)
-    BLOCK_BS: tl.constexpr,  # next power of two >= B (the final conversion's token tile)
     BLOCK_N: tl.constexpr,  # neurons per program
-    BLOCK_K: tl.constexpr,  # input features per step of the up phase
-    BLOCK_C: tl.constexpr,  # output columns per step of the down phase
-    BLOCK_F: tl.constexpr,  # output columns per step of the final conversion
+    BLOCK_K: tl.constexpr,  # input features per step
     UPCAST: tl.constexpr,  # fp32 tl.dot (CPU interpreter, bf16)
 ):
     pid = tl.program_id(0)
@@ -213,12 +163,8 @@ def fused_mlp_kernel(
         neu = tl.load(idx_ptr + offs_n, mask=mask_n, other=0).to(tl.int64)
     offs_b = tl.arange(0, BLOCK_B)
     mask_b = offs_b < B
-    offs_c = tl.arange(0, BLOCK_C)
     g_rows = w_ptr + neu[:, None] * stride_w  # [BLOCK_N, 1]
     u_rows = w_ptr + (neu + N_UP)[:, None] * stride_w
-    mc0 = offs_c < D
-    if PRELOAD and not CATS:  # down rows do not depend on h: start reading them now
-        wd0 = _load_down(wd_ptr, neu, stride_wd, offs_c, mask_n, mc0, BLOCK_B)
     if GATED and not CATS:
         g, u = _gated_dot(g_rows, u_rows, x_ptr, offs_b, mask_b, mask_n, D, stride_xb,
                           BLOCK_B, BLOCK_K, UPCAST)  # fmt: skip
@@ -232,13 +178,9 @@ def fused_mlp_kernel(
         t = tl.load(thr_ptr + neu, mask=mask_n, other=float("inf"))
         keep = (tl.abs(a) > t[:, None]) & mask_b[None, :] & mask_n[:, None]
         keep_n = tl.max(keep.to(tl.int32), axis=1) > 0  # a row is read if any token keeps it
-        if PRELOAD:
-            wd0 = _load_down(wd_ptr, neu, stride_wd, offs_c, keep_n, mc0, BLOCK_B)
         if GATED:
             u = _rows_dot(u_rows, x_ptr, offs_b, mask_b, keep_n, D, stride_xb, BLOCK_B, BLOCK_K,
                           UPCAST)  # fmt: skip
-    else:
-        keep_n = mask_n
     if GATED:
         if HAS_BIAS:
             u += tl.load(b_ptr + neu + N_UP, mask=mask_n, other=0.0).to(tl.float32)[:, None]
@@ -247,59 +189,35 @@ def fused_mlp_kernel(
         h = a
     if CATS:
         h = tl.where(keep, h, 0.0)
-    h = h.to(out_ptr.dtype.element_ty).to(tl.float32)  # as the model stores the activation
-    if WRITE_H:
-        h_ptrs = h_ptr + offs_b[None, :] * stride_hb + offs_n[:, None]
-        tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_b[None, :])
-    else:
-        n_keep = tl.sum(keep_n.to(tl.int32), axis=0)
-        if n_keep > 0:
-            if PRELOAD:
-                wd = wd0
-            else:
-                wd = _load_down(wd_ptr, neu, stride_wd, offs_c, keep_n, mc0, BLOCK_B)
-            _down_add(h, wd, ws_ptr, offs_b, mask_b, offs_c, mc0, D, BLOCK_B, UPCAST)
-            for c0 in range(BLOCK_C, D, BLOCK_C):
-                cols = c0 + offs_c
-                mc = cols < D
-                wd = _load_down(wd_ptr, neu, stride_wd, cols, keep_n, mc, BLOCK_B)
-                _down_add(h, wd, ws_ptr, offs_b, mask_b, cols, mc, D, BLOCK_B, UPCAST)
-        # the last program to arrive converts the sums (see threshold_gemv's split_reduce)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
-        if arrived == tl.num_programs(0) - 1:
-            offs_t = tl.arange(0, BLOCK_BS)
-            offs_f = tl.arange(0, BLOCK_F)
-            mt = offs_t < B
-            for f0 in range(0, D, BLOCK_F):
-                cols = f0 + offs_f
-                mf = cols < D
-                m2 = mt[:, None] & mf[None, :]
-                s_ptrs = ws_ptr + offs_t[:, None] * D + cols[None, :]
-                tot = tl.load(s_ptrs, mask=m2, other=0.0, cache_modifier=".cg")
-                tl.store(s_ptrs, tl.zeros((BLOCK_BS, BLOCK_F), tl.float32), mask=m2)
-                if HAS_DOWN_BIAS:
-                    tot += tl.load(bd_ptr + cols, mask=mf, other=0.0).to(tl.float32)[None, :]
-                o_ptrs = out_ptr + offs_t[:, None] * stride_ob + cols[None, :]
-                tl.store(o_ptrs, tot.to(out_ptr.dtype.element_ty), mask=m2)
-            tl.atomic_xchg(count_ptr, 0)
+    h_ptrs = h_ptr + offs_b[None, :] * stride_hb + offs_n[:, None]
+    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_b[None, :])
 
 
 # ----------------------------------------------------------------------------- references
-def _act_ref(h: torch.Tensor, activation: str) -> torch.Tensor:
+def act_ref(h: torch.Tensor, activation: str) -> torch.Tensor:
+    """The activation in PyTorch (one of :data:`FUSED_ACTIVATIONS`).
+
+    >>> act_ref(torch.tensor([-1.0, 2.0]), "relu")
+    tensor([0., 2.])
+    """
     if activation == "gelu_tanh":
         return F.gelu(h, approximate="tanh")
     return {"relu": torch.relu, "gelu": F.gelu, "silu": F.silu, "none": lambda t: t}[activation](h)
 
 
-def _hidden_ref(x, w_in, n, *, activation, gated, b_in=None):
-    """(act(gate) [B, n], up [B, n] or None) in fp32 for every neuron."""
+def hidden_ref(x, w_in, n, *, activation, gated, b_in=None):
+    """(act(gate) [B, n], up [B, n] or None) in fp32 for every neuron.
+
+    >>> a, u = hidden_ref(torch.ones(1, 2), torch.ones(4, 2), 2, activation="relu", gated=True)
+    >>> a.tolist(), u.tolist()
+    ([[2.0, 2.0]], [[2.0, 2.0]])
+    """
     z = x.float() @ w_in.float().T
     if b_in is not None:
         z = z + b_in.float()
     if gated:
-        return _act_ref(z[:, :n], activation), z[:, n:]
-    return _act_ref(z, activation), None
+        return act_ref(z[:, :n], activation), z[:, n:]
+    return act_ref(z, activation), None
 
 
 def fused_sparse_mlp_ref(x, w_in, w_down_t, idx, *, activation, gated, b_in=None, b_down=None):
@@ -313,33 +231,10 @@ def fused_sparse_mlp_ref(x, w_in, w_down_t, idx, *, activation, gated, b_in=None
     """
     xb = x if x.dim() == 2 else x[None]
     n = w_down_t.shape[0]
-    a, u = _hidden_ref(xb, w_in, n, activation=activation, gated=gated, b_in=b_in)
+    a, u = hidden_ref(xb, w_in, n, activation=activation, gated=gated, b_in=b_in)
     h = a if u is None else a * u
     rows = idx.long()
     y = h[:, rows].to(x.dtype).float() @ w_down_t[rows].float()
-    if b_down is not None:
-        y = y + b_down.float()
-    y = y.to(x.dtype)
-    return y if x.dim() == 2 else y[0]
-
-
-def cats_mlp_ref(x, w_gate_up, w_down_t, thr, *, activation, b_in=None, b_down=None):
-    """Plain-PyTorch CATS reference: keep neuron j of token b iff ``|act(gate_j . x_b)| > thr[j]``.
-
-    ``w_gate_up`` [2n, d] (gate rows then up rows: SwiGLU/GeGLU) or [n, d] (fc1: ReLU/GELU MLP).
-
-    >>> x = torch.ones(1, 2, dtype=torch.float16)
-    >>> w_in = torch.tensor([[1.0, 1.0], [0.5, 0.0], [3.0, 0.0]], dtype=torch.float16)  # fc1
-    >>> w_down_t = torch.ones(3, 2, dtype=torch.float16)
-    >>> cats_mlp_ref(x, w_in, w_down_t, torch.ones(3), activation="relu")  # 0.5 <= 1: dropped
-    tensor([[5., 5.]], dtype=torch.float16)
-    """
-    xb = x if x.dim() == 2 else x[None]
-    n = w_down_t.shape[0]
-    gated = w_gate_up.shape[0] == 2 * n
-    a, u = _hidden_ref(xb, w_gate_up, n, activation=activation, gated=gated, b_in=b_in)
-    h = torch.where(a.abs() > thr.float(), a if u is None else a * u, 0.0)
-    y = h.to(x.dtype).float() @ w_down_t.float()
     if b_down is not None:
         y = y + b_down.float()
     y = y.to(x.dtype)
@@ -369,60 +264,70 @@ def default_config(op: str, batch: int, d: int, k: int, n: int, *,
     else:
         cfg = {"BLOCK_N": 16 if op == "fused" else 32, "BLOCK_K": min(128, block_k),
                "BLOCK_C": min(128, block_k), "num_warps": 4, "num_stages": 3}  # fmt: skip
-    cfg.update(mode="two", preload=batch == 1)
+    cfg["mode"] = "two"
     return cfg
 
 
-def _check_mlp(x, w_in, w_down_t, activation, b_in, b_down):
-    """Shared checks; returns (xb [B, d], squeeze, n, d)."""
+def check_mlp(x, w_in, w_down_t, activation, b_in, b_down):
+    """Shared checks of the MLP kernels; returns (xb [B, d], squeeze, n, d).
+
+    >>> x, w = torch.zeros(2, 8, dtype=torch.float16), torch.zeros(6, 8, dtype=torch.float16)
+    >>> check_mlp(x, w, w[:3], "silu", None, None)[1:]  # gate+up of 3 neurons, d = 8
+    (False, 3, 8)
+    """
     check_float("x", x)
     dtype, device = x.dtype, x.device
     check_device(device, w_in=w_in, w_down_t=w_down_t, b_in=b_in, b_down=b_down)
-    for name, t in (("w_in", w_in), ("w_down_t", w_down_t)):
-        check_float(name, t, dtype)
-        check_rowmajor(name, t)
+    check_weight("w_in", w_in, dtype)
+    check_weight("w_down_t", w_down_t, dtype)
     n, d = w_down_t.shape
     if w_in.shape[1] != d:
         raise ValueError(f"w_in has shape {tuple(w_in.shape)} but w_down_t is [{n}, {d}]; "
                          f"both hold rows of length d = {d}.")  # fmt: skip
     if activation not in FUSED_ACTIVATIONS:
         raise ValueError(f"activation {activation!r} is not one of {FUSED_ACTIVATIONS}.")
-    if b_in is not None:
-        check_float("b_in", b_in, dtype)
-        check_shape("b_in", b_in, (w_in.shape[0],))
-    if b_down is not None:
-        check_float("b_down", b_down, dtype)
-        check_shape("b_down", b_down, (d,))
+    check_vector("b_in", b_in, w_in.shape[0], dtype)
+    check_vector("b_down", b_down, d, dtype)
     xb, squeeze = as_batch("x", x, d)
     return xb, squeeze, n, d
 
 
-def _launch(xb, w_in, w_down_t, idx, thr, b_in, b_down, res2, h, *, cats, gated, activation,
-            k, n, cfg):  # fmt: skip
+def launch(xb, w_in, idx, thr, b_in, h, *, cats, gated, activation, k, n, cfg):
+    """Launch the kernel on checked inputs: h [B, k] (CATS: [B, n]) of the kept neurons.
+
+    >>> x, w = torch.ones(1, 8, dtype=torch.float16), torch.ones(4, 8, dtype=torch.float16)
+    >>> h = torch.empty(1, 2, dtype=torch.float16)  # gate rows 0-1, up rows 2-3 of 2 neurons
+    >>> launch(x, w, torch.tensor([0, 1], dtype=torch.int32), None, None, h, cats=False,
+    ...        gated=True, activation="relu", k=2, n=2,
+    ...        cfg={"BLOCK_N": 2, "BLOCK_K": 8, "num_warps": 1})  # relu(8) * 8
+    >>> h
+    tensor([[64., 64.]], dtype=torch.float16)
+    """
     batch, d = xb.shape
-    device = xb.device
     # batch 1 with "dot": the tensor-core path, token padded to 16 (pipelined weight loads)
     block_b = 16 if batch == 1 and cfg.get("dot") else batch_block(batch)
     if block_b > 1 and cfg["BLOCK_N"] < 16:
         raise ValueError("config BLOCK_N must be >= 16 for batches above 1 (tensor-core path).")
-    block_k = min(cfg["BLOCK_K"], max(16, next_pow2(d)))
-    block_c = min(cfg["BLOCK_C"], max(16, next_pow2(d)))
-    block_bs = next_pow2(batch)
-    write_h = h is not None
-    ws = _workspace.sums(device, batch * d) if not write_h else res2
-    counts = _workspace.counters(device, 1) if not write_h else res2
     fused_mlp_kernel[(triton.cdiv(k, cfg["BLOCK_N"]),)](
-        xb, w_in, w_down_t, idx if idx is not None else w_in, thr if thr is not None else w_in,
-        b_in if b_in is not None else w_in, b_down if b_down is not None else w_in, res2,
-        h if write_h else res2, ws, counts, batch, k, d, n, xb.stride(0), w_in.stride(0),
-        w_down_t.stride(0), res2.stride(0), h.stride(0) if write_h else 0,
-        CATS=cats, GATED=gated, ACT=activation, HAS_BIAS=b_in is not None,
-        HAS_DOWN_BIAS=b_down is not None, WRITE_H=write_h, PRELOAD=bool(cfg.get("preload")),
-        BLOCK_B=block_b, BLOCK_BS=block_bs, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k,
-        BLOCK_C=block_c, BLOCK_F=max(16, min(next_pow2(d), 8192 // block_bs)),
-        UPCAST=upcast_dot(xb.dtype), num_warps=cfg["num_warps"],
-        num_stages=cfg.get("num_stages", 2),
+        xb, w_in, idx if idx is not None else w_in, thr if thr is not None else w_in,
+        b_in if b_in is not None else w_in, h, batch, k, d, n, xb.stride(0), w_in.stride(0),
+        h.stride(0), CATS=cats, GATED=gated, ACT=activation, HAS_BIAS=b_in is not None,
+        BLOCK_B=block_b, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=min(cfg["BLOCK_K"], max(16, next_pow2(d))),
+        UPCAST=upcast_dot(xb.dtype), num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 2),
     )  # fmt: skip
+
+
+def check_mode(cfg: dict) -> None:
+    """The one-launch atomic mode was removed; ``mode`` may only be "two".
+
+    >>> check_mode({"mode": "atomic"})
+    Traceback (most recent call last):
+    ...
+    ValueError: config mode='atomic' was removed (it was slower than two launches and wrong at some shapes on an H200); use mode='two' or leave mode out.
+    """
+    if cfg.get("mode", "two") != "two":
+        raise ValueError(f"config mode={cfg['mode']!r} was removed (it was slower than two launches "
+                         "and wrong at some shapes on an H200); use mode='two' or leave mode out.")  # fmt: skip
 
 
 def fused_sparse_mlp(
@@ -447,8 +352,8 @@ def fused_sparse_mlp(
     w_down_t: [n, d] = ``down_proj.weight.T`` contiguous; idx: [k] distinct int32/int64 kept
     neurons; b_in: [w_in rows], b_down: [d]. ``h = act(gate . x) * (up . x)`` (gated) or
     ``act(fc1 . x + b)``, activation one of :data:`FUSED_ACTIVATIONS`. Returns [d] or [B, d].
-    Two launches without atomics by default (``config={"mode": "atomic"}``: one launch, see
-    the module docstring); ``deterministic=True`` forces the former; ``validate`` as in
+    Two launches, no atomics: the result is the same bits on every call (``deterministic`` is
+    kept for callers of the former one-launch mode and changes nothing); ``validate`` as in
     :func:`~.sparse_mlp_up` (pass ``False`` in timed loops and graphs).
 
     >>> _ = torch.manual_seed(0)
@@ -461,15 +366,12 @@ def fused_sparse_mlp(
     >>> y.shape, torch.allclose(y, ref, atol=1e-2)
     (torch.Size([16]), True)
     """
-    xb, squeeze, n, d = _check_mlp(x, w_in, w_down_t, activation, b_in, b_down)
+    xb, squeeze, n, d = check_mlp(x, w_in, w_down_t, activation, b_in, b_down)
     dtype, device = x.dtype, x.device
     check_shape("w_in", w_in, ((2 * n) if gated else n, d))
     check_index("idx", idx, n, device, validate)
     batch, k = xb.shape[0], idx.numel()
-    shape = (d,) if squeeze else (batch, d)
-    check_out(out, shape, dtype, device)
-    res = out if out is not None else torch.empty(shape, dtype=dtype, device=device)
-    res2 = res.view(batch, d)
+    res, res2 = output(out, batch, d, squeeze, dtype, device)
     if k == 0:
         res2.copy_(b_down.expand(batch, d) if b_down is not None else torch.zeros_like(res2))
         return res
@@ -478,74 +380,9 @@ def fused_sparse_mlp(
                                         gated=gated, b_in=b_in, b_down=b_down))  # fmt: skip
         return res
     cfg = {**default_config("fused", batch, d, k, n, device=device), **(config or {})}
-    kw = dict(cats=False, gated=gated, activation=activation, k=k, n=n, cfg=cfg)
-    if deterministic or cfg.get("mode") == "two":
-        h = torch.empty((batch, k), dtype=dtype, device=device)
-        _launch(xb, w_in, w_down_t, idx, None, b_in, None, res2, h, **kw)
-        sparse_mlp_down(h, w_down_t, idx, bias=b_down, out=res2, validate=False,
-                        config=cfg.get("down"))  # fmt: skip
-    else:
-        _launch(xb, w_in, w_down_t, idx, None, b_in, b_down, res2, None, **kw)
-    return res
-
-
-def cats_mlp(
-    x: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down_t: torch.Tensor,
-    thr: torch.Tensor,
-    *,
-    activation: str,
-    b_in: torch.Tensor | None = None,
-    b_down: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
-    deterministic: bool = False,
-    config: dict | None = None,
-) -> torch.Tensor:
-    """CATS: dense gate, threshold fused, up and down rows read only for the kept neurons.
-
-    x: [d] or [B, d] (B <= 32); w_gate_up: [2n, d] (gate rows then up rows; SwiGLU/GeGLU) or
-    [n, d] (fc1 of a ReLU/GELU MLP: ``h = act(fc1 . x + b)`` kept where ``|h| > thr``);
-    w_down_t: [n, d]; thr: fp32 [n]. Neuron j counts for token b iff
-    ``|act(gate_j . x_b)| > thr[j]``; its up and down rows are read iff some token keeps it.
-    No host sync, launch shape fixed by the shapes (CUDA-graph capturable). By default two
-    launches without atomics (h, then :func:`~.threshold_gemv`), deterministic;
-    ``config={"mode": "atomic"}`` is the one-launch kernel (see the module docstring).
-
-    >>> _ = torch.manual_seed(0)
-    >>> x = torch.randn(2, 16, dtype=torch.float16)  # a union batch of 2 tokens
-    >>> w = torch.randn(128, 16, dtype=torch.float16) / 4  # gate + up of n = 64 neurons
-    >>> w_down_t = torch.randn(64, 16, dtype=torch.float16) / 8
-    >>> thr = torch.full((64,), 0.3)  # |silu(gate)| > 0.3 survives
-    >>> y = cats_mlp(x, w, w_down_t, thr, activation="silu")
-    >>> torch.allclose(y, cats_mlp_ref(x, w, w_down_t, thr, activation="silu"), atol=1e-2)
-    True
-    """
-    xb, squeeze, n, d = _check_mlp(x, w_gate_up, w_down_t, activation, b_in, b_down)
-    dtype, device = x.dtype, x.device
-    if w_gate_up.shape[0] not in (n, 2 * n):
-        raise ValueError(f"w_gate_up has {w_gate_up.shape[0]} rows; expected 2n = {2 * n} "
-                         f"(gate then up) or n = {n} (fc1) for w_down_t's {n} neurons.")  # fmt: skip
-    gated = w_gate_up.shape[0] == 2 * n
-    check_thr(thr, n)
-    check_device(device, thr=thr)
-    batch = xb.shape[0]
-    shape = (d,) if squeeze else (batch, d)
-    check_out(out, shape, dtype, device)
-    res = out if out is not None else torch.empty(shape, dtype=dtype, device=device)
-    res2 = res.view(batch, d)
-    if not use_triton(device):
-        res2.copy_(cats_mlp_ref(xb, w_gate_up, w_down_t, thr, activation=activation, b_in=b_in,
-                                b_down=b_down))  # fmt: skip
-        return res
-    cfg = {**default_config("cats", batch, d, n, n, device=device), **(config or {})}
-    kw = dict(cats=True, gated=gated, activation=activation, k=n, n=n, cfg=cfg)
-    if deterministic or cfg.get("mode") == "two":
-        h = torch.empty((batch, n), dtype=dtype, device=device)
-        _launch(xb, w_gate_up, w_down_t, None, thr, b_in, None, res2, h, **kw)
-        zeros = _workspace.buffer(device, "zero_thresholds", n, torch.float32)[:n]
-        threshold_gemv(h, w_down_t, zeros, bias=b_down, out=res2, deterministic=True,
-                       config=cfg.get("down"))  # fmt: skip
-    else:
-        _launch(xb, w_gate_up, w_down_t, None, thr, b_in, b_down, res2, None, **kw)
+    check_mode(cfg)
+    h = torch.empty((batch, k), dtype=dtype, device=device)
+    launch(xb, w_in, idx, None, b_in, h, cats=False, gated=gated, activation=activation, k=k, n=n,
+           cfg=cfg)  # fmt: skip
+    sparse_mlp_down(h, w_down_t, idx, bias=b_down, out=res2, validate=False, config=cfg.get("down"))
     return res

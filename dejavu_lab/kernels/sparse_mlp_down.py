@@ -17,8 +17,6 @@ token tile padded to 16; batch 1 uses FMAs. fp32 accumulation throughout.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -29,14 +27,16 @@ from ._common import (
     check_device,
     check_float,
     check_index,
-    check_out,
-    check_rowmajor,
-    check_shape,
+    check_vector,
+    check_weight,
     dot_acc,
     next_pow2,
+    output,
+    sm_count,
     upcast_dot,
     use_triton,
 )
+from ._reduce import finish
 
 __all__ = ["sparse_mlp_down", "sparse_mlp_down_kernel", "sparse_mlp_down_ref"]
 
@@ -143,17 +143,9 @@ def sparse_mlp_down_kernel(
                         tl.load(q_ptrs, mask=q_mask, other=0.0, cache_modifier=".cg"), axis=0
                     )
                 tl.atomic_xchg(count_ptr + pid_d, 0)  # ready for the next launch
-                _finish(tot, b_ptr, out_ptr, offs_b, offs_d, mask, mask_d, stride_ob, HAS_BIAS)
+                finish(tot, b_ptr, out_ptr, offs_b, offs_d, mask, mask_d, stride_ob, HAS_BIAS)
     else:
-        _finish(y, b_ptr, out_ptr, offs_b, offs_d, mask, mask_d, stride_ob, HAS_BIAS)
-
-
-@triton.jit
-def _finish(y, b_ptr, out_ptr, offs_b, offs_d, mask, mask_d, stride_ob, HAS_BIAS: tl.constexpr):
-    if HAS_BIAS:
-        y += tl.load(b_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
-    o_ptrs = out_ptr + offs_b[:, None] * stride_ob + offs_d[None, :]
-    tl.store(o_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)
+        finish(y, b_ptr, out_ptr, offs_b, offs_d, mask, mask_d, stride_ob, HAS_BIAS)
 
 
 @triton.jit
@@ -213,11 +205,6 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def default_config(batch: int, k: int, d: int, device: torch.device,
                    n_rows: int | None = None) -> dict:  # fmt: skip
     """Tile shapes: tuned for this GPU and shape in results/tuning_*.json (:mod:`.tuning`,
@@ -234,7 +221,7 @@ def default_config(batch: int, k: int, d: int, device: torch.device,
         tuned = tuning.lookup("sparse_mlp_down", n_rows, d, k / n_rows, batch, device)
         if tuned is not None:
             return tuned
-    sms = _sm_count(device.index or 0) if device.type == "cuda" else 2
+    sms = sm_count(device)
     if batch == 1:  # FMA path, 4 programs per SM; index prefetch measured no faster
         cfg = {"BLOCK_R": 32, "BLOCK_D": 256, "num_warps": 4, "fused": True, "programs": 4 * sms}
     else:  # tensor-core path, Triton-pipelined loads, 8 programs per SM
@@ -290,25 +277,19 @@ def sparse_mlp_down(
     check_float("h", h)
     dtype, device = h.dtype, h.device
     check_device(device, weight_t=weight_t, idx=idx, bias=bias)
-    check_float("weight_t", weight_t, dtype)
-    check_rowmajor("weight_t", weight_t)
+    check_weight("weight_t", weight_t, dtype)
     n_rows, d = weight_t.shape
     g = int(rows_per_index)
     if g < 1 or n_rows % g:
         raise ValueError(f"rows_per_index={rows_per_index} must divide weight_t's {n_rows} rows.")
-    if bias is not None:
-        check_float("bias", bias, dtype)
-        check_shape("bias", bias, (d,))
+    check_vector("bias", bias, d, dtype)
     if not isinstance(idx, torch.Tensor) or idx.dim() != 1:
         raise ValueError("idx must be a 1-D tensor of row indices.")
     k = idx.numel() * g
     hb, squeeze = as_batch("h", h, k)
     check_index("idx", idx, n_rows // g, device, validate)
     batch = hb.shape[0]
-    shape = (d,) if squeeze else (batch, d)
-    check_out(out, shape, dtype, device)
-    res = out if out is not None else torch.empty(shape, dtype=dtype, device=device)
-    res2 = res.view(batch, d)
+    res, res2 = output(out, batch, d, squeeze, dtype, device)
     if k == 0:
         res2.copy_(bias.expand(batch, d) if bias is not None else torch.zeros_like(res2))
         return res
@@ -317,8 +298,7 @@ def sparse_mlp_down(
         return res
     cfg = {**default_config(batch, k, d, device, n_rows), **(config or {})}
     if "programs_per_sm" in cfg:  # tuned tables record programs per multiprocessor
-        sms = _sm_count(device.index or 0) if device.type == "cuda" else 2
-        cfg["programs"] = max(1, round(cfg["programs_per_sm"] * sms))
+        cfg["programs"] = max(1, round(cfg["programs_per_sm"] * sm_count(device)))
     block_b = max(16, batch_block(batch)) if cfg.get("dot") else batch_block(batch)
     if block_b > 1 and cfg["BLOCK_R"] < 16:
         raise ValueError("config BLOCK_R must be >= 16 for batches above 1 (tensor-core path).")

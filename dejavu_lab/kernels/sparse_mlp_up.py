@@ -27,11 +27,12 @@ from ._common import (
     check_device,
     check_float,
     check_index,
-    check_out,
-    check_rowmajor,
     check_shape,
+    check_vector,
+    check_weight,
     dot_acc,
     next_pow2,
+    output,
     upcast_dot,
     use_triton,
 )
@@ -260,32 +261,24 @@ def sparse_mlp_up(
     check_float("x", x)
     dtype, device = x.dtype, x.device
     check_device(device, weight=weight, idx=idx, bias=bias, up_weight=up_weight, up_bias=up_bias)
-    check_float("weight", weight, dtype)
-    check_rowmajor("weight", weight)
+    check_weight("weight", weight, dtype)
     n_rows, d = weight.shape
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation {activation!r} is not one of {ACTIVATIONS}.")
     g = int(rows_per_index)
     if g < 1 or n_rows % g:
         raise ValueError(f"rows_per_index={rows_per_index} must divide weight's {n_rows} rows.")
-    for name, t in (("up_weight", up_weight),):
-        if t is not None:
-            check_float(name, t, dtype)
-            check_rowmajor(name, t)
-            check_shape(name, t, (n_rows, d))
-    for name, t in (("bias", bias), ("up_bias", up_bias)):
-        if t is not None:
-            check_float(name, t, dtype)
-            check_shape(name, t, (n_rows,))
+    if up_weight is not None:
+        check_weight("up_weight", up_weight, dtype)
+        check_shape("up_weight", up_weight, (n_rows, d))
+    check_vector("bias", bias, n_rows, dtype)
+    check_vector("up_bias", up_bias, n_rows, dtype)
     if up_bias is not None and up_weight is None:
         raise ValueError("up_bias was given without up_weight; pass both or neither.")
     xb, squeeze = as_batch("x", x, d)
     check_index("idx", idx, n_rows // g, device, validate)
     batch, k = xb.shape[0], idx.numel() * g
-    shape = (k,) if squeeze else (batch, k)
-    check_out(out, shape, dtype, device)
-    res = out if out is not None else torch.empty(shape, dtype=dtype, device=device)
-    res2 = res.view(batch, k)
+    res, res2 = output(out, batch, k, squeeze, dtype, device)
     if k == 0:
         return res
     if not use_triton(device):

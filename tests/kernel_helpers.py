@@ -1,0 +1,60 @@
+"""Helpers shared by the kernel tests: where tensors live, fresh seeds, error checks.
+
+Import this module before ``dejavu_lab.kernels`` (it sets ``TRITON_INTERPRET=1`` unless set, so
+the Triton kernels run through the CPU interpreter). ``DEJAVU_TEST_DEVICE=cuda`` puts every
+test tensor on the GPU (and ``TRITON_INTERPRET=0`` runs the compiled kernels there). Test
+modules import the fixtures ``on_device`` (autouse) and ``seed`` by name.
+"""
+
+import os
+import random
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are decorated
+
+import pytest
+import torch
+
+DEVICE = os.environ.get("DEJAVU_TEST_DEVICE", "cpu")  # where every test tensor is created
+DTYPES = [torch.float16, torch.bfloat16]
+TOL = {torch.float16: 3e-3, torch.bfloat16: 3e-2}  # relative Frobenius error
+ON_GPU = DEVICE != "cpu"
+
+
+@pytest.fixture(autouse=True)
+def on_device():
+    """Create each test's tensors on DEVICE (torch's default-device context)."""
+    if ON_GPU and not torch.cuda.is_available():
+        pytest.skip(f"DEJAVU_TEST_DEVICE={DEVICE} but torch sees no CUDA GPU; unset it on a CPU")
+    with torch.device(DEVICE):
+        yield
+
+
+@pytest.fixture
+def seed():
+    """A fresh random seed per test, set in torch and named in every failure message."""
+    s = random.randrange(2**31)
+    torch.manual_seed(s)
+    return s
+
+
+def relerr(out, ref):
+    """Relative Frobenius error in float64."""
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+
+
+def assert_close(out, ref, dtype, seed):
+    """Same shape, every element written (no NaN), relative error under TOL[dtype]; exact
+    zeros where the reference is all zeros."""
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    assert not out.isnan().any(), f"unwritten (NaN) output elements; seed={seed}"
+    if ref.abs().max() == 0:
+        assert (out == 0).all(), f"nonzero output where the reference is zero; seed={seed}"
+        return
+    err = relerr(out, ref)
+    assert err < TOL[dtype], f"relative error {err:.2e}; seed={seed}"
+
+
+def pick(n, frac):
+    """round(frac * n) distinct indices in random (unsorted) order, int32."""
+    return torch.randperm(n)[: round(frac * n)].to(torch.int32)
