@@ -17,7 +17,14 @@ import pytest
 import torch
 
 from dejavu_lab.collect import fingerprint
-from dejavu_lab.engine import BatchDecoder, Decoder, EngineError, SparseConfig
+from dejavu_lab.engine import (
+    BatchDecoder,
+    Decoder,
+    EngineError,
+    SparseConfig,
+    decoder_weights,
+    keep_all,
+)
 from dejavu_lab.models import random_model
 from dejavu_lab.predictors import PredictorConfig, Predictors
 
@@ -101,6 +108,18 @@ def test_sparse_with_everything_kept_equals_dense(preset):
     kept = forced(BatchDecoder(m, max_seq_len=16, max_batch=3, sparse=SparseConfig()), prompts,
                   cont)  # fmt: skip
     assert relerr(kept, dense) < 2e-2
+
+
+@pytest.mark.parametrize("method", ["teal", "wina", "cats"])
+def test_threshold_methods_in_a_batch_keep_everything_at_threshold_minus_one(method):
+    """TEAL/WINA/CATS in a batch: each token's own columns (the kernels take 1-32 rows)."""
+    m = model("tiny-llama", dtype=HALF, seed=12)
+    w = decoder_weights(m, layout="both")
+    prompts, cont = rand_ids([5, 2, 6], seed=16), torch.stack(rand_ids([3] * 3, seed=17))
+    dense = forced(BatchDecoder(w, max_seq_len=12, max_batch=3), prompts, cont)
+    sp = SparseConfig(method=method, thresholds=keep_all(w, method))
+    assert relerr(forced(BatchDecoder(w, max_seq_len=12, max_batch=3, sparse=sp), prompts, cont),
+                  dense) < 2e-2  # fmt: skip
 
 
 def head_sets(n_layers, n_heads, k, batch, seed):

@@ -23,6 +23,9 @@ batch's union write no K/V for ``W`` steps, then one dense K/V pass over the win
 for every sequence. From B = 16 (``kv_window=16``) every KV head is computed each step, as with
 GQA models always.
 
+TEAL, WINA and CATS run unchanged: their kernels threshold each row (token) on its own, 1-32 rows
+per launch, and attention reads every head of each sequence's own cache.
+
 Sequences that emit ``eos_token_id`` stop contributing: they leave the unions, their attention
 reads nothing, and their later tokens are ``eos_token_id``. Next tokens are greedy or sampled
 inside the CUDA graph (Gumbel-max on ``torch.rand``); one graph is captured per batch size.

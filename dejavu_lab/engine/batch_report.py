@@ -23,6 +23,8 @@ __all__ = [
     "targets",
     "throughput_figure",
     "throughput_table",
+    "time_shares",
+    "union_figure",
     "union_table",
 ]
 
@@ -168,3 +170,51 @@ def quality_table(quality: pd.DataFrame) -> pd.DataFrame:
     t.loc["mean"] = t.mean()
     order = sorted(t.columns, key=lambda c: (c != "dense", c != "batch 1", c))
     return t[order]
+
+
+def time_shares(frame: pd.DataFrame, model: str, prompt: int) -> pd.DataFrame:
+    """Each part's share of the parts' total (attention, MLP, unions, lm_head) per engine and
+    batch size, and the attention part's bandwidth on what it reads (weights + KV cache).
+
+    >>> t = time_shares(load()[0], "llama-3-8b", 2048)
+    >>> t.columns.tolist()
+    ['attention', 'MLP', 'unions', 'lm_head', 'attention TB/s']
+    """
+    r = _runs(frame)
+    r = r[(r["model"] == model) & (r["prompt"] == prompt)].set_index(["engine", "batch"])
+    parts = r[[c for c in ("part_attention_ms", "part_mlp_ms", "part_unions_ms",
+                           "part_lm_head_ms") if c in r]].fillna(0.0)  # fmt: skip
+    out = parts.div(parts.sum(axis=1), axis=0)
+    out.columns = ["attention", "MLP", "unions", "lm_head"][: len(out.columns)]
+    attn_bytes = r["bytes_attention"] + r["bytes_kv_cache"]
+    out["attention TB/s"] = attn_bytes / (r["part_attention_ms"] * 1e-3) / 1e12
+    return out
+
+
+def union_figure(measured: pd.DataFrame, predicted: pd.DataFrame):
+    """The MLP union the engine realised with DejaVu's predictors
+    (:func:`~dejavu_lab.engine.batch_quality.batch_unions`) beside chapter 35's measurement on
+    oracle sets (:func:`dejavu_lab.measure.union_sparsity`) and uniform random sets, mean over
+    layers, as fractions of the layer's neurons.
+
+    >>> m = pd.DataFrame({"batch_size": [1, 2], "block": "mlp", "layer": 0, "union": [0.5, 0.7]})
+    >>> p = pd.DataFrame({"batch_size": [1, 2], "block": "mlp", "layer": 0,
+    ...                   "union_sparsity": [0.5, 0.4], "uniform": [0.5, 0.25]})
+    >>> sorted({t.name for t in union_figure(m, p).data})
+    ['engine, predicted sets', 'oracle top-k sets (chapter 35)', 'uniform random sets']
+    """
+    m = measured[measured["block"] == "mlp"].groupby("batch_size")["union"].mean()
+    p = predicted[predicted["block"] == "mlp"].groupby("batch_size")[["union_sparsity",
+                                                                        "uniform"]].mean()  # fmt: skip
+    long = pd.concat([
+        pd.DataFrame({"batch_size": m.index, "union": m.values, "sets": "engine, predicted sets"}),
+        pd.DataFrame({"batch_size": p.index, "union": 1 - p["union_sparsity"].values,
+                      "sets": "oracle top-k sets (chapter 35)"}),
+        pd.DataFrame({"batch_size": p.index, "union": 1 - p["uniform"].values,
+                      "sets": "uniform random sets"}),
+    ])  # fmt: skip
+    fig = px.line(long, x="batch_size", y="union", color="sets", markers=True,
+                  labels={"batch_size": "batch size B", "union": "MLP union (share of neurons)"},
+                  title="The MLP union a batch asks for")  # fmt: skip
+    fig.update_xaxes(tickvals=sorted(long["batch_size"].unique()))
+    return fig
