@@ -8,12 +8,8 @@ set), this times in CUDA-graph replay, on weights rotated through more than 4x t
 
 - ``dense``: cuBLAS ``x @ w_t`` over every row (ideal sparse time = dense x kept);
 - ``contig``: cuBLAS over the same number of rows stored contiguously (a gather-free layout);
-- ``masked`` (batch 1): TEAL's scheme in our kernel: one masked row tile per program, fp32
-  atomics (``TEAL_LIKE``);
-- ``ours``: the threshold GEMV as the wrapper picks it without a hint (the tuned config best on
-  average over the kept fractions); ``hinted``: with ``kept=`` the budget (its tuned config).
-
-bf16 rows repeat two shapes at batch 1.
+- ``masked``: our kernel without compaction (TEAL's scheme: masked loads of fixed row tiles);
+- ``ours``: the threshold GEMV (tuned config when ``results/tuning_*.json`` has one).
 
 TEAL's own split-K kernel, measured on this H200 for issue 11 (fp16, batch 1, graph replay,
 11008->4096): 17.7 / 15.4 / 14.8 µs at 50 / 20 / 10% kept against a 25.4 µs dense GEMV.
@@ -21,7 +17,7 @@ TEAL's own split-K kernel, measured on this H200 for issue 11 (fp16, batch 1, gr
 them in ``results/tuning_threshold_gemv.json`` (read at run time by
 :mod:`dejavu_lab.kernels.tuning`). Writes ``results/threshold_gemv.json``.
 
-    PYTHONPATH=. python kernels/bench_threshold_gemv.py [--tune [--tune-d 2048 8192]] [--quick]
+    PYTHONPATH=. python kernels/bench_threshold_gemv.py [--tune] [--quick]
 """
 
 from __future__ import annotations
@@ -34,14 +30,7 @@ import torch
 
 from dejavu_lab import results
 from dejavu_lab.kernels import threshold_gemv, threshold_gemv_ref, tuning
-from dejavu_lab.kernels.bench import (
-    copy_ceiling,
-    graph_us,
-    print_rows,
-    relerr,
-    rotation_copies,
-    sweep,
-)
+from dejavu_lab.kernels.bench import copy_ceiling, graph_us, relerr
 
 SHAPES = [  # (name, d_in, d_out): the weight is w_t [d_in, d_out]
     ("llama2-7b down", 11008, 4096),
@@ -58,43 +47,49 @@ HIDDEN = {
     8192: 28672,
     12288: 49152,
 }  # Llama-3.2-1B .. OPT-175B
+TUNE_SHAPES = sorted(
+    {(n, d) for d, n in HIDDEN.items()}
+    | {(d, n) for d, n in HIDDEN.items()}
+    | {(d_in, d_out) for _, d_in, d_out in SHAPES}
+)
 KEPT = [0.5, 0.2, 0.1]
 BATCHES = [1, 16]
 TEAL_US = {0.5: 17.7, 0.2: 15.4, 0.1: 14.8}  # issue 11: TEAL's kernel, 11008->4096, batch 1
 TEAL_DENSE_US = 25.4
 
 
-def _cfg(r, d, w, pps, pf, **kw):
-    return {"BLOCK_R": r, "BLOCK_D": d, "num_warps": w, "programs_per_sm": pps, "prefetch": pf,
-            **kw}  # fmt: skip
+def _cfg(r, d, w, pps, **kw):
+    return {"BLOCK_R": r, "BLOCK_D": d, "num_warps": w, "programs_per_sm": pps, **kw}
 
 
-C, M, A1, AT = {"compact": True}, {"compact": False}, {"acc2d": False}, {"reduce": "atomic"}
-TILE = 10**4  # programs per SM: as many as there are row tiles, one tile per program (TEAL's grid)
 CANDIDATES = {  # swept by --tune; every one computes the same function (checked first)
-    1: [  # FMAs over compacted rows (C) or masked row tiles (M); prefetch 2: next tile in flight
-        _cfg(128, 128, 4, 4, 1, **C, **A1),
-        _cfg(32, 128, 4, 4, 1, **C),
-        _cfg(128, 128, 4, 2, 2, **C, **A1),
-        _cfg(64, 128, 4, 12, 1, **C, **A1),
-        _cfg(32, 128, 4, 16, 1, **C, **AT),
-        _cfg(64, 128, 4, 8, 1, **C, **A1, **AT),
-        _cfg(128, 128, 4, 4, 1, **C, **A1, **AT),
-        _cfg(64, 128, 4, TILE, 0, **M, **A1, **AT),
-        _cfg(128, 128, 4, TILE, 0, **M, **A1, **AT),
-        _cfg(64, 256, 8, TILE, 0, **M, **A1, **AT),
-        _cfg(128, 256, 8, TILE, 0, **M, **A1, **AT),
-        _cfg(32, 256, 4, TILE, 0, **M, **AT),
+    1: [  # compacted rows, FMAs; prefetch 2 = weights double-buffered
+        _cfg(32, 128, 4, 4, prefetch=1),
+        _cfg(32, 128, 4, 8, prefetch=1),
+        _cfg(32, 128, 4, 8, prefetch=2),
+        _cfg(16, 256, 4, 8, prefetch=2),
+        _cfg(32, 256, 4, 4, prefetch=2),
+        _cfg(32, 128, 4, 8, prefetch=2, reduce="atomic"),
+        _cfg(32, 128, 2, 16, prefetch=2),
+        _cfg(64, 256, 8, 1, prefetch=1, dot=True, num_stages=4, reduce="atomic"),
     ],
-    16: [  # tl.dot over compacted rows, Triton-pipelined loads (serial reduction only)
-        _cfg(32, 128, 4, 2, 1, num_stages=3, **C),
-        _cfg(64, 256, 8, 2, 1, num_stages=3, **C),
-        _cfg(64, 128, 4, 8, 1, num_stages=3, **C),
-        _cfg(128, 128, 4, 4, 1, num_stages=3, **C),
+    16: [  # masked row tiles (x read coalesced) or compacted rows; tl.dot, pipelined loads
+        _cfg(64, 128, 4, 2, compact=False, num_stages=4),
+        _cfg(32, 128, 4, 4, compact=False, num_stages=3),
+        _cfg(64, 256, 8, 1, compact=False, num_stages=4),
+        _cfg(64, 128, 4, 1, compact=False, num_stages=4, reduce="atomic"),
+        _cfg(64, 128, 4, 2, num_stages=4, reduce="atomic"),
+        _cfg(32, 128, 4, 1, num_stages=3),
     ],
 }
 for _c in CANDIDATES[1] + CANDIDATES[16]:
     _c.setdefault("reduce", "serial")
+    _c.setdefault("compact", True)
+    _c.setdefault("prefetch", 1)
+
+
+L2_ROTATE_BYTES = 4 * 60e6  # every timed call reads weights that are not in the 60 MB L2
+MAX_BYTES = 6e9
 
 
 class GemvCase:
@@ -110,7 +105,8 @@ class GemvCase:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.d_in, self.d_out, self.dtype = d_in, d_out, dtype
         full = d_in * d_out * 2
-        self.copies = rotation_copies(min_kept * full, full)
+        want = math.ceil(L2_ROTATE_BYTES / (min_kept * full))
+        self.copies = max(1, min(want, int(MAX_BYTES // full), 64))
         self.w = torch.randn(self.copies, d_in, d_out, dtype=dtype, device=self.device)
         self.w.mul_(d_in**-0.5)
         self.thr = torch.ones(d_in, device=self.device)  # TEAL: one threshold per site
@@ -126,17 +122,17 @@ class GemvCase:
             xs.append(x.to(self.dtype))
         return k, xs
 
-    def calls(self, kept, batch, config=None, hint=None):
-        """{'dense', 'contig', 'ours'} -> one call per weight copy (``hint``: the kept hint)."""
+    def calls(self, kept, batch, config=None, masked=False):
         k, xs = self.inputs(kept, batch)
         outs = [torch.empty(batch, self.d_out, dtype=self.dtype, device=self.device) for _ in xs]
         xk = [x[:, :k].contiguous() for x in xs]
         w, thr = self.w, self.thr
+        cfg = {**(config or {}), **({"compact": False} if masked else {})} or None
         return k, {
             "dense": [lambda c=c: torch.mm(xs[c], w[c]) for c in range(self.copies)],
             "contig": [lambda c=c: torch.mm(xk[c], w[c, :k]) for c in range(self.copies)],
             "ours": [
-                lambda c=c: threshold_gemv(xs[c], w[c], thr, out=outs[c], kept=hint, config=config)
+                lambda c=c: threshold_gemv(xs[c], w[c], thr, out=outs[c], config=cfg)
                 for c in range(self.copies)
             ],
         }
@@ -161,17 +157,26 @@ def tune(shapes, command):
         for batch in BATCHES:
             for kept in KEPT:
                 k, calls = case.calls(kept, batch)
+                base = {"op": "threshold_gemv", "d_in": d_in, "d_out": d_out, "kept": kept,
+                        "k": k, "batch": batch}  # fmt: skip
                 dense = graph_us(calls["dense"])
-                point = (case, kept, batch)
-                timed = sweep(CANDIDATES[batch], lambda cfg, p=point: p[0].check(*p[1:], cfg),
-                              lambda cfg, p=point: graph_us(p[0].calls(*p[1:], cfg)[1]["ours"]))  # fmt: skip
-                for cfg, us in timed:
-                    rows.append({"op": "threshold_gemv", "d_in": d_in, "d_out": d_out,
-                                 "kept": kept, "k": k, "batch": batch, "config": cfg, "us": us,
-                                 "dense_us": dense, "frac_ideal": dense * kept / us})  # fmt: skip
-                best = min((us for _, us in timed), default=math.nan)
+                best = None
+                for cfg in CANDIDATES[batch]:
+                    _, c2 = case.calls(kept, batch, cfg)
+                    try:
+                        err = case.check(kept, batch, cfg)
+                        if not err < 5e-3:  # a wrong candidate is never recorded
+                            print(f"  {cfg}: WRONG, relative error {err:.2e}")
+                            continue
+                        us = graph_us(c2["ours"])
+                    except Exception as exc:  # a candidate that fails to compile is skipped
+                        print(f"  {cfg}: {type(exc).__name__}: {str(exc)[:200]}")
+                        continue
+                    rows.append({**base, "config": cfg, "us": us, "dense_us": dense,
+                                 "frac_ideal": dense * kept / us})  # fmt: skip
+                    best = us if best is None else min(best, us)
                 print(f"tune {d_in:6d}->{d_out:6d} B={batch:2d} kept={kept:.2f}: dense {dense:7.1f} "
-                      f"best {best:7.1f} us = {dense * kept / best:.2f} of ideal", flush=True)  # fmt: skip
+                      f"best {best or math.nan:7.1f} us = {dense * kept / (best or math.nan):.2f} of ideal", flush=True)  # fmt: skip
         del case
         torch.cuda.empty_cache()
     path = results.save("tuning_threshold_gemv", rows, command=command)
@@ -197,35 +202,27 @@ def check_correctness():
     print(f"correctness: worst fp16 relative error {worst:.2e} (bf16 checked too)")
 
 
-TEAL_LIKE = _cfg(64, 128, 4, TILE, 0, **M, **A1, **AT)  # TEAL's scheme in our kernel
-
-
-def table(shapes, batches, ceiling, dtype=torch.float16):
+def table(shapes, batches, ceiling):
     rows = []
     for name, d_in, d_out in shapes:
-        case = GemvCase(d_in, d_out, min_kept=min(KEPT), dtype=dtype)
+        case = GemvCase(d_in, d_out, min_kept=min(KEPT))
         for batch in batches:
             dense = None
             for kept in KEPT:
                 k, calls = case.calls(kept, batch)
                 dense = dense or graph_us(calls["dense"])
-                t = {p: graph_us(calls[p]) for p in ("contig", "ours")}  # ours: no kept hint
-                t["hinted"] = graph_us(case.calls(kept, batch, hint=kept)[1]["ours"])
-                if batch == 1:  # masked loads of one row tile per program, fp32 atomics
-                    t["masked"] = graph_us(case.calls(kept, batch, TEAL_LIKE)[1]["ours"])
+                t = {p: graph_us(calls[p]) for p in ("contig", "ours")}
+                if batch == 1:
+                    t["masked"] = graph_us(case.calls(kept, batch, masked=True)[1]["ours"])
                 nb = nbytes(k, d_in, d_out, batch)
-                # what the wrapper picks without a hint (kept=None) and with one
+                # what the wrapper picks (it cannot know the kept fraction: kept=None)
                 cfg = tuning.lookup("threshold_gemv", d_in, d_out, None, batch, case.device)
-                cfg_k = tuning.lookup("threshold_gemv", d_in, d_out, kept, batch, case.device)
-                row = {"shape": name, "dtype": str(dtype).split(".")[-1], "d_in": d_in,
-                       "d_out": d_out, "kept": kept, "k": k,
+                row = {"shape": name, "d_in": d_in, "d_out": d_out, "kept": kept, "k": k,
                        "batch": batch, "dense_us": dense, "bytes": nb, "config": cfg,
-                       "hinted_config": cfg_k, **{f"{p}_us": v for p, v in t.items()},
-                       "frac_ideal": dense * kept / t["ours"],
-                       "frac_ideal_hinted": dense * kept / t["hinted"],
-                       "vs_contig": t["contig"] / t["ours"],
+                       **{f"{p}_us": v for p, v in t.items()},
+                       "frac_ideal": dense * kept / t["ours"], "vs_contig": t["contig"] / t["ours"],
                        "ours_tbps": nb / (t["ours"] * 1e-6) / 1e12, "copy_tbps": ceiling}  # fmt: skip
-                if (d_in, d_out) == (11008, 4096) and batch == 1 and dtype == torch.float16:
+                if (d_in, d_out) == (11008, 4096) and batch == 1:
                     row.update(teal_us=TEAL_US[kept], vs_teal=TEAL_US[kept] / t["ours"])
                 rows.append(row)
         del case
@@ -233,14 +230,15 @@ def table(shapes, batches, ceiling, dtype=torch.float16):
     return rows
 
 
-COLUMNS = [("shape", "shape", "16s"), ("dtype", "dtype", "8s"), ("B", "batch", "2d"),
-           ("kept", "kept", "4.2f"),
-           ("dense", "dense_us", "6.1f"), ("contig", "contig_us", "6.1f"),
-           ("masked", "masked_us", "6.1f"), ("ours", "ours_us", "6.1f"),
-           ("hinted", "hinted_us", "6.1f"), ("frac", "frac_ideal", "5.2f"),
-           ("frac_h", "frac_ideal_hinted", "6.2f"), ("vs_contig", "vs_contig", "9.2f"),
-           ("TB/s", "ours_tbps", "5.2f"), ("TEAL", "teal_us", "5.1f"),
-           ("vs_TEAL", "vs_teal", "7.2f")]  # fmt: skip
+def print_table(rows):
+    print(f"\n{'shape':16s} {'B':>2s} {'kept':>4s} | {'dense':>6s} {'contig':>6s} {'masked':>6s} "
+          f"{'ours':>6s} us | frac ideal | vs contig | TB/s | vs TEAL")  # fmt: skip
+    for r in rows:
+        masked = r.get("masked_us", float("nan"))
+        teal = f"{r['vs_teal']:.2f}x" if "vs_teal" in r else ""
+        print(f"{r['shape']:16s} {r['batch']:2d} {r['kept']:4.2f} | {r['dense_us']:6.1f} "
+              f"{r['contig_us']:6.1f} {masked:6.1f} {r['ours_us']:6.1f}    | {r['frac_ideal']:10.2f} "
+              f"| {r['vs_contig']:9.2f} | {r['ours_tbps']:4.2f} | {teal}")  # fmt: skip
 
 
 def main(argv=None):
@@ -248,15 +246,13 @@ def main(argv=None):
     ap.add_argument(
         "--tune", action="store_true", help="sweep tilings first (results/tuning_*.json)"
     )
-    ap.add_argument("--tune-d", type=int, nargs="*", default=sorted(HIDDEN),
-                    help="model widths of HIDDEN to tune at, beside the Llama shapes")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="tiny shapes (plumbing check, CPU)")
     args = ap.parse_args(argv)
     command = "python kernels/bench_threshold_gemv.py " + " ".join(argv or sys.argv[1:])
     global SHAPES, KEPT, BATCHES
     if args.quick:
         SHAPES, KEPT, BATCHES = [("tiny", 96, 64)], [0.5, 0.1], [1, 4]
-        print_rows(table(SHAPES, BATCHES, float("nan")), COLUMNS)
+        print_table(table(SHAPES, BATCHES, float("nan")))
         return
     if not torch.cuda.is_available():
         raise SystemExit("bench_threshold_gemv needs a CUDA GPU (use --quick for a CPU check).")
@@ -264,11 +260,9 @@ def main(argv=None):
     print(f"copy ceiling: {ceiling:.2f} TB/s")
     check_correctness()
     if args.tune:
-        tune(sorted({s[1:] for s in SHAPES} | {(a, b) for d in args.tune_d for a, b in
-                                              ((d, HIDDEN[d]), (HIDDEN[d], d))}), command)  # fmt: skip
+        tune(TUNE_SHAPES, command)
     rows = table(SHAPES, BATCHES, ceiling)
-    rows += table([SHAPES[0], SHAPES[3]], [1], ceiling, dtype=torch.bfloat16)
-    print_rows(rows, COLUMNS)
+    print_table(rows)
     path = results.save("threshold_gemv", rows, command=command, extra={"copy_tbps": ceiling})
     print(f"wrote {path}")
 
