@@ -206,6 +206,13 @@ def bench_model(preset, prompts, batches, new, ceiling, device, *, union_budget=
             ROWS.append({**base, "kind": "check", "error": repr(exc)[:300]})
     target = TARGET_PROMPT.get(arch.family) if uncapped_at is None else uncapped_at
     for prompt in prompts:
+        if prompt + new + 2 > w.max_positions:  # e.g. OPT's 2048 positions at prompt 2048
+            reason = (
+                f"prompt {prompt} + {new} new tokens pass the model's {w.max_positions} positions"
+            )
+            print(f"{preset} prompt {prompt}: skipped: {reason}")
+            ROWS.append({**base, "kind": "skip", "prompt": prompt, "reason": reason})
+            continue
         window = SparseConfig().kv_window
         n_fit = fits(arch, prompt, new, window, reserve)
         run = [b for b in batches if b <= n_fit]
