@@ -8,52 +8,16 @@ and tiling variant. On a GPU box the same tests check the compiled kernel:
     DEJAVU_TEST_DEVICE=cuda TRITON_INTERPRET=0 pytest tests/test_kernels_threshold.py
 """
 
-import os
-import random
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are decorated
-
 import pytest
 import torch
+from kernel_helpers import DEVICE, DTYPES, assert_close, on_device, seed
 
 from dejavu_lab.kernels import threshold_gemv, threshold_gemv_ref
 from dejavu_lab.kernels.threshold_gemv import default_config, threshold_gemv_kernel
 
-DEVICE = os.environ.get("DEJAVU_TEST_DEVICE", "cpu")
-DTYPES = [torch.float16, torch.bfloat16]
-TOL = {torch.float16: 3e-3, torch.bfloat16: 3e-2}  # relative Frobenius error
+FIXTURES = (on_device, seed)  # pytest finds fixtures by name in this module
 D_IN, D_OUT = 200, 80  # neither a multiple of the tiles: masked tails
 SMALL = {"BLOCK_R": 16, "BLOCK_D": 32, "num_warps": 4, "programs": 9}  # 3 column tiles x 3 splits
-
-
-@pytest.fixture(autouse=True)
-def on_device():
-    if DEVICE != "cpu" and not torch.cuda.is_available():
-        pytest.skip(f"DEJAVU_TEST_DEVICE={DEVICE} but torch sees no CUDA GPU; unset it on a CPU")
-    with torch.device(DEVICE):
-        yield
-
-
-@pytest.fixture
-def seed():
-    s = random.randrange(2**31)
-    torch.manual_seed(s)
-    return s
-
-
-def relerr(out, ref):
-    out, ref = out.double(), ref.double()
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-12)).item()
-
-
-def assert_close(out, ref, dtype, seed):
-    assert out.shape == ref.shape, (out.shape, ref.shape)
-    assert not out.isnan().any(), f"unwritten (NaN) output elements; seed={seed}"
-    if ref.abs().max() == 0:
-        assert (out == 0).all(), f"nonzero output where every entry was dropped; seed={seed}"
-        return
-    err = relerr(out, ref)
-    assert err < TOL[dtype], f"relative error {err:.2e}; seed={seed}"
 
 
 def problem(dtype, batch, kept, *, per_column=False, bias=True):
