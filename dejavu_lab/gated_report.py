@@ -162,11 +162,13 @@ def _with_dense_start(df: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
-def crossings(df: pd.DataFrame, fractions=tuple(TARGETS)) -> pd.DataFrame:
+def crossings(df: pd.DataFrame, fractions=tuple(TARGETS), window: float = 0.0) -> pd.DataFrame:
     """Perplexity ratio to dense where each curve of :func:`~dejavu_lab.sparsify.frontier.frontier`
     crosses these byte fractions (:func:`~dejavu_lab.sparsify.frontier.at_bytes`, with every
     curve started at the dense point, so a first measured point below a fraction still
-    counts). NaN where a method cannot read that few bytes.
+    counts). ``window``: read the curves by a local line fit through the points within it
+    (:func:`~dejavu_lab.sparsify.frontier.at_bytes`). NaN where a method cannot read that few
+    bytes.
 
     >>> df = pd.DataFrame({"variant": ["dense", "a", "a"], "method": ["dense", "teal", "teal"],
     ...                    "sparsity": [0.0, 0.25, 0.5], "bytes_per_token_fraction": [1, 0.7, 0.5],
@@ -178,7 +180,7 @@ def crossings(df: pd.DataFrame, fractions=tuple(TARGETS)) -> pd.DataFrame:
     """
     full = _with_dense_start(df)
     dense = df[df.variant == "dense"]
-    return at_bytes(pd.concat([dense, full], ignore_index=True), list(fractions))
+    return at_bytes(pd.concat([dense, full], ignore_index=True), list(fractions), window)
 
 
 def frontier_figure(

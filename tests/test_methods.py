@@ -197,3 +197,30 @@ def test_per_token_kept_fractions_vary_under_a_threshold():
     assert len(table) == 2 * 4 * 32  # layers x sites x tokens
     one = table[(table.layer == 1) & (table.site == "mlp_in")]["kept"]
     assert one.std() > 0 and abs(one.mean() - r.kept["mlp_in"]) < 0.1
+
+
+def test_at_bytes_reads_a_curve_by_interpolation_or_a_local_fit():
+    import numpy as np
+    import pandas as pd
+
+    from dejavu_lab.gated_report import crossings
+    from dejavu_lab.sparsify.frontier import at_bytes
+
+    x = np.array([0.7, 0.62, 0.6, 0.58, 0.5])
+    ppl = 10 * np.exp(2 * (1 - x))  # exactly log-linear: both readings agree
+    df = pd.DataFrame({"variant": ["dense"] + ["a"] * 5, "method": ["dense"] + ["teal"] * 5,
+                       "sparsity": [0.0, 0.3, 0.38, 0.4, 0.42, 0.5],
+                       "bytes_per_token_fraction": [1.0, *x], "perplexity": [10.0, *ppl]})  # fmt: skip
+    for window in (0.0, 0.05):
+        assert at_bytes(df, [0.61], window).loc["a", 0.61] == pytest.approx(np.exp(0.78))
+    bumped = df.copy()
+    bumped.loc[3, "perplexity"] *= 1.1  # one noisy point at 0.6 moves the interpolation ...
+    chord = at_bytes(bumped, [0.6]).loc["a", 0.6]
+    fit = at_bytes(bumped, [0.6], window=0.03).loc["a", 0.6]
+    assert chord == pytest.approx(1.1 * np.exp(0.8)) and np.exp(0.8) < fit < chord  # ... less
+    # fewer than three points near, or none on one side: the interpolation
+    assert at_bytes(bumped, [0.55], window=0.03).equals(at_bytes(bumped, [0.55]))
+    assert np.isnan(at_bytes(df, [0.4], window=0.05).loc["a", 0.4])  # the curve stops at 0.5
+    assert crossings(bumped, [0.6], window=0.03).loc["a", 0.6] == pytest.approx(fit)
+    with pytest.raises(ValueError, match="window must be in"):
+        at_bytes(df, [0.6], window=1.5)
