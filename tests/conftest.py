@@ -25,3 +25,9 @@ def demo():
 def tiny(request):
     """Each tiny random architecture the adapters support (OPT pre-LN, OPT post-LN, Llama)."""
     return random_model(request.param, seed=torch.seed() % 2**31)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The book build (tests/test_book.py, the longest file) first: under pytest-xdist its worker
+    starts on it at once and the other worker runs the rest of the suite beside it."""
+    items.sort(key=lambda item: item.nodeid.split("::")[0] != "tests/test_book.py")
