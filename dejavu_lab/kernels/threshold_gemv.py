@@ -31,8 +31,6 @@ the H200 with Triton 3.6 it failed correctness checks with the tensor-core tiles
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -46,8 +44,10 @@ from ._common import (
     check_out,
     check_rowmajor,
     check_shape,
+    check_thr,
     dot_acc,
     next_pow2,
+    sm_count,
     upcast_dot,
     use_triton,
 )
@@ -284,20 +284,6 @@ def threshold_gemv_ref(x, w_t, thr, *, bias=None):
     return y.to(x.dtype)
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def sm_count(device: torch.device) -> int:
-    """Multiprocessors of ``device`` (2 on the CPU: small grids for the interpreter).
-
-    >>> sm_count(torch.device("cpu"))
-    2
-    """
-    return _sm_count(device.index or 0) if device.type == "cuda" else 2
-
-
 def default_config(batch: int, d_in: int, d_out: int, kept: float | None = None, *,
                    device: torch.device | None = None) -> dict:  # fmt: skip
     """The launch configuration: a tuned one from ``results/tuning_*.json`` when this GPU
@@ -383,23 +369,6 @@ def _launch(xb, w_t, thr, bias, res2, cfg: dict) -> None:
         PREFETCH=int(cfg.get("prefetch", 0)), ACC2D=bool(acc2d), UPCAST=upcast_dot(xb.dtype),
         CHUNK=chunk, num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 2),
     )  # fmt: skip
-
-
-def check_thr(thr: torch.Tensor, n: int, name: str = "thr") -> None:
-    """``thr`` must be a float32 vector of length ``n`` (one threshold per input column).
-
-    >>> check_thr(torch.zeros(4, dtype=torch.float16), 4)
-    Traceback (most recent call last):
-    ...
-    TypeError: thr has dtype torch.float16; pass float32 thresholds (.float()).
-    """
-    if not isinstance(thr, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(thr).__name__}.")
-    if thr.dtype != torch.float32:
-        raise TypeError(f"{name} has dtype {thr.dtype}; pass float32 thresholds (.float()).")
-    check_shape(name, thr, (n,))
-    if thr.stride(0) != 1:
-        raise ValueError(f"{name} must be contiguous; pass {name}.contiguous().")
 
 
 def threshold_gemv(
