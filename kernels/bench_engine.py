@@ -548,8 +548,9 @@ def main(argv=None):
     )
     ap.add_argument(
         "--dense-ops",
-        default="torch",
-        help="each dense op through torch or triton: torch, triton, qkv=triton,...",
+        default=None,
+        help="each dense op through torch or triton: torch, triton, qkv=triton,... (default: "
+        "the engine's, our attention core on a GPU and torch for the rest)",
     )
     ap.add_argument("--prompts", default=None, help=f"default {','.join(map(str, PROMPTS))}"
                     " (--quick: 8,16)")  # fmt: skip

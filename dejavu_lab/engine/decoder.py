@@ -46,6 +46,7 @@ from ..kernels.qkv_rope import qkv_rope
 from .config import EngineError, SparseConfig
 from .sets import KeptSets
 from .threshold_blocks import ThresholdBlocks
+from .threshold_blocks import default_ops as _default_ops
 from .threshold_blocks import dense_ops as _resolve_ops
 from .weights import DecoderWeights, decoder_weights
 
@@ -96,7 +97,10 @@ class Decoder(KeptSets, ThresholdBlocks):
     lookahead mode); without it the kept sets are the ones given to :meth:`set_indices`
     (default: the first k units). ``dense_ops`` picks, per dense op (``qkv``, ``attn``, ``o``,
     ``mlp``), torch (cuBLAS) or our kernels at 100% kept: ``"torch"``, ``"triton"`` or e.g.
-    ``"qkv=triton,mlp=triton"`` (:func:`~dejavu_lab.engine.threshold_blocks.dense_ops`).
+    ``"qkv=triton,mlp=triton"`` (:func:`~dejavu_lab.engine.threshold_blocks.dense_ops`). The
+    default (``None``) runs the attention core through our kernel on a GPU with fp16/bf16
+    weights (faster than PyTorch's at every shape measured, ``results/engine_methods.json``)
+    and every op through torch elsewhere.
 
     >>> from dejavu_lab.models import random_model
     >>> m = random_model("tiny-opt").model
@@ -111,12 +115,12 @@ class Decoder(KeptSets, ThresholdBlocks):
                  predictors=None, arch=None, dense_ops: str | dict | None = None):  # fmt: skip
         method = "dense" if sparse is None else sparse.method
         self.method = method  # "dense", "dejavu", "teal", "wina" or "cats"
-        self.ops = _resolve_ops(dense_ops)
         # a DecoderWeights is shared as is (dense and sparse decoders over one copy)
         if isinstance(model, DecoderWeights):
             self.w = model
         else:
             self.w = decoder_weights(model, arch, layout=_layout_for(method, sparse))
+        self.ops = _resolve_ops(dense_ops if dense_ops is not None else _default_ops(self.w))
         a = self.arch = self.w.arch
         self.sparse = sparse
         self.predictors = predictors

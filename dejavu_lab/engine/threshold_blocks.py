@@ -31,7 +31,7 @@ from ..kernels import (
 from ..kernels.rope import rope_
 from .config import EngineError
 
-__all__ = ["DENSE_OPS", "ThresholdBlocks", "dense_ops"]
+__all__ = ["DENSE_OPS", "ThresholdBlocks", "default_ops", "dense_ops"]
 
 # the decode step's dense ops; each runs through "torch" (cuBLAS, PyTorch) or "triton" (ours)
 DENSE_OPS = ("qkv", "attn", "o", "mlp")
@@ -63,6 +63,19 @@ def dense_ops(spec: str | dict | None) -> dict[str, str]:
             )
         out[op] = impl
     return out
+
+
+def default_ops(w) -> str:
+    """The dense ops a decoder over weights ``w`` runs by default: the attention core through
+    our kernel on a GPU with fp16/bf16 weights (one launch that appends K/V and attends, faster
+    than PyTorch's masked attention over the static cache), every op through torch elsewhere.
+
+    >>> from types import SimpleNamespace
+    >>> default_ops(SimpleNamespace(device=torch.device("cpu"), dtype=torch.float16))
+    'torch'
+    """
+    gpu = w.device.type == "cuda" and w.dtype in (torch.float16, torch.bfloat16)
+    return "attn=triton" if gpu else "torch"
 
 
 def _mm(x: torch.Tensor, w_t: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:

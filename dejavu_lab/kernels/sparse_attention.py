@@ -39,7 +39,9 @@ from ._common import (
     check_out,
     check_rowmajor,
     check_shape,
+    dot_acc,
     next_pow2,
+    upcast_dot,
     use_triton,
 )
 from .sparse_mlp_down import sparse_mlp_down
@@ -79,23 +81,31 @@ def sparse_attention_kernel(
     mask_ptr,  # [B, n_q] per-sequence head mask (HAS_MASK): 0 = this sequence skips the head
     stride_mask,
     GROUP: tl.constexpr,  # query heads per KV head
-    BLOCK_G: tl.constexpr,  # next power of two >= GROUP
+    BLOCK_G: tl.constexpr,  # next power of two >= GROUP (rows of a partial state)
+    BLOCK_H: tl.constexpr,  # max(16, BLOCK_G): the query tile of the tensor-core products
     DH: tl.constexpr,
     BLOCK_T: tl.constexpr,
     PARTIAL: tl.constexpr,  # several splits of the context (flash-decoding); combine after
     DIRECT: tl.constexpr,  # GROUP == 1 and kv_heads == heads: program s serves query slot s
     HAS_MASK: tl.constexpr,  # per-sequence heads (mask_ptr)
+    UPCAST: tl.constexpr,  # fp32 tl.dot (CPU interpreter, bf16)
 ):
+    """One (sequence, KV head, context split): the group's query heads against the cache.
+
+    The group's query heads are one [BLOCK_H, DH] tile (padded to 16 rows) and every step is
+    two tensor-core products, ``q @ K^T`` and ``p @ V``, over ``BLOCK_T`` cached positions, so
+    each key and value is read once for the whole group and the loads pipeline through shared
+    memory (an FMA broadcast over [group, BLOCK_T, DH] kept too few bytes in flight)."""
     b = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     split = tl.program_id(2)
     kvh = tl.load(kv_heads_ptr + s).to(tl.int64)
     seqlen = tl.load(seqlens_ptr + b)
     offs_dh = tl.arange(0, DH)
-    offs_g = tl.arange(0, BLOCK_G)
+    offs_g = tl.arange(0, BLOCK_H)
     mask_g = offs_g < GROUP
     if DIRECT:
-        slot = tl.zeros((BLOCK_G,), tl.int32) + s
+        slot = tl.where(mask_g, s, -1)
     else:
         slot = tl.load(q_slot_ptr + kvh * GROUP + offs_g, mask=mask_g, other=-1)
     sel = slot >= 0
@@ -103,10 +113,8 @@ def sparse_attention_kernel(
     if HAS_MASK:  # the union's heads this sequence attends
         keep = sel & (tl.load(mask_ptr + b * stride_mask + slot, mask=sel, other=0) != 0)
     row = qkv_ptr + b * stride_qkv
-    q_ptrs = row + slot[:, None].to(tl.int64) * DH + offs_dh[None, :]
-    q = tl.load(q_ptrs, mask=sel[:, None], other=0.0).to(tl.float32) * qk_scale  # [BLOCK_G, DH]
-    k_new = tl.load(row + (n_q + s) * DH + offs_dh)
-    v_new = tl.load(row + (n_q + n_kv + s) * DH + offs_dh)
+    q = tl.load(row + slot[:, None].to(tl.int64) * DH + offs_dh[None, :], mask=sel[:, None],
+                other=0.0)  # [BLOCK_H, DH] in the model's dtype  # fmt: skip
     kc = kc_ptr + b * stride_kb + kvh * stride_kh
     vc = vc_ptr + b * stride_vb + kvh * stride_vh
     last = (seqlen - 1).to(tl.int64)
@@ -117,37 +125,41 @@ def sparse_attention_kernel(
         v_new = tl.load(row + (n_q + n_kv + s) * DH + offs_dh)
         tl.store(kc + last * stride_kt + offs_dh, k_new.to(kc_ptr.dtype.element_ty))
         tl.store(vc + last * stride_vt + offs_dh, v_new.to(vc_ptr.dtype.element_ty))
-        m = tl.sum(q * k_new.to(tl.float32)[None, :], axis=1)  # [BLOCK_G], log2 domain
-        l_sum = tl.full((BLOCK_G,), 1.0, tl.float32)
-        acc = tl.zeros((BLOCK_G, DH), tl.float32) + v_new.to(tl.float32)[None, :]
+        m = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * qk_scale
+        l_sum = tl.full((BLOCK_H,), 1.0, tl.float32)
+        acc = tl.zeros((BLOCK_H, DH), tl.float32) + v_new.to(tl.float32)[None, :]
     else:
-        m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
-        l_sum = tl.zeros((BLOCK_G,), tl.float32)
-        acc = tl.zeros((BLOCK_G, DH), tl.float32)
+        m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+        l_sum = tl.zeros((BLOCK_H,), tl.float32)
+        acc = tl.zeros((BLOCK_H, DH), tl.float32)
     lo = split * chunk
     hi = tl.minimum(seqlen - 1, lo + chunk)
     if HAS_MASK:  # no kept query head in this group: read none of its cache
         hi = tl.where(tl.sum(keep.to(tl.int32), axis=0) > 0, hi, lo)
+    offs_tt = tl.arange(0, BLOCK_T)
     for t0 in range(lo, hi, BLOCK_T):
-        offs_t = t0 + tl.arange(0, BLOCK_T)
+        offs_t = t0 + offs_tt
         mask_t = offs_t < hi
-        t64 = offs_t.to(tl.int64)[:, None]
-        k = tl.load(kc + t64 * stride_kt + offs_dh[None, :], mask=mask_t[:, None], other=0.0)
-        v = tl.load(vc + t64 * stride_vt + offs_dh[None, :], mask=mask_t[:, None], other=0.0)
-        sc = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)  # [BLOCK_G, BLOCK_T]
+        t64 = offs_t.to(tl.int64)
+        k_t = tl.load(kc + offs_dh[:, None] + t64[None, :] * stride_kt, mask=mask_t[None, :],
+                      other=0.0)  # [DH, BLOCK_T]: K transposed  # fmt: skip
+        v = tl.load(vc + t64[:, None] * stride_vt + offs_dh[None, :], mask=mask_t[:, None],
+                    other=0.0)  # fmt: skip
+        sc = dot_acc(q, k_t, tl.zeros((BLOCK_H, BLOCK_T), tl.float32), UPCAST) * qk_scale
         sc = tl.where(mask_t[None, :], sc, float("-inf"))
         m_new = tl.maximum(m, tl.max(sc, axis=1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(sc - m_new[:, None])
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+        acc = dot_acc(p.to(v.dtype), v, acc * alpha[:, None], UPCAST)
         m = m_new
     if PARTIAL:
+        in_g = offs_g < BLOCK_G
         base = part_ptr + ((b * n_kv + s) * tl.num_programs(2) + split) * (BLOCK_G * (DH + 2))
         rows = base + offs_g[:, None] * (DH + 2)
-        tl.store(rows + offs_dh[None, :], acc)
-        tl.store(base + offs_g * (DH + 2) + DH, m)
-        tl.store(base + offs_g * (DH + 2) + DH + 1, l_sum)
+        tl.store(rows + offs_dh[None, :], acc, mask=in_g[:, None])
+        tl.store(base + offs_g * (DH + 2) + DH, m, mask=in_g)
+        tl.store(base + offs_g * (DH + 2) + DH + 1, l_sum, mask=in_g)
     else:
         o = tl.where(keep[:, None], acc / l_sum[:, None], 0.0)  # a skipped head outputs zeros
         o_ptrs = o_ptr + b * stride_o + slot[:, None].to(tl.int64) * DH + offs_dh[None, :]
@@ -485,7 +497,7 @@ def sparse_attention_core(
         q_slot = _q_slot(heads, n_heads)
     block_g = next_pow2(group)
     scale = 1.0 / math.sqrt(dh) if scale is None else scale
-    block_t = cfg.get("BLOCK_T", max(16, 64 // block_g))
+    block_t = cfg.get("BLOCK_T", 64)
     n_kv_sel = kv_heads.numel()
     # flash-decoding: split the context so that about 4 programs per SM stream the cache
     steps = triton.cdiv(max(t_max - 1, 1), block_t)
@@ -509,8 +521,10 @@ def sparse_attention_core(
     sparse_attention_kernel[(batch, n_kv_sel, n_split)](
         qkv, k_cache, v_cache, seqlens, kv_heads, q_slot, res, n_q, n_kv_sel, qkv.stride(0),
         *k_cache.stride()[:3], *v_cache.stride()[:3], res.stride(0), scale * math.log2(math.e),
-        chunk, part, mask, stride_mask, GROUP=group, BLOCK_G=block_g, DH=dh, BLOCK_T=block_t,
-        PARTIAL=n_split > 1, DIRECT=direct, HAS_MASK=has_mask, num_warps=cfg.get("num_warps", 4),
+        chunk, part, mask, stride_mask, GROUP=group, BLOCK_G=block_g, BLOCK_H=max(16, block_g),
+        DH=dh, BLOCK_T=block_t, PARTIAL=n_split > 1, DIRECT=direct, HAS_MASK=has_mask,
+        UPCAST=upcast_dot(dtype), num_warps=cfg.get("num_warps", 4),
+        num_stages=cfg.get("num_stages", 2),
     )  # fmt: skip
     if n_split > 1:
         sparse_attention_combine_kernel[(batch, n_kv_sel, 1 if direct else group)](
