@@ -23,7 +23,7 @@ import plotly.express as px
 
 from .. import results
 
-__all__ = ["PARTS", "kernel_part", "load_profile", "profile_figure", "profile_table"]
+__all__ = ["PARTS", "bound_table", "kernel_part", "load_profile", "profile_figure", "profile_table"]
 
 NAME = "engine_profile"
 PARTS = ("weight GEMVs", "lm_head", "attention", "norms", "small ops", "idle")
@@ -90,6 +90,29 @@ def profile_table(df: pd.DataFrame) -> pd.DataFrame:
         r.update({f"{p} (us)": float(by.get(p, 0.0)) for p in PARTS})
         rows.append(r)
     return pd.DataFrame(rows).set_index(["model", "method"])
+
+
+def bound_table(table: pd.DataFrame) -> pd.DataFrame:
+    """How far each method could go if its weight reads alone got faster.
+
+    ``table`` is :func:`profile_table`'s. Per model and method: the *fixed* work that sparsity
+    does not shrink (attention, norms, small ops, idle, as measured), the step with every byte
+    read at the copy ceiling and that fixed work left as it is (``floor + fixed``; the cache's
+    bytes count in both, a few percent of the floor at prompt 512, so this errs on the slow
+    side), and the speedup over the model's measured dense step that such a step would give.
+
+    >>> b = bound_table(profile_table(load_profile()[0]))
+    >>> list(b.columns)
+    ['step (us)', 'fixed (us)', 'ceiling step (us)', 'speedup now', 'speedup bound']
+    """
+    fixed = table[[f"{p} (us)" for p in ("attention", "norms", "small ops", "idle")]].sum(axis=1)
+    out = pd.DataFrame({"step (us)": table["step (us)"], "fixed (us)": fixed,
+                        "ceiling step (us)": table["floor (us)"] + fixed})  # fmt: skip
+    dense = table.xs("dense", level="method")["step (us)"]
+    models = out.index.get_level_values("model")
+    out["speedup now"] = dense.reindex(models).to_numpy() / out["step (us)"]
+    out["speedup bound"] = dense.reindex(models).to_numpy() / out["ceiling step (us)"]
+    return out
 
 
 def profile_figure(df: pd.DataFrame):
