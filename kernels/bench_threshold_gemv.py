@@ -54,6 +54,11 @@ TUNE_SHAPES = sorted(
 )
 KEPT = [0.5, 0.2, 0.1]
 BATCHES = [1, 16]
+# the engine's TEAL/WINA sites at batch 1 (W^T [d_in, d_out]): q/k/v input, o input, the
+# gate/up input (one launch over both), down input; Llama-2-13B and Llama-3-8B (GQA)
+ENGINE_SHAPES = [(5120, 15360), (5120, 5120), (5120, 27648), (13824, 5120),
+                 (4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # fmt: skip
+ENGINE_KEPT = [0.5, 0.6]  # TEAL at 50% and 40% sparsity
 TEAL_US = {0.5: 17.7, 0.2: 15.4, 0.1: 14.8}  # issue 11: TEAL's kernel, 11008->4096, batch 1
 TEAL_DENSE_US = 25.4
 
@@ -82,7 +87,16 @@ CANDIDATES = {  # swept by --tune; every one computes the same function (checked
         _cfg(32, 128, 4, 1, num_stages=3),
     ],
 }
-for _c in CANDIDATES[1] + CANDIDATES[16]:
+ENGINE_CANDIDATES = [  # --tune-engine: a wider batch-1 grid over the serial reduction
+    _cfg(r, d, w, pps, prefetch=pf)
+    for r, d, w, pps, pf in [
+        (32, 128, 4, 4, 1), (32, 128, 4, 6, 1), (32, 128, 4, 8, 1), (32, 128, 4, 12, 1),
+        (32, 128, 4, 8, 2), (64, 128, 4, 4, 1), (64, 128, 8, 4, 1), (64, 128, 8, 8, 1),
+        (32, 64, 2, 16, 1), (16, 128, 4, 16, 1), (32, 256, 8, 4, 1), (64, 256, 8, 2, 1),
+        (16, 256, 4, 8, 1), (128, 64, 4, 4, 1),
+    ]
+]  # fmt: skip
+for _c in CANDIDATES[1] + CANDIDATES[16] + ENGINE_CANDIDATES:
     _c.setdefault("reduce", "serial")
     _c.setdefault("compact", True)
     _c.setdefault("prefetch", 1)
@@ -150,18 +164,19 @@ def nbytes(k, d_in, d_out, batch):
     return k * d_out * 2 + batch * d_in * 2 + d_in * 4 + batch * d_out * 2
 
 
-def tune(shapes, command):
+def tune(shapes, command, *, name="tuning_threshold_gemv", batches=None, kepts=None,
+         candidates=None):  # fmt: skip
     rows = []
     for d_in, d_out in shapes:
-        case = GemvCase(d_in, d_out, min_kept=min(KEPT))
-        for batch in BATCHES:
-            for kept in KEPT:
+        case = GemvCase(d_in, d_out, min_kept=min(kepts or KEPT))
+        for batch in batches or BATCHES:
+            for kept in kepts or KEPT:
                 k, calls = case.calls(kept, batch)
                 base = {"op": "threshold_gemv", "d_in": d_in, "d_out": d_out, "kept": kept,
                         "k": k, "batch": batch}  # fmt: skip
                 dense = graph_us(calls["dense"])
                 best = None
-                for cfg in CANDIDATES[batch]:
+                for cfg in (candidates or CANDIDATES)[batch]:
                     _, c2 = case.calls(kept, batch, cfg)
                     try:
                         err = case.check(kept, batch, cfg)
@@ -179,7 +194,7 @@ def tune(shapes, command):
                       f"best {best or math.nan:7.1f} us = {dense * kept / (best or math.nan):.2f} of ideal", flush=True)  # fmt: skip
         del case
         torch.cuda.empty_cache()
-    path = results.save("tuning_threshold_gemv", rows, command=command)
+    path = results.save(name, rows, command=command)
     tuning.reload()
     print(f"wrote {path}")
     return rows
@@ -246,6 +261,9 @@ def main(argv=None):
     ap.add_argument(
         "--tune", action="store_true", help="sweep tilings first (results/tuning_*.json)"
     )
+    ap.add_argument("--tune-engine", action="store_true",
+                    help="sweep a wider batch-1 grid at the engine's TEAL shapes only "
+                    "(results/tuning_threshold_gemv_engine.json), then stop")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="tiny shapes (plumbing check, CPU)")
     args = ap.parse_args(argv)
     command = "python kernels/bench_threshold_gemv.py " + " ".join(argv or sys.argv[1:])
@@ -259,6 +277,10 @@ def main(argv=None):
     ceiling = copy_ceiling()
     print(f"copy ceiling: {ceiling:.2f} TB/s")
     check_correctness()
+    if args.tune_engine:
+        tune(ENGINE_SHAPES, command, name="tuning_threshold_gemv_engine", batches=[1],
+             kepts=ENGINE_KEPT, candidates={1: ENGINE_CANDIDATES})  # fmt: skip
+        return
     if args.tune:
         tune(TUNE_SHAPES, command)
     rows = table(SHAPES, BATCHES, ceiling)
