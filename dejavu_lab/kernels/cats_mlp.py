@@ -31,6 +31,11 @@ from .threshold_gemv import threshold_gemv
 
 __all__ = ["cats_mlp", "cats_mlp_ref", "dense_gate"]
 
+# the down GEMV over h's nonzeros at batch 1: short compacted row steps with the weights
+# prefetched a step ahead, many programs (H200, Llama-2-13B, 50% kept: 26.3 µs against 29.1
+# for threshold_gemv's default tiling)
+DOWN_CONFIG_B1 = {"BLOCK_R": 16, "prefetch": 2, "programs_per_sm": 8}
+
 
 def dense_gate(xb, w_gate_up, n, b_in=None):
     """[B, n] fp32: the gate (or fc1) of every neuron, ``xb @ w_gate_up[:n].T + b_in[:n]``.
@@ -132,6 +137,8 @@ def cats_mlp(
         cats_up(xb, w_gate_up, dense_gate(xb, w_gate_up, n, b_in), thr, activation=activation,
                 b_in=b_in, out=h, config=cfg)  # fmt: skip
     zeros = _workspace.buffer(device, "zero_thresholds", n, torch.float32)[:n]
-    threshold_gemv(h, w_down_t, zeros, bias=b_down, out=res2, deterministic=True,
-                   config=cfg.get("down"))  # fmt: skip
+    down = cfg.get("down") or (
+        DOWN_CONFIG_B1 if batch == 1 and not config.get("fused_gate") else None
+    )
+    threshold_gemv(h, w_down_t, zeros, bias=b_down, out=res2, deterministic=True, config=down)
     return res
