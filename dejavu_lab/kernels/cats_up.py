@@ -108,20 +108,30 @@ def cats_up_ref(x, w_gate_up, gate, thr, *, activation, b_in=None):
     return h if x.dim() == 2 else h[0]
 
 
-def default_config(batch: int, d: int) -> dict:
-    """Launch configuration of :func:`cats_up`: the H200 sweep's choice at Llama shapes.
+def default_config(batch: int, d: int, n: int | None = None, *,
+                   device: torch.device | None = None) -> dict:  # fmt: skip
+    """Launch configuration of :func:`cats_up`: tuned (:mod:`.tuning`, op ``"cats_up"``, written
+    by ``kernels/bench_fused_mlp.py --tune``) when this GPU and shape were, else the H200
+    sweep's choice at Llama shapes.
 
     Batch 1 runs the tensor-core path on the token padded to 16 (``dot``): its weight loads are
     pipelined through shared memory, more bytes in flight than the FMA path's registers hold
-    (at Llama-2-13B, 50% kept: 22 µs, 3.2 TB/s on the kept rows, against 24 µs for the best
-    FMA tiling and 31 µs for the fused-gate kernel's).
+    (H200, Llama-2-13B, 50% kept: 21.4 µs, 3.3 TB/s on the kept up rows, against 23.7 µs for
+    the best FMA tiling; the fused-gate kernel spent 85 µs on gate and up together). A tuned
+    config may carry a ``"down"`` entry for :func:`~.cats_mlp.cats_mlp`'s down GEMV.
 
     >>> default_config(1, 5120)
-    {'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 4, 'dot': True}
+    {'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 5, 'dot': True}
     """
+    if n is not None and device is not None:
+        from . import tuning
+
+        tuned = tuning.lookup("cats_up", d, n, None, batch, device)
+        if tuned is not None:
+            return tuned
     block_k = min(128, max(16, next_pow2(d)))
     if batch == 1:
-        return {"BLOCK_N": 64, "BLOCK_K": block_k, "num_warps": 4, "num_stages": 4, "dot": True}
+        return {"BLOCK_N": 64, "BLOCK_K": block_k, "num_warps": 4, "num_stages": 5, "dot": True}
     return {"BLOCK_N": 32, "BLOCK_K": block_k, "num_warps": 4, "num_stages": 3}
 
 
@@ -181,8 +191,8 @@ def cats_up(
     if not use_triton(device):
         h2.copy_(cats_up_ref(xb, w_gate_up, g2, thr, activation=activation, b_in=b_in))
         return res
-    launch(xb, w_gate_up, g2, thr, b_in, h2, activation=activation,
-           cfg={**default_config(batch, d), **(config or {})})  # fmt: skip
+    cfg = {**default_config(batch, d, n, device=device), **(config or {})}
+    launch(xb, w_gate_up, g2, thr, b_in, h2, activation=activation, cfg=cfg)
     return res
 
 
