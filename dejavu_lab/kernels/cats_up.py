@@ -173,8 +173,8 @@ def cats_up(
         raise TypeError(f"thr must be a torch.Tensor, got {type(thr).__name__}.")
     n = thr.shape[0] if thr.dim() == 1 else -1
     if rows not in (n, 2 * n):
-        raise ValueError(f"w_gate_up has {rows} rows; expected 2n = {2 * n} (gate then up) "
-                         f"or n = {n} (fc1) for thr's {n} neurons.")  # fmt: skip
+        raise ValueError(f"w_gate_up has {rows} rows; pass 2n = {2 * n} (gate then up) "
+                         f"or n = {n} (fc1) rows for thr's {n} neurons.")  # fmt: skip
     check_thr(thr, n)
     if activation not in FUSED_ACTIVATIONS:
         raise ValueError(f"activation {activation!r} is not one of {FUSED_ACTIVATIONS}.")
@@ -182,7 +182,9 @@ def cats_up(
     xb, squeeze = as_batch("x", x, d)
     batch = xb.shape[0]
     if not isinstance(gate, torch.Tensor) or not gate.is_floating_point():
-        raise TypeError("gate must be a floating-point torch.Tensor (fp32 or x's dtype).")
+        raise TypeError(
+            "gate must be a floating-point tensor; pass the dense gate in fp32 or x's dtype."
+        )
     check_shape("gate", gate, (n,) if squeeze else (batch, n))
     shape = (n,) if squeeze else (batch, n)
     check_out(out, shape, dtype, device)
