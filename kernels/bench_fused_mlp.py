@@ -5,7 +5,7 @@ Deja Vu §4.4 runs a sparse MLP as an up gather then a down gather:
 and applies the activation in one launch, then reduces their down rows in a second (the
 one-launch atomic variant was removed: slower, and wrong with tensor-core tiles, see
 :mod:`dejavu_lab.kernels.fused_mlp`). :func:`~dejavu_lab.kernels.cats_mlp`
-is CATS (dense gate, threshold fused, up/down of the kept neurons only). For Llama SwiGLU
+is CATS (cuBLAS dense gate, then the up and down rows of the kept neurons only). For Llama SwiGLU
 shapes (d, n) = (4096, 11008), (5120, 13824), (4096, 14336) plus d = 2048, 8192 and OPT-175B's
 ReLU MLP (12288, 49152), at 50 / 20 / 10% kept, batch 1 and a union batch of 16, in CUDA-graph
 replay on weights rotated through more than 4x the L2:
@@ -13,10 +13,12 @@ replay on weights rotated through more than 4x the L2:
 - ``dense``: cuBLAS gate/up GEMV, activation, cuBLAS down GEMV (every neuron);
 - ``contig``: the same on the kept neurons' rows stored contiguously (gather-free layout);
 - ``two``: our ``sparse_mlp_up`` then ``sparse_mlp_down`` (two launches over ``idx``);
-- ``ours``: the fused kernel; ``cats``: CATS with a threshold keeping the same fraction.
+- ``ours``: the fused kernel; ``cats``: CATS with a threshold keeping the same fraction;
+  ``cats_fg``: CATS's earlier path (gate and masked up rows in one Triton kernel).
 
 Targets (issue 12): at 10% kept the fused MLP within 1.3x of (bytes / copy ceiling) + 3 µs.
-``--tune`` sweeps tilings first (``results/tuning_fused_mlp.json``, read at run time).
+``--tune`` sweeps tilings first (``results/tuning_fused_mlp.json``, read at run time; CATS's
+rows are the up kernel's and its down GEMV's, op ``cats_up``).
 Writes ``results/sparse_mlp_fused.json``.
 
     PYTHONPATH=. python kernels/bench_fused_mlp.py [--tune] [--quick]
@@ -78,14 +80,26 @@ CANDIDATES = {  # (op, batch 1?) -> configs swept by --tune (each checked first)
         _cfg(16, 128, 128, 4, num_stages=3),
         _cfg(32, 128, 128, 4, num_stages=3),
     ],
-    ("cats", True): [
-        _cfg(32, 512, 512, 8),
-        _cfg(16, 1024, 1024, 8),
-        _cfg(64, 256, 256, 8),
+    ("cats", True): [  # the up kernel's tiles and the down GEMV's (dejavu_lab.kernels.cats_up)
+        {
+            "BLOCK_N": 64,
+            "BLOCK_K": 128,
+            "num_warps": 4,
+            "num_stages": s,
+            "dot": True,
+            "down": {"BLOCK_R": 16, "prefetch": 2, "programs_per_sm": 8, "num_warps": w},
+        }
+        for s in (4, 5)
+        for w in (2, 4)
+    ]
+    + [
+        {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "dot": True},
+        {"BLOCK_N": 8, "BLOCK_K": 1024, "num_warps": 4},
     ],
     ("cats", False): [
-        _cfg(32, 128, 128, 4, num_stages=3),
-        _cfg(64, 128, 128, 8, num_stages=3),
+        {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
+        {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
+        {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4},
     ],
 }
 
@@ -165,12 +179,25 @@ class MlpWeights:
                 )  # fmt: skip
                 for c in cs
             ],
+            "cats_fg": [
+                lambda c=c: cats_mlp(
+                    xs[c],
+                    w_in[c],
+                    w_dt[c],
+                    thr[c],
+                    activation=act,
+                    out=out[c],
+                    config={"fused_gate": True},
+                )  # fmt: skip
+                for c in cs
+            ],
         }
 
     def check(self, provider, kept, batch, config=None):
         _, xs, idx, thr = self.inputs(kept, batch)
         x, w, wd = xs[0], self.w_in[0], self.w_down_t[0]
-        if provider == "cats":
+        if provider in ("cats", "cats_fg"):
+            config = {**(config or {}), "fused_gate": provider == "cats_fg"}
             got = cats_mlp(x, w, wd, thr[0], activation=self.act, config=config)
             ref = cats_mlp_ref(x, w, wd, thr[0], activation=self.act)
         else:
@@ -190,7 +217,7 @@ def check_correctness():
     for name, d, n, gated, act in SHAPES[1:2] + SHAPES[-1:]:
         m = MlpWeights(d, n, gated, act, min_kept=1.0)
         for batch in (1, 16, 32):
-            for p in ("ours", "cats"):
+            for p in ("ours", "cats", "cats_fg"):
                 for extra in ({}, {"BLOCK_N": 16, "dot": True}):
                     err = m.check(p, 0.1, batch, extra or None)
                     worst = max(worst, err)
@@ -221,7 +248,8 @@ def tune(command):
                                   lambda cfg, q=point: graph_us(q[0].calls(q[1], q[2], cfg, cfg)[1][q[3]]))  # fmt: skip
                     nb = m.nbytes(k, batch, cats=op == "cats")
                     for cfg, us in timed:
-                        rows.append({"op": f"{op}_mlp", "shape": name, "d_in": d, "d_out": n,
+                        rows.append({"op": {"fused": "fused_mlp", "cats": "cats_up"}[op],
+                                     "shape": name, "d_in": d, "d_out": n,
                                      "kept": kept, "k": k, "batch": batch, "config": cfg,
                                      "us": us, "dense_us": dense, "bytes": nb})  # fmt: skip
                     best = min((us for _, us in timed), default=math.nan)
@@ -243,7 +271,7 @@ def table(ceiling):
             for kept in KEPT:
                 k, calls = m.calls(kept, batch)
                 dense = dense or graph_us(calls["dense"])
-                t = {p: graph_us(calls[p]) for p in ("contig", "two", "ours", "cats")}
+                t = {p: graph_us(calls[p]) for p in ("contig", "two", "ours", "cats", "cats_fg")}
                 nb, nb_cats = m.nbytes(k, batch), m.nbytes(k, batch, cats=True)
                 floor = nb / (ceiling * 1e12) * 1e6 + 3.0
                 rows.append({"shape": name, "d": d, "n": n, "gated": gated, "kept": kept, "k": k,
@@ -253,6 +281,7 @@ def table(ceiling):
                              "target_us": 1.3 * floor, "vs_target": 1.3 * floor / t["ours"],
                              "ours_tbps": nb / (t["ours"] * 1e-6) / 1e12,
                              "cats_tbps": nb_cats / (t["cats"] * 1e-6) / 1e12,
+                             "cats_vs_dense": dense / t["cats"],
                              "copy_tbps": ceiling})  # fmt: skip
         del m
         torch.cuda.empty_cache()
@@ -261,7 +290,8 @@ def table(ceiling):
 
 COLUMNS = [("shape", "shape", "12s"), ("B", "batch", "2d"), ("kept", "kept", "4.2f"),
            ("dense", "dense_us", "6.1f"), ("contig", "contig_us", "6.1f"), ("two", "two_us", "6.1f"),
-           ("ours", "ours_us", "6.1f"), ("cats", "cats_us", "6.1f"), ("frac", "frac_ideal", "5.2f"),
+           ("ours", "ours_us", "6.1f"), ("cats", "cats_us", "6.1f"), ("cats_fg", "cats_fg_us", "7.1f"),
+           ("frac", "frac_ideal", "5.2f"),
            ("vs_contig", "vs_contig", "9.2f"), ("target", "target_us", "6.1f"),
            ("TB/s", "ours_tbps", "5.2f"), ("cats", "cats_tbps", "5.2f")]  # fmt: skip
 

@@ -8,7 +8,8 @@ One kernel per module, each with a checking wrapper, a plain-PyTorch ``*_ref`` a
 - :func:`sparse_attention` — QKV for the selected heads, attention over their KV cache, W_O.
 - :func:`threshold_gemv` — TEAL/WINA input-sparse GEMV, the mask ``|x| > thr`` computed inside.
 - :func:`fused_sparse_mlp` — up (or gate/up), activation and down of the kept neurons, one launch.
-- :func:`cats_mlp` — CATS: dense gate with the threshold fused, up/down of the kept neurons only.
+- :func:`cats_mlp` — CATS: dense gate (cuBLAS), then up/down of the kept neurons only.
+- :func:`cats_up`  — CATS's thresholded up step: the up rows of the neurons the gate keeps.
 
 All take a union batch of 1-32 tokens that share one index set (Knowl 12). :mod:`.bench` is the
 timing harness of ``kernels/bench_*.py`` (recorded in ``results/``); :mod:`.report` draws those
@@ -27,6 +28,7 @@ True
 """
 
 from .cats_mlp import cats_mlp, cats_mlp_ref
+from .cats_up import cats_up, cats_up_ref
 from .fused_mlp import FUSED_ACTIVATIONS, fused_sparse_mlp, fused_sparse_mlp_ref
 from .kv_window import kv_window_write, kv_window_write_ref
 from .row_norm import row_norm, row_norm_ref
@@ -45,6 +47,8 @@ __all__ = [
     "FUSED_ACTIVATIONS",
     "cats_mlp",
     "cats_mlp_ref",
+    "cats_up",
+    "cats_up_ref",
     "fused_sparse_mlp",
     "fused_sparse_mlp_ref",
     "kv_window_write",
