@@ -28,7 +28,7 @@ chromium:
 # One worker per core, each taking whole files (a file's fixtures — the book build, the demo
 # model — load once): the book's build runs beside the rest of the suite.
 test: $(STAMP) chromium
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -n auto --dist loadfile --no-loadscope-reorder
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -n auto --dist loadfile
 
 lint: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

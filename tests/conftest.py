@@ -27,26 +27,7 @@ def tiny(request):
     return random_model(request.param, seed=torch.seed() % 2**31)
 
 
-# the files that take longest on a 2-core CPU (fresh clone, --durations), longest first
-LONG_FILES = (
-    "tests/test_book.py",  # the quick book build, about 7.5 minutes: first, on its own worker
-    "tests/test_cli.py",
-    "tests/test_gemma_lm_eval.py",
-    "tests/test_bad_inputs.py",
-    "tests/test_gemma_gguf.py",
-    "dejavu_lab/lm_eval_tasks.py",
-    "tests/test_engine_methods.py",
-    "tests/test_kernels_fused.py",
-    "tests/test_kernels_threshold.py",
-    "tests/test_kernels.py",
-    "tests/test_engine_tp.py",
-)
-
-
 def pytest_collection_modifyitems(config, items):
-    """The longest files first, the book build before all: ``make test`` runs pytest-xdist with
-    ``--dist loadfile --no-loadscope-reorder``, which hands out whole files in this order, so
-    one worker starts the book at once and the other works through the rest beside it, with
-    the short files last to even out the end."""
-    rank = {name: i for i, name in enumerate(LONG_FILES)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
+    """The book build (tests/test_book.py, the longest file) first: under pytest-xdist its worker
+    starts on it at once and the other worker runs the rest of the suite beside it."""
+    items.sort(key=lambda item: item.nodeid.split("::")[0] != "tests/test_book.py")
