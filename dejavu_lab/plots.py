@@ -6,18 +6,36 @@ line under a plotly figure or a matplotlib/seaborn axes the same way in every ch
 
 from __future__ import annotations
 
-__all__ = ["caption_axes", "caption_figure"]
+import textwrap
+
+__all__ = ["caption_axes", "caption_figure", "wrap_caption"]
+
+CAPTION_CHARS = 110  # characters per caption line that fit the book's page width at 10 pt
+
+
+def wrap_caption(caption: str, width: int = CAPTION_CHARS) -> str:
+    """Break each ``<br>``-separated line of a plotly caption at ``width`` characters.
+
+    >>> wrap_caption("one two three<br>four", width=7)
+    'one two<br>three<br>four'
+    """
+    return "<br>".join(
+        "<br>".join(textwrap.wrap(line, width) or [""]) for line in caption.split("<br>")
+    )
 
 
 def caption_figure(fig, caption: str, height: int = 420):
-    """Put ``caption`` under a plotly figure (returns the figure).
+    """Put ``caption`` under a plotly figure (returns the figure), its lines wrapped to the
+    page width and the bottom margin grown to hold them.
 
     >>> import plotly.graph_objects as go
     >>> fig = caption_figure(go.Figure(go.Bar(y=[3, 1])), "Model: tiny-opt. Hardware: CPU.")
     >>> fig.layout.annotations[0].text, fig.layout.height
     ('Model: tiny-opt. Hardware: CPU.', 420)
     """
-    fig.update_layout(height=height, margin=dict(t=60, b=90))
+    caption = wrap_caption(caption)
+    lines = caption.count("<br>") + 1
+    fig.update_layout(height=height + 14 * max(0, lines - 2), margin=dict(t=60, b=62 + 14 * lines))
     fig.add_annotation(
         text=caption,
         xref="paper",
@@ -27,6 +45,7 @@ def caption_figure(fig, caption: str, height: int = 420):
         xanchor="left",
         yanchor="top",
         showarrow=False,
+        align="left",
         font=dict(size=10),
     )
     return fig

@@ -103,14 +103,15 @@ def throughput_figure(frame: pd.DataFrame):
     'log'
     """
     r = _runs(frame).copy()
-    r["engine"] = r["engine"].map(ENGINES).fillna(r["engine"])
-    r["prompt"] = "prompt " + r["prompt"].astype(str)
+    short = {"sparse": "capped union", "sparse_uncapped": "whole union"}  # legend-sized names
+    r["engine"] = r["engine"].map(short).fillna(r["engine"])
+    r["prompt"] = r["prompt"].astype(str)
     fig = px.line(r.sort_values("batch"), x="batch", y="tokens_per_s", color="engine",
                   line_dash="prompt", facet_col="model", markers=True, log_x=True,
-                  labels={"batch": "batch size B (sequences)", "tokens_per_s": "tokens / s"},
+                  labels={"batch": "batch size B", "tokens_per_s": "tokens / s"},
                   title="Decoding throughput against the batch size")  # fmt: skip
     fig.update_xaxes(tickvals=sorted(r["batch"].unique()))
-    fig.update_yaxes(matches=None)
+    fig.update_yaxes(matches=None, showticklabels=True)
     return fig
 
 
