@@ -27,17 +27,13 @@ gives the dense MLP:
 True
 """
 
+from .attention_core import sparse_attention_core, sparse_attention_core_ref
 from .cats_mlp import cats_mlp, cats_mlp_ref
 from .cats_up import cats_up, cats_up_ref
 from .fused_mlp import FUSED_ACTIVATIONS, fused_sparse_mlp, fused_sparse_mlp_ref
 from .kv_window import kv_window_write, kv_window_write_ref
 from .row_norm import row_norm, row_norm_ref
-from .sparse_attention import (
-    sparse_attention,
-    sparse_attention_core,
-    sparse_attention_core_ref,
-    sparse_attention_ref,
-)
+from .sparse_attention import sparse_attention, sparse_attention_ref
 from .sparse_mlp_down import sparse_mlp_down, sparse_mlp_down_ref
 from .sparse_mlp_up import ACTIVATIONS, sparse_mlp_up, sparse_mlp_up_ref
 from .threshold_gemv import threshold_gemv, threshold_gemv_ref
