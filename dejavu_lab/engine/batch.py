@@ -300,24 +300,17 @@ class BatchDecoder(BatchSets, BatchBlocks, Decoder):
                 raise EngineError(f"tokens must lie in [0, {vocab - 1}].")
             self.tok_t[: self.B] = t.to(self.w.device)
         logits = self._replay() if self.graph is not None else self._step_body()
-        self.n_steps += 1
+        self._advance()
         return logits
 
-    @torch.no_grad()
-    def decode(self, n: int) -> None:
-        """``n`` steps of the whole batch with no host synchronisation."""
-        n = check_engine.size(n, "n")
-        if self.B and max(self.lengths) + self.n_steps + n > self.max_seq_len:
-            raise EngineError(
-                f"{n} more tokens would pass the cache's {self.max_seq_len}; build a larger one."
-            )
-        for _ in range(n):
-            self._before_step()
-            if self.graph is not None:
-                self.graph.replay()
-            else:
-                self._step_body()
-            self.n_steps += 1
+    def _steps_left(self) -> float:
+        """Steps before the longest sequence fills its cache slot (no batch: no limit here)."""
+        if not self.B:
+            return float("inf")
+        return self.max_seq_len - max(self.lengths) - self.n_steps
+
+    def _advance(self) -> None:
+        self.n_steps += 1
 
     @torch.no_grad()
     def capture(self) -> None:

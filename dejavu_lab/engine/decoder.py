@@ -427,7 +427,7 @@ class Decoder(KeptSets, ThresholdBlocks):
             self.tok_t.fill_(check_engine.size(token, "token", maximum=self.w.embed.shape[0] - 1))
         self.pos_t.fill_(self.pos)
         logits = self._replay() if self.graph is not None else self._step_body()
-        self.pos += 1
+        self._advance()
         return logits
 
     def _replay(self) -> torch.Tensor:
@@ -456,11 +456,19 @@ class Decoder(KeptSets, ThresholdBlocks):
         self.tok_t.copy_(saved[0])
         self.pos_t.copy_(saved[1])
 
+    def _steps_left(self) -> float:
+        """Decode steps the cache still has room for."""
+        return self.max_seq_len - self.pos
+
+    def _advance(self) -> None:
+        """Count one decoded step (the batched decoder counts steps, not positions)."""
+        self.pos += 1
+
     @torch.no_grad()
     def decode(self, n: int) -> None:
-        """``n`` greedy steps with no host synchronisation (graph replays when captured)."""
+        """``n`` decode steps with no host synchronisation (graph replays when captured)."""
         n = check_engine.size(n, "n")  # whole steps, >= 0
-        if self.pos + n > self.max_seq_len:
+        if n > self._steps_left():
             raise EngineError(
                 f"{n} more tokens would pass the cache's {self.max_seq_len}; build a larger one."
             )
@@ -470,7 +478,7 @@ class Decoder(KeptSets, ThresholdBlocks):
                 self.graph.replay()
             else:
                 self._step_body()
-            self.pos += 1
+            self._advance()
 
     @torch.no_grad()
     def generate(self, ids: torch.Tensor, max_new_tokens: int, *, graph: bool | None = None):
