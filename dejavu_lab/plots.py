@@ -10,7 +10,7 @@ import textwrap
 
 __all__ = ["caption_axes", "caption_figure", "wrap_caption"]
 
-CAPTION_CHARS = 110  # characters per caption line that fit the book's page width at 10 pt
+CAPTION_CHARS = 90  # characters per caption line that fit the book's text column at 10 pt
 
 
 def wrap_caption(caption: str, width: int = CAPTION_CHARS) -> str:

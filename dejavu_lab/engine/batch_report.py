@@ -112,6 +112,9 @@ def throughput_figure(frame: pd.DataFrame):
                   title="Decoding throughput against the batch size")  # fmt: skip
     fig.update_xaxes(tickvals=sorted(r["batch"].unique()))
     fig.update_yaxes(matches=None, showticklabels=True)
+    # inside the first panel's empty upper left: beside the panels it is cut at the page width
+    fig.update_layout(legend=dict(x=0.01, y=0.99, xanchor="left", yanchor="top", font_size=10,
+                                  bgcolor="rgba(255,255,255,0.7)"))  # fmt: skip
     return fig
 
 
