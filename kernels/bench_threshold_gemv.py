@@ -8,11 +8,17 @@ set), this times in CUDA-graph replay, on weights rotated through more than 4x t
 
 - ``dense``: cuBLAS ``x @ w_t`` over every row (ideal sparse time = dense x kept);
 - ``contig``: cuBLAS over the same number of rows stored contiguously (a gather-free layout);
-- ``masked``: our kernel without compaction (TEAL's scheme: masked loads of fixed row tiles);
-- ``ours``: the threshold GEMV (tuned config when ``results/tuning_*.json`` has one).
+- ``masked``: the compacting kernel without compaction (masked loads of fixed row tiles, each
+  program looping over its chunk of rows; batch 1 only);
+- ``compact``: the compacting kernel (batch 1 only; union batches always run it);
+- ``ours``: the threshold GEMV as the wrapper runs it: at batch 1 the tile kernel
+  (:mod:`dejavu_lab.kernels.threshold_tile`, TEAL's grid of one masked tile per program with
+  fp32 atomics), for union batches the compacting kernel's tuned config.
 
 TEAL's own split-K kernel, measured on this H200 for issue 11 (fp16, batch 1, graph replay,
-11008->4096): 17.7 / 15.4 / 14.8 µs at 50 / 20 / 10% kept against a 25.4 µs dense GEMV.
+11008->4096): 17.7 / 15.4 / 14.8 µs at 50 / 20 / 10% kept against a 25.4 µs dense GEMV (rerun
+in this harness, weights rotated, on 2026-12-01: 17.7 / 15.3 / 14.7 µs; a scratch script that
+imported TEAL's file, which is not part of this project).
 ``--tune`` first sweeps candidate tilings for d in {2048, 4096, 5120, 8192, 12288} and records
 them in ``results/tuning_threshold_gemv.json`` (read at run time by
 :mod:`dejavu_lab.kernels.tuning`). Writes ``results/threshold_gemv.json``.
@@ -31,6 +37,7 @@ import torch
 from dejavu_lab import results
 from dejavu_lab.kernels import threshold_gemv, threshold_gemv_ref, tuning
 from dejavu_lab.kernels.bench import copy_ceiling, graph_us, relerr
+from dejavu_lab.kernels.threshold_gemv import default_config
 
 SHAPES = [  # (name, d_in, d_out): the weight is w_t [d_in, d_out]
     ("llama2-7b down", 11008, 4096),
@@ -87,16 +94,22 @@ CANDIDATES = {  # swept by --tune; every one computes the same function (checked
         _cfg(32, 128, 4, 1, num_stages=3),
     ],
 }
-ENGINE_CANDIDATES = [  # --tune-engine: a wider batch-1 grid over the serial reduction
-    _cfg(r, d, w, pps, prefetch=pf)
-    for r, d, w, pps, pf in [
-        (32, 128, 4, 4, 1), (32, 128, 4, 6, 1), (32, 128, 4, 8, 1), (32, 128, 4, 12, 1),
-        (32, 128, 4, 8, 2), (64, 128, 4, 4, 1), (64, 128, 8, 4, 1), (64, 128, 8, 8, 1),
-        (32, 64, 2, 16, 1), (16, 128, 4, 16, 1), (32, 256, 8, 4, 1), (64, 256, 8, 2, 1),
-        (16, 256, 4, 8, 1), (128, 64, 4, 4, 1),
-    ]
-]  # fmt: skip
+
+
+def _tile(r, d, w):
+    return {"mode": "tile", "BLOCK_R": r, "BLOCK_D": d, "num_warps": w}
+
+
+ENGINE_CANDIDATES = [  # --tune-engine: the batch-1 tile kernel's grid, one compacting config
+    _tile(r, d, w)
+    for r, d, w in [(128, 64, 2), (64, 128, 2), (256, 64, 2), (128, 128, 2), (64, 64, 2),
+                    (128, 64, 1), (64, 128, 1), (128, 32, 1), (256, 32, 2), (32, 128, 2)]
+] + [_cfg(32, 128, 4, 8, prefetch=1, mode="compact")]  # fmt: skip
+CANDIDATES[1] += [_tile(128, 64, 2), _tile(64, 128, 2), _tile(256, 64, 2)]
 for _c in CANDIDATES[1] + CANDIDATES[16] + ENGINE_CANDIDATES:
+    if _c.get("mode") == "tile":
+        continue
+    _c.setdefault("mode", "compact")
     _c.setdefault("reduce", "serial")
     _c.setdefault("compact", True)
     _c.setdefault("prefetch", 1)
@@ -141,7 +154,8 @@ class GemvCase:
         outs = [torch.empty(batch, self.d_out, dtype=self.dtype, device=self.device) for _ in xs]
         xk = [x[:, :k].contiguous() for x in xs]
         w, thr = self.w, self.thr
-        cfg = {**(config or {}), **({"compact": False} if masked else {})} or None
+        masked = {"mode": "compact", "compact": False} if masked else {}
+        cfg = {**(config or {}), **masked} or None
         return k, {
             "dense": [lambda c=c: torch.mm(xs[c], w[c]) for c in range(self.copies)],
             "contig": [lambda c=c: torch.mm(xk[c], w[c, :k]) for c in range(self.copies)],
@@ -227,11 +241,13 @@ def table(shapes, batches, ceiling):
                 k, calls = case.calls(kept, batch)
                 dense = dense or graph_us(calls["dense"])
                 t = {p: graph_us(calls[p]) for p in ("contig", "ours")}
-                if batch == 1:
+                if batch == 1:  # the compacting kernel, and its masked-tile mode
                     t["masked"] = graph_us(case.calls(kept, batch, masked=True)[1]["ours"])
+                    compact = {"mode": "compact"}
+                    t["compact"] = graph_us(case.calls(kept, batch, config=compact)[1]["ours"])
                 nb = nbytes(k, d_in, d_out, batch)
                 # what the wrapper picks (it cannot know the kept fraction: kept=None)
-                cfg = tuning.lookup("threshold_gemv", d_in, d_out, None, batch, case.device)
+                cfg = default_config(batch, d_in, d_out, device=case.device)
                 row = {"shape": name, "d_in": d_in, "d_out": d_out, "kept": kept, "k": k,
                        "batch": batch, "dense_us": dense, "bytes": nb, "config": cfg,
                        **{f"{p}_us": v for p, v in t.items()},
@@ -247,12 +263,13 @@ def table(shapes, batches, ceiling):
 
 def print_table(rows):
     print(f"\n{'shape':16s} {'B':>2s} {'kept':>4s} | {'dense':>6s} {'contig':>6s} {'masked':>6s} "
-          f"{'ours':>6s} us | frac ideal | vs contig | TB/s | vs TEAL")  # fmt: skip
+          f"{'compact':>7s} {'ours':>6s} us | frac ideal | vs contig | TB/s | vs TEAL")  # fmt: skip
     for r in rows:
         masked = r.get("masked_us", float("nan"))
+        compact = r.get("compact_us", float("nan"))
         teal = f"{r['vs_teal']:.2f}x" if "vs_teal" in r else ""
         print(f"{r['shape']:16s} {r['batch']:2d} {r['kept']:4.2f} | {r['dense_us']:6.1f} "
-              f"{r['contig_us']:6.1f} {masked:6.1f} {r['ours_us']:6.1f}    | {r['frac_ideal']:10.2f} "
+              f"{r['contig_us']:6.1f} {masked:6.1f} {compact:7.1f} {r['ours_us']:6.1f}    | {r['frac_ideal']:10.2f} "
               f"| {r['vs_contig']:9.2f} | {r['ours_tbps']:4.2f} | {teal}")  # fmt: skip
 
 

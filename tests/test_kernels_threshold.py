@@ -51,17 +51,21 @@ def test_threshold_gemv(dtype, batch, kept, seed):
     assert_close(ref, threshold_gemv_ref(xm, w_t, torch.full_like(thr, -1.0), bias=b), dtype, seed)
 
 
+C = {"mode": "compact"}  # the compacting kernel (a single token runs the tile kernel by default)
 VARIANTS = {
-    "atomic": {"reduce": "atomic"},
-    "masked": {"compact": False},
-    "masked-atomic": {"compact": False, "reduce": "atomic"},
-    "one-split": {"split": 1},
-    "no-prefetch-acc1d": {"prefetch": False, "acc2d": False},
-    "many-splits-chunked": {"BLOCK_D": 64, "split": 13, "num_warps": 1, "SCAN": 16},
-    "prefetch-rows-only": {"prefetch": 1},
-    "prefetch-weights": {"prefetch": 2, "compact": True, "BLOCK_R": 16},
-    "dot-pipelined": {"dot": True, "num_stages": 3, "programs_per_sm": 2.5},
-    "dot-no-prefetch": {"dot": True, "prefetch": False},
+    "compact": C,
+    "atomic": {**C, "reduce": "atomic"},
+    "masked": {**C, "compact": False},
+    "masked-atomic": {**C, "compact": False, "reduce": "atomic"},
+    "one-split": {**C, "split": 1},
+    "no-prefetch-acc1d": {**C, "prefetch": False, "acc2d": False},
+    "many-splits-chunked": {**C, "BLOCK_D": 64, "split": 13, "num_warps": 1, "SCAN": 16},
+    "prefetch-rows-only": {**C, "prefetch": 1},
+    "prefetch-weights": {**C, "prefetch": 2, "compact": True, "BLOCK_R": 16},
+    "dot-pipelined": {**C, "dot": True, "num_stages": 3, "programs_per_sm": 2.5},
+    "dot-no-prefetch": {**C, "dot": True, "prefetch": False},
+    "tile-even-columns": {"mode": "tile", "BLOCK_D": 16, "num_warps": 1},  # 80 = 5 x 16
+    "tile-wide": {"mode": "tile", "BLOCK_R": 128, "BLOCK_D": 64, "fin_block": 32},
 }
 
 
@@ -92,22 +96,57 @@ def test_default_config_1d_and_no_bias(seed):
     y = threshold_gemv(x[0], w_t, thr)
     assert y.shape == (D_OUT,)
     assert_close(y, threshold_gemv_ref(x[0], w_t, thr), dtype, seed)
-    cfg = default_config(1, D_IN, D_OUT, device=x.device)
+    assert default_config(1, D_IN, D_OUT, device=x.device)["mode"] == "tile"
+    cfg = default_config(5, D_IN, D_OUT, device=x.device)
     assert cfg["reduce"] == "serial" and cfg["compact"]
 
 
-def test_deterministic_is_bitwise_repeatable(seed):
-    x, w_t, thr, b, _ = problem(torch.float16, 3, 0.4)
-    cfg = {**SMALL, "reduce": "atomic"}
-    first = threshold_gemv(x, w_t, thr, bias=b, deterministic=True, config=cfg)
-    for _ in range(2):
-        again = threshold_gemv(x, w_t, thr, bias=b, deterministic=True, config=cfg)
-        assert torch.equal(first, again), f"seed={seed}"
+@pytest.mark.parametrize("batch", [1, 5])
+@pytest.mark.parametrize("mode", ["tile", "compact"])
+def test_one_threshold_as_a_number(batch, mode, seed):
+    """TEAL's single threshold given as a float computes what the per-column vector does."""
+    dtype = torch.float16
+    x, w_t, thr, b, out = problem(dtype, batch, 0.4)
+    y = threshold_gemv(x, w_t, float(thr[0]), bias=b, out=out, config={**SMALL, "mode": mode})
+    assert y is out
+    assert_close(out, threshold_gemv_ref(x, w_t, thr, bias=b), dtype, seed)
+    assert_close(out, threshold_gemv_ref(x, w_t, float(thr[0]), bias=b), dtype, seed)
+    # keep-all (-1): the tiles' rows past D_IN (200 = 12.5 x 16) must stay unread
+    out.fill_(float("nan"))
+    threshold_gemv(x, w_t, -1.0, bias=b, out=out, config={**SMALL, "mode": mode})
+    assert_close(out, threshold_gemv_ref(x, w_t, -1.0, bias=b), dtype, seed)
+
+
+def test_tile_kernel_leaves_its_workspace_at_zero(seed):
+    """The finalize launch zeroes the fp32 sums, so a second call does not add to the first."""
+    from dejavu_lab.kernels import _workspace
+
+    dtype = torch.bfloat16
+    x, w_t, thr, b, _ = problem(dtype, 1, 0.3, per_column=True)
+    first = threshold_gemv(x, w_t, thr, bias=b)
+    assert (_workspace.sums(x.device, D_OUT)[:D_OUT] == 0).all()
+    x2 = torch.randn_like(x)
+    second = threshold_gemv(x2, w_t, thr, bias=b)
+    assert_close(first, threshold_gemv_ref(x, w_t, thr, bias=b), dtype, seed)
+    assert_close(second, threshold_gemv_ref(x2, w_t, thr, bias=b), dtype, seed)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_deterministic_is_bitwise_repeatable(batch, seed):
+    """deterministic=True: no atomics, neither the compact kernel's nor the tile kernel's."""
+    x, w_t, thr, b, _ = problem(torch.float16, batch, 0.4)
+    for cfg in ({**SMALL, "reduce": "atomic"}, {**SMALL, "mode": "tile"}):
+        first = threshold_gemv(x, w_t, thr, bias=b, deterministic=True, config=cfg)
+        assert_close(first, threshold_gemv_ref(x, w_t, thr, bias=b), torch.float16, seed)
+        for _ in range(2):
+            again = threshold_gemv(x, w_t, thr, bias=b, deterministic=True, config=cfg)
+            assert torch.equal(first, again), f"seed={seed}"
 
 
 @pytest.mark.skipif(DEVICE == "cpu", reason="CUDA graphs need a GPU")
-def test_cuda_graph_capture_and_replay(seed):
-    x, w_t, thr, b, out = problem(torch.float16, 2, 0.3)
+@pytest.mark.parametrize("batch", [1, 2])  # the tile kernel, the compacting kernel
+def test_cuda_graph_capture_and_replay(batch, seed):
+    x, w_t, thr, b, out = problem(torch.float16, batch, 0.3)
     threshold_gemv(x, w_t, thr, bias=b, out=out)  # allocates the workspaces, compiles
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
@@ -147,7 +186,8 @@ def _ok():
         (lambda x, w, t: (x, w.T.contiguous().T, t), ValueError, "row-major"),
         (lambda x, w, t: (x.to("meta"), w, t), ValueError, "on meta"),
         (lambda x, w, t: (x, w, t.to("meta")), ValueError, "thr is on meta"),
-        (lambda x, w, t: (x, w, [0.0] * 32), TypeError, "thr must be a torch.Tensor"),
+        (lambda x, w, t: (x, w, [0.0] * 32), TypeError, "thr must be a float or a torch.Tensor"),
+        (lambda x, w, t: (x, w, float("nan")), ValueError, "thr is NaN"),
     ],
     ids=[
         "dtype",
@@ -161,6 +201,7 @@ def _ok():
         "device",
         "thr-device",
         "thr-type",
+        "thr-nan",
     ],  # fmt: skip
 )
 def test_rejects_bad_inputs(mutate, exc, message):
@@ -179,6 +220,8 @@ def test_rejects_bad_options():
         threshold_gemv(x, w, t, config={**SMALL, "reduce": "tree"})
     with pytest.raises(ValueError, match="BLOCK_R must be >= 16"):
         threshold_gemv(x, w, t, config={**SMALL, "BLOCK_R": 8})
+    with pytest.raises(ValueError, match="mode='fast' is not 'tile' or 'compact'"):
+        threshold_gemv(x[0], w, t, config={"mode": "fast"})
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="table logic only")
@@ -209,3 +252,38 @@ def test_tuning_lookup_reads_recorded_tables(tmp_path, monkeypatch):
     finally:
         monkeypatch.delenv(tuning.ENV)
         tuning.reload()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation, gated", [("silu", True), ("gelu", True), ("relu", False),
+                                               ("gelu", False), ("none", False)])  # fmt: skip
+@pytest.mark.parametrize("batch", [1, 3])
+def test_threshold_gemv_act(dtype, activation, gated, batch, seed):
+    """The activation fused into the tile kernel's finalize equals the GEMV then torch."""
+    import torch.nn.functional as F
+
+    from dejavu_lab.kernels import threshold_gemv_act
+
+    x, w_t, thr, b, _ = problem(dtype, batch, 0.4, per_column=activation == "gelu")
+    act = {"silu": F.silu, "gelu": F.gelu, "relu": torch.relu, "none": lambda t: t}[activation]
+    a = threshold_gemv_ref(x, w_t, thr, bias=b).float()
+    n = D_OUT // 2
+    want = act(a[:, :n]) * a[:, n:] if gated else act(a)
+    thr_arg = thr if activation == "gelu" else float(thr[0])
+    h = threshold_gemv_act(x, w_t, thr_arg, activation=activation, gated=gated, bias=b)
+    assert h.shape == want.shape and h.dtype == dtype
+    assert_close(h, want.to(dtype), dtype, seed)
+    if batch == 1:  # a 1-d token gives a 1-d result
+        h1 = threshold_gemv_act(x[0], w_t, thr_arg, activation=activation, gated=gated, bias=b)
+        assert h1.shape == want[0].shape
+        assert_close(h1, want[0].to(dtype), dtype, seed)
+
+
+def test_threshold_gemv_act_rejects_bad_options():
+    from dejavu_lab.kernels import threshold_gemv_act
+
+    x, w, t = _ok()
+    with pytest.raises(ValueError, match="activation 'tanh' is not one of"):
+        threshold_gemv_act(x[:1], w, t, activation="tanh", gated=True)
+    with pytest.raises(ValueError, match="even number of columns"):
+        threshold_gemv_act(x[:1], w[:, :23], t, activation="silu", gated=True)

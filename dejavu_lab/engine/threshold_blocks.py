@@ -27,6 +27,7 @@ from ..kernels import (
     sparse_attention_core,
     sparse_mlp_up,
     threshold_gemv,
+    threshold_gemv_act,
 )
 from ..kernels.rope import rope_
 from .config import EngineError
@@ -76,6 +77,17 @@ def default_ops(w) -> str:
     """
     gpu = w.device.type == "cuda" and w.dtype in (torch.float16, torch.bfloat16)
     return "attn=triton" if gpu else "torch"
+
+
+def _constant(t: torch.Tensor | None) -> float | None:
+    """The one value of a threshold vector whose entries are all equal, else None.
+
+    >>> _constant(torch.full((3,), 0.5)), _constant(torch.tensor([0.5, 1.0])), _constant(None)
+    (0.5, None, None)
+    """
+    if t is None or t.numel() == 0 or not bool((t == t[0]).all()):
+        return None
+    return float(t[0])
 
 
 def _mm(x: torch.Tensor, w_t: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -138,15 +150,25 @@ class ThresholdBlocks:
                         if n not in self._keep:
                             self._keep[n] = torch.full((n,), -1.0, device=dev)
                         t[s] = self._keep[n]
+        # a site whose threshold is one number (TEAL, keep-all) passes it to the one-token
+        # kernel as a float: no threshold loads (read once here, never inside a step)
+        self._scalar = [{s: _constant(t) for s, t in sites.items()}
+                        for sites in self.site_thresholds]  # fmt: skip
         self._qkv_all = torch.arange(self.H + 2 * self.Hkv, device=dev)  # every W_QKV block
         self._heads_all = torch.arange(self.H, device=dev)
         self._mlp_all = torch.arange(a.d_mlp, device=dev, dtype=torch.int32)
+
+    def _thr(self, i: int, site: str, x: torch.Tensor):
+        """Layer i's threshold at ``site`` for input x: a float for one token where it is a
+        single number, else the fp32 vector (None: the site is dense)."""
+        scalar = self._scalar[i][site]
+        return scalar if scalar is not None and x.shape[0] == 1 else self.site_thresholds[i][site]
 
     # ----------------------------------------------------------------------------- attention
 
     def _qkv(self, i: int, x: torch.Tensor) -> torch.Tensor:
         """[1, (H + 2 Hkv) dh]: thresholded columns of W_QKV^T, or a dense projection."""
-        lw, thr = self.w.layers[i], self.site_thresholds[i].get("attn_in")
+        lw, thr = self.w.layers[i], self._thr(i, "attn_in", x)
         if thr is not None:
             return threshold_gemv(x, lw.w_qkv_t, thr, bias=lw.b_qkv)
         if self.ops["qkv"] == "triton":  # rows layout: our gather-GEMV over every block
@@ -156,7 +178,7 @@ class ThresholdBlocks:
 
     def _out(self, i: int, o: torch.Tensor) -> torch.Tensor:
         """[1, d]: o [1, H dh] times W_O^T, thresholded (o_in) or dense."""
-        lw, thr = self.w.layers[i], self.site_thresholds[i].get("o_in")
+        lw, thr = self.w.layers[i], self._thr(i, "o_in", o)
         if thr is not None:
             return threshold_gemv(o, lw.w_o_t, thr, bias=lw.b_o)
         return _mm(o, lw.w_o_t, lw.b_o)
@@ -208,16 +230,19 @@ class ThresholdBlocks:
 
     def _mlp_all(self, i: int, x: torch.Tensor) -> torch.Tensor:
         """The MLP with its input (mlp_in) and down (down_in) columns thresholded, or dense."""
-        lw, t = self.w.layers[i], self.site_thresholds[i]
-        t_in, t_down = t.get("mlp_in"), t.get("down_in")
+        lw = self.w.layers[i]
+        t_in, t_down = self._thr(i, "mlp_in", x), self._thr(i, "down_in", x)
         if t_in is None and t_down is None:
             if self.ops["mlp"] != "triton":
                 return self._mlp_torch(i, x)
             return fused_sparse_mlp(x, lw.w_in, lw.w_down_t, self._mlp_all,
                                     activation=self.w.activation, gated=self.arch.gated,
                                     b_in=lw.b_in, b_down=lw.b_down, validate=False)  # fmt: skip
-        a = lw.mlp_in(x) if t_in is None else threshold_gemv(x, lw.w_in_t, t_in, bias=lw.b_in)
-        h = self._act(a)
+        if t_in is None:
+            h = self._act(lw.mlp_in(x))
+        else:  # one token: the activation runs in the GEMV's finalize launch
+            h = threshold_gemv_act(x, lw.w_in_t, t_in, activation=self.w.activation,
+                                   gated=self.arch.gated, bias=lw.b_in)  # fmt: skip
         if t_down is None:
             return _mm(h, lw.w_down_t, lw.b_down)
         return threshold_gemv(h, lw.w_down_t, t_down, bias=lw.b_down)

@@ -6,7 +6,9 @@ One kernel per module, each with a checking wrapper, a plain-PyTorch ``*_ref`` a
 - :func:`sparse_mlp_up`   — selected rows of W1 (or gate/up), fused bias and activation.
 - :func:`sparse_mlp_down` — selected rows of W2 stored transposed (coalesced), reduced.
 - :func:`sparse_attention` — QKV for the selected heads, attention over their KV cache, W_O.
-- :func:`threshold_gemv` — TEAL/WINA input-sparse GEMV, the mask ``|x| > thr`` computed inside.
+- :func:`threshold_gemv` — TEAL/WINA input-sparse GEMV, the mask ``|x| > thr`` computed inside
+  (one token: :mod:`.threshold_tile`, one masked tile per program; :func:`threshold_gemv_act`
+  fuses the MLP's activation into it).
 - :func:`fused_sparse_mlp` — up (or gate/up), activation and down of the kept neurons, one launch.
 - :func:`cats_mlp` — CATS: dense gate (cuBLAS), then up/down of the kept neurons only.
 - :func:`cats_up`  — CATS's thresholded up step: the up rows of the neurons the gate keeps.
@@ -37,6 +39,7 @@ from .sparse_attention import sparse_attention, sparse_attention_ref
 from .sparse_mlp_down import sparse_mlp_down, sparse_mlp_down_ref
 from .sparse_mlp_up import ACTIVATIONS, sparse_mlp_up, sparse_mlp_up_ref
 from .threshold_gemv import threshold_gemv, threshold_gemv_ref
+from .threshold_tile import threshold_gemv_act
 
 __all__ = [
     "ACTIVATIONS",
@@ -60,5 +63,6 @@ __all__ = [
     "sparse_mlp_up",
     "sparse_mlp_up_ref",
     "threshold_gemv",
+    "threshold_gemv_act",
     "threshold_gemv_ref",
 ]

@@ -8,13 +8,14 @@ launches, each streaming one contiguous weight block at close to the copy ceilin
    contiguous view; fp32 output, so the threshold sees the same gate as the reference);
 2. :func:`~.cats_up.cats_up`: the threshold, and the up rows of the kept neurons only (masked
    row loads: a dropped row costs no memory traffic), ``h`` zero where dropped;
-3. :func:`~.threshold_gemv` over the nonzero entries of ``h``: the kept down rows, reduced in
-   a fixed order.
+3. :func:`~.threshold_gemv` over the nonzero entries of ``h``: the kept down rows. One token
+   runs its tile kernel (:mod:`.threshold_tile`: fp32 atomics, so the rounding depends on the
+   order the programs add in); a union batch the compacting kernel, reduced in a fixed order.
 
-Launch shapes fixed by the shapes, no host sync, no atomics (CUDA-graph capturable, the same
-bits on every call). Measured on an H200 (CUDA-graph replay, batch 1, 50% kept, random fp16
-weights): 84 µs against the dense MLP's 110 at Llama-2-13B (gate 37 + up 21 + down 24 µs),
-71 against 94 at Llama-3-8B; the earlier path, whose one Triton kernel computed the gate and
+Launch shapes fixed by the shapes, no host sync (CUDA-graph capturable). Measured on an H200
+(CUDA-graph replay, batch 1, 50% kept, random fp16 weights), with the down step then on the
+compacting kernel: 84 µs against the dense MLP's 110 at Llama-2-13B (gate 37 + up 21 + down
+24 µs), 71 against 94 at Llama-3-8B; the earlier path, whose one Triton kernel computed the gate and
 the masked up rows together (:func:`~.fused_mlp.fused_mlp_kernel` with ``CATS=True``, ~2.5
 TB/s on the gate rows against cuBLAS's ~3.8), took 113 / 95 µs. ``config={"fused_gate":
 True}`` still runs it, for comparison. Union batches are not tuned: at 16 tokens (spread
@@ -33,11 +34,6 @@ from .fused_mlp import check_mlp, check_mode, default_config, hidden_ref, launch
 from .threshold_gemv import threshold_gemv
 
 __all__ = ["cats_mlp", "cats_mlp_ref", "dense_gate"]
-
-# the down GEMV over h's nonzeros at batch 1: short compacted row steps with the weights
-# prefetched a step ahead, many small programs (H200, Llama-2-13B, 50% kept: 24.4 µs, 2.9
-# TB/s, against 29.1 µs for threshold_gemv's default tiling)
-DOWN_CONFIG_B1 = {"BLOCK_R": 16, "prefetch": 2, "programs_per_sm": 8, "num_warps": 2}
 
 
 def dense_gate(xb, w_gate_up, n, b_in=None):
@@ -99,11 +95,12 @@ def cats_mlp(
     [n, d] (fc1 of a ReLU/GELU MLP: ``h = act(fc1 . x + b)`` kept where ``|h| > thr``);
     w_down_t: [n, d]; thr: fp32 [n]. Neuron j counts for token b iff
     ``|act(gate_j . x_b)| > thr[j]``; its up and down rows are read iff some token keeps it.
-    No host sync, launch shape fixed by the shapes (CUDA-graph capturable). Three launches
-    without atomics (:func:`dense_gate`, :func:`~.cats_up.cats_up`, :func:`~.threshold_gemv`):
-    the same bits on every call (``deterministic`` changes nothing; kept for callers of the
-    removed one-launch mode). ``config`` overrides the up kernel's tiles (``"down"``: the
-    down GEMV's; ``"fused_gate": True``: gate and up in one Triton kernel, the older path).
+    No host sync, launch shape fixed by the shapes (CUDA-graph capturable). Three steps
+    (:func:`dense_gate`, :func:`~.cats_up.cats_up`, :func:`~.threshold_gemv`); a union batch
+    gets the same bits on every call, one token's down step sums with fp32 atomics
+    (``deterministic=True``: the compacting kernel, bitwise repeatable, slower).
+    ``config`` overrides the up kernel's tiles (``"down"``: the down GEMV's; ``"fused_gate":
+    True``: gate and up in one Triton kernel, the older path).
 
     >>> _ = torch.manual_seed(0)
     >>> x = torch.randn(2, 16, dtype=torch.float16)  # a union batch of 2 tokens
@@ -139,9 +136,12 @@ def cats_mlp(
         cfg = {**up_config(batch, d, n, device=device), **config}
         cats_up(xb, w_gate_up, dense_gate(xb, w_gate_up, n, b_in), thr, activation=activation,
                 b_in=b_in, out=h, config=cfg)  # fmt: skip
+    if (
+        batch == 1 and not deterministic
+    ):  # the tile kernel over h's nonzeros (fp32 atomics, one threshold: 0)
+        threshold_gemv(h, w_down_t, 0.0, bias=b_down, out=res2, config=cfg.get("down"))
+        return res
     zeros = _workspace.buffer(device, "zero_thresholds", n, torch.float32)[:n]
-    down = cfg.get("down") or (
-        DOWN_CONFIG_B1 if batch == 1 and not config.get("fused_gate") else None
-    )
-    threshold_gemv(h, w_down_t, zeros, bias=b_down, out=res2, deterministic=True, config=down)
+    threshold_gemv(h, w_down_t, zeros, bias=b_down, out=res2, deterministic=True,
+                   config=cfg.get("down"))  # fmt: skip
     return res

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _workspace
+from . import _workspace, threshold_tile
 from ._common import (
     as_batch,
     batch_block,
@@ -53,6 +53,7 @@ from ._common import (
 )
 
 __all__ = [
+    "compact_config",
     "default_config",
     "threshold_gemv",
     "threshold_gemv_kernel",
@@ -278,7 +279,8 @@ def threshold_gemv_ref(x, w_t, thr, *, bias=None):
     tensor([ 0.0000, -2.0000,  1.5000], dtype=torch.float16)
     """
     xf = x.float()
-    y = torch.where(xf.abs() > thr.float(), xf, 0.0) @ w_t.float()
+    t = torch.as_tensor(thr, dtype=torch.float32, device=x.device)
+    y = torch.where(xf.abs() > t, xf, 0.0) @ w_t.float()
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
@@ -294,7 +296,9 @@ def default_config(batch: int, d_in: int, d_out: int, kept: float | None = None,
     over the tuned fractions; a caller that knows its budget may pass
     ``config=default_config(..., kept=0.3)``).
 
-    >>> cfg = default_config(1, 11008, 4096, device=torch.device("cpu"))
+    >>> default_config(1, 11008, 4096, device=torch.device("cpu"))["mode"]
+    'tile'
+    >>> cfg = default_config(16, 11008, 4096, device=torch.device("cpu"))
     >>> cfg["BLOCK_D"], cfg["reduce"], cfg["compact"]
     (128, 'serial', True)
     """
@@ -302,16 +306,29 @@ def default_config(batch: int, d_in: int, d_out: int, kept: float | None = None,
 
     device = device or torch.device("cpu")
     tuned = tuning.lookup("threshold_gemv", d_in, d_out, kept, batch, device)
-    if tuned is not None:
+    if tuned is not None and (batch > 1 or tuned.get("mode") == "tile"):
         return tuned
+    if batch == 1:  # one masked tile per program (:mod:`.threshold_tile`), best at every
+        # budget and engine site measured on the H200 (the older batch-1 tables tuned the
+        # compacting kernel, which it replaced)
+        return dict(threshold_tile.TILE_B1)
+    return compact_config(batch, device)
+
+
+def compact_config(batch: int, device: torch.device) -> dict:
+    """The compacting kernel's heuristic config: the one the H200 sweep
+    (``results/tuning_threshold_gemv.json``) picks over every tuned kept fraction at the Llama
+    shapes (batch 1: many short FMA programs; union batches: tensor-core tiles).
+
+    >>> compact_config(1, torch.device("cpu"))["programs"] > 0
+    True
+    """
     sms = sm_count(device)
-    # the configs the H200 sweep (results/tuning_threshold_gemv.json) picks over every
-    # tuned kept fraction at the Llama shapes: many short programs, compacted rows
     if batch == 1:
         cfg = {"BLOCK_R": 32, "BLOCK_D": 128, "num_warps": 4, "programs": 4 * sms}
     else:
         cfg = {"BLOCK_R": 32, "BLOCK_D": 128, "num_warps": 4, "num_stages": 3, "programs": sms}
-    cfg.update(reduce="serial", compact=True, prefetch=1)
+    cfg.update(mode="compact", reduce="serial", compact=True, prefetch=1)
     return cfg
 
 
@@ -374,7 +391,7 @@ def _launch(xb, w_t, thr, bias, res2, cfg: dict) -> None:
 def threshold_gemv(
     x: torch.Tensor,
     w_t: torch.Tensor,
-    thr: torch.Tensor,
+    thr: torch.Tensor | float,
     *,
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
@@ -384,13 +401,17 @@ def threshold_gemv(
     """``y[b] = sum_i [|x[b,i]| > thr[i]] x[b,i] w_t[i]`` (+ bias), reading only kept rows.
 
     x: [d_in] or [B, d_in] (B <= 32, fp16/bf16); w_t: [d_in, d_out] row-major (``W.T``
-    made contiguous once at load time); thr: fp32 [d_in] (TEAL: a per-site constant; WINA:
-    ``t / ||W[:, i]||``; ``-inf`` keeps a column, ``inf`` drops it); bias: [d_out]. Returns
-    [d_out] or [B, d_out]. A row is read when any token of the batch keeps it. No host sync
-    and a launch shape fixed by the shapes: capturable in a CUDA graph (the first call of a
-    shape allocates small per-device buffers; make it outside capture, on one stream).
-    ``deterministic=True`` forbids the atomic reduction (the default serial one already is);
-    ``config`` overrides the tiles (see :func:`default_config`).
+    made contiguous once at load time); thr: a float (TEAL's one threshold per site: passed to
+    the kernel as a number, so a captured graph keeps the value it was captured with) or fp32
+    [d_in] (WINA: ``t / ||W[:, i]||``; ``-inf`` keeps a column, ``inf`` drops it); bias:
+    [d_out]. Returns [d_out] or [B, d_out]. A row is read when any token of the batch keeps
+    it. No host sync and a launch shape fixed by the shapes: capturable in a CUDA graph (the
+    first call of a shape allocates small per-device buffers; make it outside capture, on one
+    stream). One token runs :mod:`.threshold_tile` (one masked tile per program, fp32
+    atomics: order-dependent rounding); union batches, ``config={"mode": "compact"}`` and
+    ``deterministic=True`` run the compacting kernel, whose default serial reduction is
+    bitwise repeatable (``deterministic`` also forbids its atomic mode). ``config``
+    overrides the tiles (see :func:`default_config`).
 
     >>> _ = torch.manual_seed(0)
     >>> x = torch.randn(2, 64, dtype=torch.float16)  # a union batch of 2 tokens, d_in = 64
@@ -402,13 +423,18 @@ def threshold_gemv(
     """
     check_float("x", x)
     dtype, device = x.dtype, x.device
-    if not isinstance(thr, torch.Tensor):
-        raise TypeError(f"thr must be a torch.Tensor, got {type(thr).__name__}.")
-    check_device(device, w_t=w_t, thr=thr, bias=bias)
+    scalar = isinstance(thr, (int, float)) and not isinstance(thr, bool)
+    if not scalar and not isinstance(thr, torch.Tensor):
+        raise TypeError(f"thr must be a float or a torch.Tensor, got {type(thr).__name__}.")
+    check_device(device, w_t=w_t, bias=bias, **({} if scalar else {"thr": thr}))
     check_float("w_t", w_t, dtype)
     check_rowmajor("w_t", w_t)
     d_in, d_out = w_t.shape
-    check_thr(thr, d_in)
+    if scalar:
+        if thr != thr:
+            raise ValueError("thr is NaN; pass a number (inf drops every column, -1 keeps all).")
+    else:
+        check_thr(thr, d_in)
     if bias is not None:
         check_float("bias", bias, dtype)
         check_shape("bias", bias, (d_out,))
@@ -421,7 +447,21 @@ def threshold_gemv(
     if not use_triton(device):
         res2.copy_(threshold_gemv_ref(xb, w_t, thr, bias=bias))
         return res
-    cfg = {**default_config(batch, d_in, d_out, device=device), **(config or {})}
+    config = config or {}
+    base = default_config(batch, d_in, d_out, device=device)
+    mode = config.get("mode", base.get("mode", "compact"))
+    if mode not in ("tile", "compact"):
+        raise ValueError(f"config mode={mode!r} is not 'tile' or 'compact'.")
+    if mode == "tile" and batch == 1 and not deterministic and threshold_tile.fits(w_t):
+        tile = base if base.get("mode") == "tile" else threshold_tile.TILE_B1
+        threshold_tile.launch(xb[0], w_t, thr, bias, res2[0], {**tile, **config})
+        return res
+    # union batches, a bitwise-repeatable sum, a weight past int32 offsets: compacting
+    if base.get("mode") == "tile":
+        base = compact_config(batch, device)
+    cfg = {**base, **config, "mode": "compact"}
+    if not isinstance(thr, torch.Tensor):
+        thr = torch.full((d_in,), float(thr), device=device)
     if deterministic and cfg.get("reduce") == "atomic":
         cfg["reduce"] = "serial"
     _launch(xb, w_t, thr, bias, res2, cfg)

@@ -1,0 +1,186 @@
+"""The batch-1 threshold GEMV as one masked tile per program, summed with fp32 atomics.
+
+TEAL's grid (Liu et al. 2024, ``liu2024teal``): program (j, i) owns output columns
+``[j BLOCK_D, (j + 1) BLOCK_D)`` and input rows ``[i BLOCK_R, (i + 1) BLOCK_R)`` of
+``w_t = W.T``. It loads its slice of x (and of the thresholds), and then its weight tile with
+the rows of dropped entries masked off: a masked row costs no memory traffic. There is no
+loop and no row list, only thousands of short programs. That keeps far more loads in flight
+than :mod:`.threshold_gemv`'s compacting programs, which must scan their chunk of x before
+their first weight byte moves. The programs add their fp32 partial column sums into a
+per-device workspace with relaxed atomics. A second, small launch converts the sums to the
+output dtype (plus the bias) and zeroes the workspace for the next call.
+
+Measured on an H200 (CUDA-graph replay, fp16, weights rotated through 4x the L2), 11008->4096
+at 50 / 20 / 10% kept: 14.4 / 11.3 / 10.6 µs. TEAL's own kernel takes 17.7 / 15.2 / 14.6 µs
+(fp16 atomics into a zeroed output), and the compacting kernel 23.7 / 14.6 / 11.7 µs. Every
+engine site of Llama-2-13B and Llama-3-8B at 50% kept runs at 0.71-0.86 of the ideal
+(``out/`` scratch sweep, recorded through ``kernels/bench_threshold_gemv.py``).
+
+The threshold may be one number (TEAL's rule: a Python float, passed as a kernel argument,
+which saves the threshold loads) or one per input column (WINA, a float32 tensor). The sums
+are order-dependent in fp32 (one rounding to fp16/bf16 at the end), so ``deterministic=True``
+callers of :func:`~.threshold_gemv.threshold_gemv` get the compacting kernel instead.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from . import _workspace
+from ._common import check_rowmajor, use_triton
+
+__all__ = ["fits", "launch", "threshold_finalize_kernel", "threshold_gemv_act",
+           "threshold_tile_kernel"]  # fmt: skip
+
+INT32_MAX = 2**31 - 1
+# the batch-1 config: best at every budget and at every engine site of Llama-2-13B and
+# Llama-3-8B in the H200 sweep (``results/tuning_threshold_gemv_engine.json``)
+TILE_B1 = {"mode": "tile", "BLOCK_R": 128, "BLOCK_D": 64, "num_warps": 2}
+
+
+@triton.jit
+def threshold_tile_kernel(
+    x_ptr,  # [K] the input token
+    w_ptr,  # [K, D] W transposed, row-major
+    thr_ptr,  # [K] fp32 thresholds (THR_SCALAR: unused)
+    thr_value,  # the one threshold (THR_SCALAR)
+    ws_ptr,  # [D] fp32 sums, zero between launches
+    K,
+    D,
+    stride_w,
+    THR_SCALAR: tl.constexpr,
+    EVEN_D: tl.constexpr,  # D % BLOCK_D == 0: no column mask
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    offs_d = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask_r = offs_r < K
+    x = tl.load(x_ptr + offs_r, mask=mask_r, other=0.0, eviction_policy="evict_last")
+    xf = x.to(tl.float32)
+    if THR_SCALAR:  # the rows past K stay masked at a negative threshold (keep-all)
+        keep = (tl.abs(xf) > thr_value) & mask_r
+    else:
+        t = tl.load(thr_ptr + offs_r, mask=mask_r, other=float("inf"), eviction_policy="evict_last")
+        keep = tl.abs(xf) > t
+    w_ptrs = w_ptr + (offs_r[:, None] * stride_w + offs_d[None, :])
+    if EVEN_D:
+        w = tl.load(w_ptrs, mask=keep[:, None], other=0.0, eviction_policy="evict_first")
+    else:
+        w = tl.load(w_ptrs, mask=keep[:, None] & (offs_d < D)[None, :], other=0.0,
+                    eviction_policy="evict_first")  # fmt: skip
+    acc = tl.sum(w.to(tl.float32) * xf[:, None], axis=0)
+    tl.atomic_add(ws_ptr + offs_d, acc, mask=offs_d < D, sem="relaxed")
+
+
+ACTIVATIONS = {"none": 0, "relu": 1, "gelu": 2, "silu": 3}
+
+
+@triton.jit
+def _act(y, ACT: tl.constexpr):
+    if ACT == 1:
+        y = tl.maximum(y, 0.0)
+    elif ACT == 2:  # exact (erf) GELU, as torch's default
+        y = 0.5 * y * (1.0 + tl.erf(y * 0.7071067811865476))
+    elif ACT == 3:
+        y = y / (1.0 + tl.exp(-y))
+    return y
+
+
+@triton.jit
+def threshold_finalize_kernel(ws_ptr, b_ptr, out_ptr, N, HAS_BIAS: tl.constexpr,
+                              ACT: tl.constexpr, GATED: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """``out = act(ws + bias)`` (GATED: ``act(gate) * up`` over ws = [gate | up], N = half of
+    its columns) in the output dtype, and ``ws = 0`` for the next launch."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    y = tl.load(ws_ptr + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y = _act(y, ACT)
+    tl.store(ws_ptr + offs, tl.zeros_like(y), mask=mask)
+    if GATED:
+        u = tl.load(ws_ptr + N + offs, mask=mask, other=0.0)
+        if HAS_BIAS:
+            u += tl.load(b_ptr + N + offs, mask=mask, other=0.0).to(tl.float32)
+        y = y * u
+        tl.store(ws_ptr + N + offs, tl.zeros_like(u), mask=mask)
+    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def fits(w_t: torch.Tensor) -> bool:
+    """Whether the tile kernel's int32 offsets address all of ``w_t`` (rows x row stride)."""
+    return w_t.shape[0] * w_t.stride(0) <= INT32_MAX
+
+
+def launch(x: torch.Tensor, w_t: torch.Tensor, thr, bias, out: torch.Tensor, cfg: dict, *,
+           activation: str = "none", gated: bool = False) -> None:  # fmt: skip
+    """Run the tile kernel and its finalize on checked inputs: x [d_in] (one token), out
+    [d_out] (``gated``: [d_out / 2], ``act(gate) * up`` of the product's two halves).
+
+    ``thr``: a float (one threshold) or an fp32 [d_in] tensor; ``cfg``: ``BLOCK_R``, ``BLOCK_D``,
+    ``num_warps`` (the finalize's block: ``fin_block``, default 1024); ``activation``: applied
+    in the finalize (``"none"``, ``"relu"``, ``"gelu"``, ``"silu"``).
+    """
+    d_in, d_out = w_t.shape
+    block_r, block_d = cfg["BLOCK_R"], cfg["BLOCK_D"]
+    ws = _workspace.sums(x.device, d_out)
+    scalar = not isinstance(thr, torch.Tensor)
+    threshold_tile_kernel[(triton.cdiv(d_out, block_d), triton.cdiv(d_in, block_r))](
+        x, w_t, ws if scalar else thr, float(thr) if scalar else 0.0, ws, d_in, d_out,
+        w_t.stride(0), THR_SCALAR=scalar, EVEN_D=d_out % block_d == 0, BLOCK_R=block_r,
+        BLOCK_D=block_d, num_warps=cfg["num_warps"], num_stages=1,
+    )  # fmt: skip
+    fin = int(cfg.get("fin_block", 1024))
+    n = d_out // 2 if gated else d_out
+    threshold_finalize_kernel[(triton.cdiv(n, fin),)](
+        ws, bias if bias is not None else ws, out, n, HAS_BIAS=bias is not None,
+        ACT=ACTIVATIONS[activation], GATED=gated, BLOCK=fin, num_warps=4,
+    )  # fmt: skip
+
+
+def threshold_gemv_act(x: torch.Tensor, w_t: torch.Tensor, thr, *, activation: str,
+                       gated: bool, bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """One token's thresholded MLP input projection with the activation fused into the
+    finalize: ``act(g) * u`` for ``w_t = [W_gate | W_up].T`` (gated), else ``act(x W^T + b)``.
+
+    x: [1, d] or [d] (fp16/bf16); w_t: [d, 2n] (gated) or [d, n]; thr: a float or fp32 [d].
+    Returns [1, n] (or [n]). Saves the activation's own launches (two for SwiGLU) against
+    :func:`~.threshold_gemv.threshold_gemv` followed by torch. Union batches and the CPU
+    without the interpreter run that pair.
+
+    >>> from dejavu_lab.kernels import threshold_gemv_ref
+    >>> _ = torch.manual_seed(0)
+    >>> x = torch.randn(1, 32, dtype=torch.float16)
+    >>> w_t = torch.randn(32, 16, dtype=torch.float16) / 4  # gate and up of n = 8 neurons
+    >>> h = threshold_gemv_act(x, w_t, 0.5, activation="silu", gated=True)
+    >>> a = threshold_gemv_ref(x, w_t, 0.5).float()
+    >>> torch.allclose(h.float(), F.silu(a[:, :8]) * a[:, 8:], atol=1e-2)
+    True
+    """
+    from .threshold_gemv import threshold_gemv
+
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation {activation!r} is not one of {', '.join(ACTIVATIONS)}.")
+    d_out = w_t.shape[-1]
+    if gated and d_out % 2:
+        raise ValueError(
+            f"a gated w_t needs an even number of columns (gate then up), got {d_out}."
+        )
+    xb = x.view(1, -1) if x.dim() == 1 else x
+    if xb.shape[0] != 1 or not use_triton(x.device) or not fits(w_t):
+        a = threshold_gemv(xb, w_t, thr, bias=bias)
+        h = _torch_act(a[..., : d_out // 2] if gated else a, activation)
+        h = h * a[..., d_out // 2 :] if gated else h
+        return h.view(-1) if x.dim() == 1 else h
+    check_rowmajor("w_t", w_t)
+    out = torch.empty((1, d_out // 2 if gated else d_out), dtype=x.dtype, device=x.device)
+    launch(xb[0], w_t, thr, bias, out[0], {**TILE_B1}, activation=activation, gated=gated)
+    return out.view(-1) if x.dim() == 1 else out
+
+
+def _torch_act(a: torch.Tensor, activation: str) -> torch.Tensor:
+    return {"none": lambda t: t, "relu": torch.relu, "gelu": F.gelu, "silu": F.silu}[activation](a)
