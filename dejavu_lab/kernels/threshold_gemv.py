@@ -105,8 +105,10 @@ def split_reduce(y, ws_ptr, count_ptr, b_ptr, out_ptr, offs_b, offs_d, mask_b, m
                     )
             else:
                 s_ptrs = ws_ptr + offs_b[:, None] * D + offs_d[None, :]
-                tot = tl.load(s_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-                tl.store(s_ptrs, tl.zeros(y.shape, tl.float32), mask=mask)
+                # read and re-zero in one atomic per element (a load then a store of zeros
+                # races across the CTA's threads, see .threshold_tile)
+                tot = tl.atomic_xchg(s_ptrs, tl.zeros(y.shape, tl.float32), mask=mask,
+                                     sem="relaxed")  # fmt: skip
             tl.atomic_xchg(count_ptr + pid_d, 0)  # ready for the next launch
             _finish(tot, b_ptr, out_ptr, offs_b, offs_d, mask, mask_d, stride_ob, HAS_BIAS)
 

@@ -97,17 +97,19 @@ def threshold_finalize_kernel(ws_ptr, b_ptr, out_ptr, N, HAS_BIAS: tl.constexpr,
     its columns) in the output dtype, and ``ws = 0`` for the next launch."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
-    y = tl.load(ws_ptr + offs, mask=mask, other=0.0)
+    zero = tl.zeros((BLOCK,), tl.float32)
+    # read and zero in one atomic per element: a load followed by a store of zeros races
+    # (the compiler may lay the two out over different threads, so one thread can zero an
+    # element before another has read it; seen on the H200 as 10-50% wrong results)
+    y = tl.atomic_xchg(ws_ptr + offs, zero, mask=mask, sem="relaxed")
     if HAS_BIAS:
         y += tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     y = _act(y, ACT)
-    tl.store(ws_ptr + offs, tl.zeros_like(y), mask=mask)
     if GATED:
-        u = tl.load(ws_ptr + N + offs, mask=mask, other=0.0)
+        u = tl.atomic_xchg(ws_ptr + N + offs, zero, mask=mask, sem="relaxed")
         if HAS_BIAS:
             u += tl.load(b_ptr + N + offs, mask=mask, other=0.0).to(tl.float32)
         y = y * u
-        tl.store(ws_ptr + N + offs, tl.zeros_like(u), mask=mask)
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
