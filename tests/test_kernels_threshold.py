@@ -287,3 +287,18 @@ def test_threshold_gemv_act_rejects_bad_options():
         threshold_gemv_act(x[:1], w, t, activation="tanh", gated=True)
     with pytest.raises(ValueError, match="even number of columns"):
         threshold_gemv_act(x[:1], w[:, :23], t, activation="silu", gated=True)
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="a race shows at GPU sizes only")
+@pytest.mark.parametrize("mode", ["tile", "compact-atomic"])
+def test_atomic_sums_are_right_call_after_call(mode, seed):
+    """Twenty fresh tokens through one shared fp32 workspace at a Llama-sized shape: each sum
+    must be read and re-zeroed whole (a load then a store of zeros raced on the H200)."""
+    torch.manual_seed(seed)
+    d_in, d_out = 2048, 4096
+    w_t = (torch.randn(d_in, d_out) / d_in**0.5).half()
+    cfg = {"mode": "tile"} if mode == "tile" else {"mode": "compact", "reduce": "atomic"}
+    for _ in range(20):
+        x = torch.randn(1, d_in, dtype=torch.float16)
+        y = threshold_gemv(x, w_t, 0.7, config=cfg)
+        assert_close(y, threshold_gemv_ref(x, w_t, 0.7), torch.float16, seed)

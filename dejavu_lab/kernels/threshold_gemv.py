@@ -51,6 +51,7 @@ from ._common import (
     upcast_dot,
     use_triton,
 )
+from ._reduce import take_zero
 
 __all__ = [
     "compact_config",
@@ -105,10 +106,7 @@ def split_reduce(y, ws_ptr, count_ptr, b_ptr, out_ptr, offs_b, offs_d, mask_b, m
                     )
             else:
                 s_ptrs = ws_ptr + offs_b[:, None] * D + offs_d[None, :]
-                # read and re-zero in one atomic per element (a load then a store of zeros
-                # races across the CTA's threads, see .threshold_tile)
-                tot = tl.atomic_xchg(s_ptrs, tl.zeros(y.shape, tl.float32), mask=mask,
-                                     sem="relaxed")  # fmt: skip
+                tot = take_zero(s_ptrs, mask)  # read, and leave zeros for the next launch
             tl.atomic_xchg(count_ptr + pid_d, 0)  # ready for the next launch
             _finish(tot, b_ptr, out_ptr, offs_b, offs_d, mask, mask_d, stride_ob, HAS_BIAS)
 

@@ -31,6 +31,7 @@ import triton.language as tl
 
 from . import _workspace
 from ._common import check_rowmajor, use_triton
+from ._reduce import take_zero
 
 __all__ = ["fits", "launch", "threshold_finalize_kernel", "threshold_gemv_act",
            "threshold_tile_kernel"]  # fmt: skip
@@ -97,16 +98,12 @@ def threshold_finalize_kernel(ws_ptr, b_ptr, out_ptr, N, HAS_BIAS: tl.constexpr,
     its columns) in the output dtype, and ``ws = 0`` for the next launch."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
-    zero = tl.zeros((BLOCK,), tl.float32)
-    # read and zero in one atomic per element: a load followed by a store of zeros races
-    # (the compiler may lay the two out over different threads, so one thread can zero an
-    # element before another has read it; seen on the H200 as 10-50% wrong results)
-    y = tl.atomic_xchg(ws_ptr + offs, zero, mask=mask, sem="relaxed")
+    y = take_zero(ws_ptr + offs, mask)  # read, and leave zeros for the next launch
     if HAS_BIAS:
         y += tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     y = _act(y, ACT)
     if GATED:
-        u = tl.atomic_xchg(ws_ptr + N + offs, zero, mask=mask, sem="relaxed")
+        u = take_zero(ws_ptr + N + offs, mask)
         if HAS_BIAS:
             u += tl.load(b_ptr + N + offs, mask=mask, other=0.0).to(tl.float32)
         y = y * u
