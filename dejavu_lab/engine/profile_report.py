@@ -27,8 +27,10 @@ __all__ = ["PARTS", "bound_table", "kernel_part", "load_profile", "profile_figur
 
 NAME = "engine_profile"
 PARTS = ("weight GEMVs", "lm_head", "attention", "norms", "small ops", "idle")
-_OURS_GEMV = ("sparse_mlp_up", "sparse_mlp_down", "threshold_gemv", "fused_mlp", "cats",
-              "qkv_rope")  # fmt: skip
+# the tile kernel's finalize is its split-K reduction (with the activation), counted with
+# the GEMVs as cuBLAS's splitKreduce is
+_OURS_GEMV = ("sparse_mlp_up", "sparse_mlp_down", "threshold_gemv", "threshold_tile",
+              "threshold_finalize", "fused_mlp", "cats", "qkv_rope")  # fmt: skip
 _ATTENTION = ("sparse_attention", "softmax", "gemvx", "cutlass::Kernel2", "flash", "fmha")
 _GEMM = ("nvjet", "cublas", "gemv", "gemm", "splitKreduce", "cutlass")
 
@@ -38,6 +40,8 @@ def kernel_part(name: str, launches: float) -> str:
 
     >>> kernel_part("threshold_gemv_kernel", 4.0), kernel_part("anon::softmax_warp_forward", 1.0)
     ('weight GEMVs', 'attention')
+    >>> kernel_part("threshold_tile_kernel", 4.0), kernel_part("threshold_finalize_kernel", 4.0)
+    ('weight GEMVs', 'weight GEMVs')
     >>> kernel_part("nvjet_sm90_hsh_256x8_64x6_2x1_v_bz_TNT", 1.0)  # once per step
     'lm_head'
     """
