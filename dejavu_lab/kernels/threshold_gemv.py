@@ -26,7 +26,9 @@ CUTLASS's serial split-K) sums them in split order; ``reduce="atomic"`` adds int
 buffer with atomics and the last program converts it (order-dependent rounding, like TEAL's
 atomic split-K). One split writes the output directly. The atomic mode is opt-in only: on
 the H200 with Triton 3.6 it failed correctness checks with the tensor-core tiles (batch > 1,
-``dot``), see :mod:`.tuning`.
+``dot``). The cause was the last program's load of the sums followed by its store of zeros,
+which raced across its threads; :func:`~._reduce.take_zero` now does both in one atomic and
+the GPU tests pass, but the tuned tables still skip atomic configs (:mod:`.tuning`).
 """
 
 from __future__ import annotations
@@ -298,6 +300,8 @@ def default_config(batch: int, d_in: int, d_out: int, kept: float | None = None,
 
     >>> default_config(1, 11008, 4096, device=torch.device("cpu"))["mode"]
     'tile'
+    >>> default_config(1, 11008, 4096, kept=0.1, device=torch.device("cpu"))["mode"]
+    'compact'
     >>> cfg = default_config(16, 11008, 4096, device=torch.device("cpu"))
     >>> cfg["BLOCK_D"], cfg["reduce"], cfg["compact"]
     (128, 'serial', True)
@@ -306,11 +310,13 @@ def default_config(batch: int, d_in: int, d_out: int, kept: float | None = None,
 
     device = device or torch.device("cpu")
     tuned = tuning.lookup("threshold_gemv", d_in, d_out, kept, batch, device)
-    if tuned is not None and (batch > 1 or tuned.get("mode") == "tile"):
+    if tuned is not None and (batch > 1 or tuned.get("mode") == "tile"
+                              or (kept is not None and kept <= 0.2)):  # fmt: skip
         return tuned
-    if batch == 1:  # one masked tile per program (:mod:`.threshold_tile`), best at every
-        # budget and engine site measured on the H200 (the older batch-1 tables tuned the
-        # compacting kernel, which it replaced)
+    if batch == 1 and (kept is None or kept > 0.2):
+        # one masked tile per program (:mod:`.threshold_tile`): the faster kernel at every
+        # engine site and at 20-60% kept on the H200; the older batch-1 tables tuned the
+        # compacting kernel, which keeps the lead at 10% kept
         return dict(threshold_tile.TILE_B1)
     return compact_config(batch, device)
 

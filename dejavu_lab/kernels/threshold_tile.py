@@ -10,11 +10,15 @@ their first weight byte moves. The programs add their fp32 partial column sums i
 per-device workspace with relaxed atomics. A second, small launch converts the sums to the
 output dtype (plus the bias) and zeroes the workspace for the next call.
 
-Measured on an H200 (CUDA-graph replay, fp16, weights rotated through 4x the L2), 11008->4096
-at 50 / 20 / 10% kept: 14.4 / 11.3 / 10.6 µs. TEAL's own kernel takes 17.7 / 15.2 / 14.6 µs
-(fp16 atomics into a zeroed output), and the compacting kernel 23.7 / 14.6 / 11.7 µs. Every
-engine site of Llama-2-13B and Llama-3-8B at 50% kept runs at 0.71-0.86 of the ideal
-(``out/`` scratch sweep, recorded through ``kernels/bench_threshold_gemv.py``).
+Measured on an H200 (CUDA-graph replay, fp16, weights rotated through 4x the L2;
+``results/threshold_gemv.json``), 11008->4096 at 50 / 20 / 10% kept: 15.0 / 12.9 / 12.4 µs,
+against TEAL's own kernel at 17.7 / 15.4 / 14.8 (fp16 atomics into a zeroed output) and the
+compacting kernel at 24.0 / 14.7 / 11.8. At the engine's sites of Llama-2-13B and Llama-3-8B
+the best tiles run at 0.77-1.00 of the ideal at 50-60% kept
+(``results/tuning_threshold_gemv_engine.json``). Few rows kept favour the compacting kernel
+(10% at 13824->5120: 17.4 against 13.7 µs), where thousands of nearly empty programs cost more
+than one scan: :func:`~.threshold_gemv.default_config` picks it for a ``kept`` hint of 0.2 or
+less.
 
 The threshold may be one number (TEAL's rule: a Python float, passed as a kernel argument,
 which saves the threshold loads) or one per input column (WINA, a float32 tensor). The sums
@@ -37,8 +41,8 @@ __all__ = ["fits", "launch", "threshold_finalize_kernel", "threshold_gemv_act",
            "threshold_tile_kernel"]  # fmt: skip
 
 INT32_MAX = 2**31 - 1
-# the batch-1 config: best at every budget and at every engine site of Llama-2-13B and
-# Llama-3-8B in the H200 sweep (``results/tuning_threshold_gemv_engine.json``)
+# the batch-1 config: within a few percent of the best tile at every engine site of
+# Llama-2-13B and Llama-3-8B in the H200 sweep (``results/tuning_threshold_gemv_engine.json``)
 TILE_B1 = {"mode": "tile", "BLOCK_R": 128, "BLOCK_D": 64, "num_warps": 2}
 
 
