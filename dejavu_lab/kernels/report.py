@@ -20,6 +20,7 @@ __all__ = [
     "load",
     "overhead_fit",
     "speedup_figure",
+    "threshold_table",
     "transactions_table",
 ]
 
@@ -190,3 +191,28 @@ def bandwidth_figure(mlp: pd.DataFrame, ceiling: float, *, d: int = 12288, batch
     fig.for_each_annotation(lambda a: a.update(text=a.text.replace("op=", "projection: ")))
     fig.update_xaxes(tickvals=[0.05, 0.1, 0.2, 0.5, 1.0])
     return fig
+
+
+def threshold_table(name: str = "threshold_gemv") -> tuple[pd.DataFrame, dict]:
+    """The recorded threshold GEMV (TEAL/WINA's input-sparse layer) against dense cuBLAS, the
+    compacting kernel and TEAL's published kernel, one row per (shape, batch, kept), and the
+    run's provenance. ``ours`` is what the wrapper runs: the tile kernel for one token
+    (:mod:`.threshold_tile`), the compacting kernel for a union batch.
+
+    >>> t, prov = threshold_table()
+    >>> list(t.columns[:4]), "gpu" in prov
+    (['dense (µs)', 'ours (µs)', 'compacting (µs)', "TEAL's kernel (µs)"], True)
+    >>> bool((t["ours (µs)"] > 0).all())
+    True
+    """
+    df, prov = results.load(name)
+    if "compact_us" not in df:  # recorded before the tile kernel: ours was the compacting one
+        df = df.assign(compact_us=df["ours_us"].where(df["batch"] == 1))
+    out = pd.DataFrame({
+        "shape": df["shape"], "batch": df["batch"], "kept": df["kept"],
+        "dense (µs)": df["dense_us"], "ours (µs)": df["ours_us"],
+        "compacting (µs)": df["compact_us"],
+        "TEAL's kernel (µs)": df["teal_us"] if "teal_us" in df else np.nan,
+        "of ideal": df["frac_ideal"], "TB/s": df["ours_tbps"],
+    })  # fmt: skip
+    return out.set_index(["shape", "batch", "kept"]), prov
