@@ -11,6 +11,7 @@ set), this times in CUDA-graph replay, on weights rotated through more than 4x t
 - ``masked``: the compacting kernel without compaction (masked loads of fixed row tiles, each
   program looping over its chunk of rows; batch 1 only);
 - ``compact``: the compacting kernel (batch 1 only; union batches always run it);
+- ``tile``: the tile kernel's union-batch form (batches above 1; opt-in, ``mode="tile"``);
 - ``ours``: the threshold GEMV as the wrapper runs it: at batch 1 the tile kernel
   (:mod:`dejavu_lab.kernels.threshold_tile`, TEAL's grid of one masked tile per program with
   fp32 atomics), for union batches the compacting kernel's tuned config.
@@ -106,6 +107,8 @@ ENGINE_CANDIDATES = [  # --tune-engine: the batch-1 tile kernel's grid, one comp
                     (128, 64, 1), (64, 128, 1), (128, 32, 1), (256, 32, 2), (32, 128, 2)]
 ] + [_cfg(32, 128, 4, 8, prefetch=1, mode="compact")]  # fmt: skip
 CANDIDATES[1] += [_tile(128, 64, 2), _tile(64, 128, 2), _tile(256, 64, 2)]
+UNION_TILE = {"BLOCK_R": 64, "BLOCK_D": 64, "num_warps": 4}  # the union-batch tile, untuned
+CANDIDATES[16] += [_tile(64, 64, 4), _tile(128, 64, 4), _tile(64, 128, 4)]
 for _c in CANDIDATES[1] + CANDIDATES[16] + ENGINE_CANDIDATES:
     if _c.get("mode") == "tile":
         continue
@@ -245,6 +248,9 @@ def table(shapes, batches, ceiling):
                     t["masked"] = graph_us(case.calls(kept, batch, masked=True)[1]["ours"])
                     compact = {"mode": "compact"}
                     t["compact"] = graph_us(case.calls(kept, batch, config=compact)[1]["ours"])
+                else:  # the tile kernel's union-batch form (opt-in until it is the faster one)
+                    tile = {"mode": "tile", **UNION_TILE}
+                    t["tile"] = graph_us(case.calls(kept, batch, config=tile)[1]["ours"])
                 nb = nbytes(k, d_in, d_out, batch)
                 # what the wrapper picks (it cannot know the kept fraction: kept=None)
                 cfg = default_config(batch, d_in, d_out, device=case.device)
@@ -263,13 +269,14 @@ def table(shapes, batches, ceiling):
 
 def print_table(rows):
     print(f"\n{'shape':16s} {'B':>2s} {'kept':>4s} | {'dense':>6s} {'contig':>6s} {'masked':>6s} "
-          f"{'compact':>7s} {'ours':>6s} us | frac ideal | vs contig | TB/s | vs TEAL")  # fmt: skip
+          f"{'compact':>7s} {'tile':>6s} {'ours':>6s} us | frac ideal | vs contig | TB/s | vs TEAL")  # fmt: skip
     for r in rows:
         masked = r.get("masked_us", float("nan"))
         compact = r.get("compact_us", float("nan"))
+        tile = r.get("tile_us", float("nan"))
         teal = f"{r['vs_teal']:.2f}x" if "vs_teal" in r else ""
         print(f"{r['shape']:16s} {r['batch']:2d} {r['kept']:4.2f} | {r['dense_us']:6.1f} "
-              f"{r['contig_us']:6.1f} {masked:6.1f} {compact:7.1f} {r['ours_us']:6.1f}    | {r['frac_ideal']:10.2f} "
+              f"{r['contig_us']:6.1f} {masked:6.1f} {compact:7.1f} {tile:6.1f} {r['ours_us']:6.1f}    | {r['frac_ideal']:10.2f} "
               f"| {r['vs_contig']:9.2f} | {r['ours_tbps']:4.2f} | {teal}")  # fmt: skip
 
 

@@ -78,12 +78,13 @@ def test_threshold_gemv_variants(dtype, batch, variant, seed):
     assert_close(out, threshold_gemv_ref(x, w_t, thr, bias=b), dtype, seed)
 
 
-def test_union_batch_masks_each_token_by_its_own_rule(seed):
+@pytest.mark.parametrize("mode", ["compact", "tile"])
+def test_union_batch_masks_each_token_by_its_own_rule(mode, seed):
     """A row read for one token must not leak the other tokens' sub-threshold entries."""
     dtype = torch.float16
     x, w_t, thr, _, _ = problem(dtype, 4, 0.2)
     x[1] = 0.01  # token 1 keeps nothing; the others keep their own 20%
-    y = threshold_gemv(x, w_t, thr, config=SMALL)
+    y = threshold_gemv(x, w_t, thr, config={**SMALL, "mode": mode})
     for b in range(4):
         alone = threshold_gemv(x[b], w_t, thr, config=SMALL)
         assert_close(y[b], alone, dtype, seed)
@@ -222,6 +223,8 @@ def test_rejects_bad_options():
         threshold_gemv(x, w, t, config={**SMALL, "BLOCK_R": 8})
     with pytest.raises(ValueError, match="mode='fast' is not 'tile' or 'compact'"):
         threshold_gemv(x[0], w, t, config={"mode": "fast"})
+    with pytest.raises(ValueError, match="BLOCK_R and BLOCK_D must be >= 16 for a union batch"):
+        threshold_gemv(x, w, t, config={"mode": "tile", "BLOCK_R": 8, "BLOCK_D": 16})
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="table logic only")

@@ -20,6 +20,12 @@ the best tiles run at 0.77-1.00 of the ideal at 50-60% kept
 than one scan: :func:`~.threshold_gemv.default_config` picks it for a ``kept`` hint of 0.2 or
 less.
 
+A union batch (2-32 tokens) has the same grid in :func:`threshold_tile_batch_kernel`: a row is
+read when any token keeps it, each token's entries are masked by its own rule, and the tile's
+product runs on tensor cores. It is opt-in (``config={"mode": "tile"}``) until a GPU run shows
+it beating the compacting kernel, which union batches run by default
+(``kernels/bench_threshold_gemv.py`` times both).
+
 The threshold may be one number (TEAL's rule: a Python float, passed as a kernel argument,
 which saves the threshold loads) or one per input column (WINA, a float32 tensor). The sums
 are order-dependent in fp32 (one rounding to fp16/bf16 at the end), so ``deterministic=True``
@@ -34,11 +40,11 @@ import triton
 import triton.language as tl
 
 from . import _workspace
-from ._common import check_rowmajor, use_triton
+from ._common import batch_block, check_rowmajor, dot_acc, upcast_dot, use_triton
 from ._reduce import take_zero
 
 __all__ = ["fits", "launch", "threshold_finalize_kernel", "threshold_gemv_act",
-           "threshold_tile_kernel"]  # fmt: skip
+           "threshold_tile_batch_kernel", "threshold_tile_kernel"]  # fmt: skip
 
 INT32_MAX = 2**31 - 1
 # the batch-1 config: within a few percent of the best tile at every engine site of
@@ -82,6 +88,48 @@ def threshold_tile_kernel(
     tl.atomic_add(ws_ptr + offs_d, acc, mask=offs_d < D, sem="relaxed")
 
 
+@triton.jit
+def threshold_tile_batch_kernel(
+    x_ptr,  # [B, K] a union batch of tokens
+    w_ptr,  # [K, D] W transposed, row-major
+    thr_ptr,  # [K] fp32 thresholds (THR_SCALAR: unused)
+    thr_value,  # the one threshold (THR_SCALAR)
+    ws_ptr,  # [B, D] fp32 sums, zero between launches
+    B,
+    K,
+    D,
+    stride_xb,
+    stride_w,
+    THR_SCALAR: tl.constexpr,
+    BLOCK_B: tl.constexpr,  # >= 16: the token tile of tl.dot
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr,  # fp32 tl.dot (CPU interpreter, bf16)
+):
+    """The union-batch form: a row is read when any token keeps it; each token's entries are
+    masked by its own rule; the tile's product runs on tensor cores."""
+    offs_d = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_b = tl.arange(0, BLOCK_B)
+    mask_r = offs_r < K
+    mask_b = offs_b < B
+    x = tl.load(x_ptr + offs_b[:, None] * stride_xb + offs_r[None, :],
+                mask=mask_b[:, None] & mask_r[None, :], other=0.0)  # fmt: skip
+    if THR_SCALAR:
+        keep = (tl.abs(x) > thr_value) & mask_r[None, :] & mask_b[:, None]
+    else:
+        t = tl.load(thr_ptr + offs_r, mask=mask_r, other=float("inf"))
+        keep = tl.abs(x) > t[None, :]
+    union = tl.max(keep.to(tl.int32), axis=0) > 0
+    w = tl.load(w_ptr + (offs_r[:, None] * stride_w + offs_d[None, :]),
+                mask=union[:, None] & (offs_d < D)[None, :], other=0.0,
+                eviction_policy="evict_first")  # fmt: skip
+    xm = tl.where(keep, x, tl.zeros_like(x))
+    acc = dot_acc(xm, w, tl.zeros((BLOCK_B, BLOCK_D), tl.float32), UPCAST)
+    tl.atomic_add(ws_ptr + offs_b[:, None] * D + offs_d[None, :], acc,
+                  mask=mask_b[:, None] & (offs_d < D)[None, :], sem="relaxed")  # fmt: skip
+
+
 ACTIVATIONS = {"none": 0, "relu": 1, "gelu": 2, "silu": 3}
 
 
@@ -97,22 +145,25 @@ def _act(y, ACT: tl.constexpr):
 
 
 @triton.jit
-def threshold_finalize_kernel(ws_ptr, b_ptr, out_ptr, N, HAS_BIAS: tl.constexpr,
+def threshold_finalize_kernel(ws_ptr, b_ptr, out_ptr, N, stride_ob, HAS_BIAS: tl.constexpr,
                               ACT: tl.constexpr, GATED: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
-    """``out = act(ws + bias)`` (GATED: ``act(gate) * up`` over ws = [gate | up], N = half of
-    its columns) in the output dtype, and ``ws = 0`` for the next launch."""
+    """Row ``program_id(1)``: ``out = act(ws + bias)`` (GATED: ``act(gate) * up`` over a ws row
+    [gate | up], N = half of its columns) in the output dtype, and ``ws = 0`` for the next
+    launch. ws rows are contiguous ([B, N] or [B, 2N]); out rows ``stride_ob`` apart."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    row = tl.program_id(1)
     mask = offs < N
-    y = take_zero(ws_ptr + offs, mask)  # read, and leave zeros for the next launch
+    ws_row = ws_ptr + row * (2 * N if GATED else N)
+    y = take_zero(ws_row + offs, mask)  # read, and leave zeros for the next launch
     if HAS_BIAS:
         y += tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     y = _act(y, ACT)
     if GATED:
-        u = take_zero(ws_ptr + N + offs, mask)
+        u = take_zero(ws_row + N + offs, mask)
         if HAS_BIAS:
             u += tl.load(b_ptr + N + offs, mask=mask, other=0.0).to(tl.float32)
         y = y * u
-    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * stride_ob + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def fits(w_t: torch.Tensor) -> bool:
@@ -120,28 +171,43 @@ def fits(w_t: torch.Tensor) -> bool:
     return w_t.shape[0] * w_t.stride(0) <= INT32_MAX
 
 
-def launch(x: torch.Tensor, w_t: torch.Tensor, thr, bias, out: torch.Tensor, cfg: dict, *,
+def launch(xb: torch.Tensor, w_t: torch.Tensor, thr, bias, out: torch.Tensor, cfg: dict, *,
            activation: str = "none", gated: bool = False) -> None:  # fmt: skip
-    """Run the tile kernel and its finalize on checked inputs: x [d_in] (one token), out
-    [d_out] (``gated``: [d_out / 2], ``act(gate) * up`` of the product's two halves).
+    """Run the tile kernel and its finalize on checked inputs: xb [B, d_in] (rows contiguous),
+    out [B, d_out] (``gated``: [B, d_out / 2], ``act(gate) * up`` of the product's halves).
 
     ``thr``: a float (one threshold) or an fp32 [d_in] tensor; ``cfg``: ``BLOCK_R``, ``BLOCK_D``,
-    ``num_warps`` (the finalize's block: ``fin_block``, default 1024); ``activation``: applied
-    in the finalize (``"none"``, ``"relu"``, ``"gelu"``, ``"silu"``).
+    ``num_warps`` (and ``num_stages`` for a union batch; the finalize's block: ``fin_block``,
+    default 1024); ``activation``: applied in the finalize (``"none"``, ``"relu"``, ``"gelu"``,
+    ``"silu"``).
     """
-    d_in, d_out = w_t.shape
+    batch, d_in = xb.shape
+    d_out = w_t.shape[1]
     block_r, block_d = cfg["BLOCK_R"], cfg["BLOCK_D"]
-    ws = _workspace.sums(x.device, d_out)
+    ws = _workspace.sums(xb.device, batch * d_out)
     scalar = not isinstance(thr, torch.Tensor)
-    threshold_tile_kernel[(triton.cdiv(d_out, block_d), triton.cdiv(d_in, block_r))](
-        x, w_t, ws if scalar else thr, float(thr) if scalar else 0.0, ws, d_in, d_out,
-        w_t.stride(0), THR_SCALAR=scalar, EVEN_D=d_out % block_d == 0, BLOCK_R=block_r,
-        BLOCK_D=block_d, num_warps=cfg["num_warps"], num_stages=1,
-    )  # fmt: skip
+    thr_ptr, thr_value = (ws, float(thr)) if scalar else (thr, 0.0)
+    grid = (triton.cdiv(d_out, block_d), triton.cdiv(d_in, block_r))
+    if batch == 1:
+        threshold_tile_kernel[grid](
+            xb, w_t, thr_ptr, thr_value, ws, d_in, d_out, w_t.stride(0), THR_SCALAR=scalar,
+            EVEN_D=d_out % block_d == 0, BLOCK_R=block_r, BLOCK_D=block_d,
+            num_warps=cfg["num_warps"], num_stages=1,
+        )  # fmt: skip
+    else:
+        if block_r < 16 or block_d < 16:
+            raise ValueError("config BLOCK_R and BLOCK_D must be >= 16 for a union batch "
+                             "(tensor-core tiles).")  # fmt: skip
+        threshold_tile_batch_kernel[grid](
+            xb, w_t, thr_ptr, thr_value, ws, batch, d_in, d_out, xb.stride(0), w_t.stride(0),
+            THR_SCALAR=scalar, BLOCK_B=batch_block(batch), BLOCK_R=block_r, BLOCK_D=block_d,
+            UPCAST=upcast_dot(xb.dtype), num_warps=cfg["num_warps"],
+            num_stages=cfg.get("num_stages", 1),
+        )  # fmt: skip
     fin = int(cfg.get("fin_block", 1024))
     n = d_out // 2 if gated else d_out
-    threshold_finalize_kernel[(triton.cdiv(n, fin),)](
-        ws, bias if bias is not None else ws, out, n, HAS_BIAS=bias is not None,
+    threshold_finalize_kernel[(triton.cdiv(n, fin), batch)](
+        ws, bias if bias is not None else ws, out, n, out.stride(0), HAS_BIAS=bias is not None,
         ACT=ACTIVATIONS[activation], GATED=gated, BLOCK=fin, num_warps=4,
     )  # fmt: skip
 
@@ -182,7 +248,7 @@ def threshold_gemv_act(x: torch.Tensor, w_t: torch.Tensor, thr, *, activation: s
         return h.view(-1) if x.dim() == 1 else h
     check_rowmajor("w_t", w_t)
     out = torch.empty((1, d_out // 2 if gated else d_out), dtype=x.dtype, device=x.device)
-    launch(xb[0], w_t, thr, bias, out[0], {**TILE_B1}, activation=activation, gated=gated)
+    launch(xb, w_t, thr, bias, out, {**TILE_B1}, activation=activation, gated=gated)
     return out.view(-1) if x.dim() == 1 else out
 
 
