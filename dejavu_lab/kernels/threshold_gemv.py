@@ -53,7 +53,7 @@ from ._common import (
     upcast_dot,
     use_triton,
 )
-from ._reduce import take_zero
+from ._reduce import split_reduce
 
 __all__ = [
     "compact_config",
@@ -64,53 +64,6 @@ __all__ = [
 ]
 
 REDUCE = {"direct": 0, "serial": 1, "atomic": 2}
-
-
-@triton.jit
-def _finish(y, b_ptr, out_ptr, offs_b, offs_d, mask, mask_d, stride_ob, HAS_BIAS: tl.constexpr):
-    if HAS_BIAS:
-        y += tl.load(b_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
-    o_ptrs = out_ptr + offs_b[:, None] * stride_ob + offs_d[None, :]
-    tl.store(o_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def split_reduce(y, ws_ptr, count_ptr, b_ptr, out_ptr, offs_b, offs_d, mask_b, mask_d, B, D,
-                 stride_ob, pid_d, pid_s, n_split, REDUCE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 CHUNK: tl.constexpr):  # fmt: skip
-    """Sum the [BLOCK_B, BLOCK_D] fp32 tile ``y`` of split ``pid_s`` over the splits and write
-    the output (shared by the threshold GEMV and the fused MLP kernels)."""
-    mask = mask_b[:, None] & mask_d[None, :]
-    if REDUCE == 0:
-        _finish(y, b_ptr, out_ptr, offs_b, offs_d, mask, mask_d, stride_ob, HAS_BIAS)
-    else:
-        if REDUCE == 1:  # fp32 partial per split, summed in split order by the last arrival
-            p_ptrs = ws_ptr + (pid_s * B + offs_b[:, None]).to(tl.int64) * D + offs_d[None, :]
-            tl.store(p_ptrs, y, mask=mask)
-        else:  # fp32 atomics into a buffer that every launch leaves at zero
-            tl.atomic_add(ws_ptr + offs_b[:, None] * D + offs_d[None, :], y, mask=mask,
-                          sem="relaxed")  # fmt: skip
-        # the CTA's stores precede the barrier, the barrier precedes one gpu-scope acq_rel
-        # atomic (CUTLASS's semaphore): the last of the n_split arrivals sees every partial
-        tl.debug_barrier()
-        arrived = tl.atomic_add(count_ptr + pid_d, 1, sem="acq_rel", scope="gpu")
-        if arrived == n_split - 1:
-            if REDUCE == 1:
-                offs_c = tl.arange(0, CHUNK)
-                tot = tl.zeros(y.shape, tl.float32)
-                for s0 in range(0, n_split, CHUNK):
-                    sp = s0 + offs_c
-                    q_ptrs = (ws_ptr + (sp[:, None, None] * B + offs_b[None, :, None]).to(tl.int64) * D
-                              + offs_d[None, None, :])  # fmt: skip
-                    q_mask = (sp < n_split)[:, None, None] & mask[None, :, :]
-                    tot += tl.sum(
-                        tl.load(q_ptrs, mask=q_mask, other=0.0, cache_modifier=".cg"), axis=0
-                    )
-            else:
-                s_ptrs = ws_ptr + offs_b[:, None] * D + offs_d[None, :]
-                tot = take_zero(s_ptrs, mask)  # read, and leave zeros for the next launch
-            tl.atomic_xchg(count_ptr + pid_d, 0)  # ready for the next launch
-            _finish(tot, b_ptr, out_ptr, offs_b, offs_d, mask, mask_d, stride_ob, HAS_BIAS)
 
 
 @triton.jit
@@ -269,7 +222,7 @@ def threshold_gemv_kernel(
             acc = dot_acc(xt, w, acc, UPCAST)
         y = acc
     split_reduce(y, ws_ptr, count_ptr, b_ptr, out_ptr, offs_b, offs_d, mask_b, mask_d, B, D,
-                 stride_ob, pid_d, pid_s, n_split, REDUCE, HAS_BIAS, CHUNK)  # fmt: skip
+                 stride_ob, pid_d, pid_s, n_split, REDUCE, HAS_BIAS, CHUNK, False)  # fmt: skip
 
 
 def threshold_gemv_ref(x, w_t, thr, *, bias=None):
