@@ -11,9 +11,8 @@ draws around it:
   removed per layer and site;
 - :class:`TokenKept`, :func:`token_kept` and :func:`token_bytes` — what each token kept: a
   threshold keeps a different number of entries for every token, a top-k the same;
-- :func:`load_engine_methods`, :func:`engine_methods_table` and :func:`engine_figure` — GPU
-  time per token of every method in our engine (``results/engine_methods.json``, recorded by
-  ``kernels/bench_engine.py``), beside our dense engine, Hugging Face and the bytes' floor.
+- GPU time per token of every method in our engine: :mod:`dejavu_lab.engine.methods_report`
+  (its names stay importable from here).
 """
 
 from __future__ import annotations
@@ -21,8 +20,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import subprocess
-import sys
 import textwrap
 from collections import defaultdict
 from pathlib import Path
@@ -33,7 +30,6 @@ import plotly.graph_objects as go
 import torch
 from plotly.subplots import make_subplots
 
-from . import results
 from .arch import Arch
 from .sparsify.calibration import KINDS, Thresholds
 from .sparsify.core import sparsified
@@ -42,17 +38,12 @@ from .sparsify.layer_bytes import Kept, layer_elements, site_elements
 
 __all__ = [
     "COLORS",
-    "ENGINE_ARGS",
-    "ENGINE_NAME",
     "TARGETS",
     "TokenKept",
     "cached_frontier",
     "color",
     "crossings",
-    "engine_figure",
-    "engine_methods_table",
     "frontier_figure",
-    "load_engine_methods",
     "threshold_heatmap",
     "threshold_table",
     "token_bytes",
@@ -61,11 +52,6 @@ __all__ = [
 
 # Issue 11's quality targets: bytes per token fraction -> at most this perplexity ratio to dense.
 TARGETS = {0.75: 1.02, 0.6: 1.10, 0.5: 1.25}
-ENGINE_NAME = "engine_methods"  # results/engine_methods.json
-# the recorded run's arguments (its provenance "command"), for a live rerun on a GPU box
-ENGINE_ARGS = ["--models", "llama-2-13b,llama-3-8b", "--prompts", "512", "--methods",
-               "dense,dense_auto,dejavu,teal,wina,cats", "--sparsity", "0.4,0.5",
-               "--baselines", "hf_compiled,hf"]  # fmt: skip
 COLORS = {"dense": "#444444", "oracle": "#2ca02c", "static": "#7f7f7f", "dejavu": "#d62728",
           "cats": "#9467bd", "teal": "#1f77b4", "wina": "#ff7f0e"}  # fmt: skip
 
@@ -409,145 +395,15 @@ def token_bytes(kept: pd.DataFrame, arch: Arch) -> pd.DataFrame:
     return (1.0 - per / total).rename("bytes_per_token_fraction").reset_index()
 
 
-# ---------------------------------------------------------------------------------------------
-# recorded GPU time per token
+_MOVED = ("ENGINE_ARGS", "ENGINE_NAME", "LABELS", "engine_figure", "engine_methods_table",
+          "load_engine_methods")  # fmt: skip
 
 
-def load_engine_methods(live: bool | None = None):
-    """(rows, provenance, live) of the engine's per-method run: measured now on a GPU box
-    (``live=None`` and CUDA present: ``kernels/bench_engine.py`` with the recorded run's
-    arguments, a few minutes), else read from ``results/engine_methods.json``.
+def __getattr__(name: str):
+    """The engine-time names, moved to :mod:`dejavu_lab.engine.methods_report`, still resolve
+    here (imported on first use: that module imports this one's colours)."""
+    if name in _MOVED:
+        from .engine import methods_report
 
-    >>> frame, prov, live = load_engine_methods(live=False)
-    >>> live, prov["gpu"], sorted(set(frame.loc[frame.kind == "e2e", "model"]))
-    (False, 'NVIDIA H200', ['llama-2-13b', 'llama-3-8b'])
-    """
-    live = torch.cuda.is_available() if live is None else live
-    name = ENGINE_NAME
-    if live:
-        script = Path(__file__).resolve().parents[1] / "kernels" / "bench_engine.py"
-        name = ENGINE_NAME + "_live"
-        cmd = [sys.executable, str(script), *ENGINE_ARGS, "--no-check", "--name", name]
-        subprocess.run(cmd, check=True)
-    frame, prov = results.load(name)
-    return frame, prov, live
-
-
-LABELS = {
-    "hf": "HF generate",
-    "hf_compiled": "HF generate, compiled",
-    "dense": "dense (ours)",
-    "dense_auto": "dense (ours, tuned ops)",
-    "sparse": "DejaVu",
-    "sparse_fixed_sets": "DejaVu, sets given (no predictors)",
-    "sparse_inline_predictors": "DejaVu, predictors inline",
-    "teal": "TEAL",
-    "wina": "WINA",
-    "cats": "CATS",
-}
-
-
-def _budget(r) -> str:
-    if r.engine.startswith("sparse"):
-        return f"MLP {r.mlp_sparsity:.0%} · heads {r.head_sparsity:.0%}"
-    if r.engine in ("teal", "wina"):
-        return f"{r.sparsity:.0%} of every input"
-    if r.engine == "cats":
-        return f"MLP {r.sparsity:.0%}"
-    return "dense"
-
-
-def engine_methods_table(frame: pd.DataFrame, prompt: int = 512) -> pd.DataFrame:
-    """Every engine variant per model: ms per token, the ratio to our dense engine and to
-    compiled Hugging Face ``generate``, the floor ratio (dense bytes per step / its bytes: the
-    speedup the bytes allow) and the measured time over its own floor.
-
-    >>> t = engine_methods_table(load_engine_methods(live=False)[0])
-    >>> t.columns.tolist()
-    ['model', 'engine', 'method', 'budget', 'ms per token', 'vs dense', 'vs HF compiled', 'floor ratio', '/ its floor']
-    >>> t.loc[(t.model == "llama-3-8b") & (t.engine == "dense"), "vs dense"].item()
-    1.0
-    """
-    from .engine.report import method_table
-
-    e = frame[(frame.kind == "e2e") & (frame.prompt == prompt)].copy()
-    if "error" in e:
-        e = e[e.error.isna()]
-    e["sparsity"] = e["sparsity"].fillna(0.0) if "sparsity" in e else 0.0
-    out = []
-    for model in dict.fromkeys(e.model):
-        t = method_table(frame, model, prompt).reset_index()
-        meta = e[e.model == model][["engine", "sparsity", "mlp_sparsity", "head_sparsity"]]
-        t = t.merge(meta, on=["engine", "sparsity"], how="left")
-        dense_gb = float(t.loc[t.engine == "dense", "GB per step"].iloc[0])
-        t["floor ratio"] = dense_gb / t["GB per step"]
-        t["model"] = model
-        t["method"] = t.engine.map(LABELS).fillna(t.engine)
-        t["budget"] = [_budget(r) for r in t.itertuples()]
-        out.append(t)
-    cols = ["model", "engine", "method", "budget", "ms per token", "vs dense", "vs HF compiled",
-            "floor ratio", "/ its floor"]  # fmt: skip
-    return pd.concat(out, ignore_index=True)[cols]
-
-
-def engine_figure(table: pd.DataFrame, caption: str, skip=("hf",)) -> go.Figure:
-    """ms per token per method (bars, labelled with the ratio to our dense engine) beside each
-    one's bytes floor (markers), one panel per model.
-
-    ``skip``: engines left out of the figure (default the eager HF loop, off the scale; the
-    table has it).
-
-    >>> t = engine_methods_table(load_engine_methods(live=False)[0])
-    >>> fig = engine_figure(t, "Recorded.")
-    >>> len(fig.data), fig.data[0].name  # per model: bars and floors
-    (4, 'ms per token')
-    """
-    models = list(dict.fromkeys(table.model))
-    fig = make_subplots(rows=1, cols=len(models), subplot_titles=models, shared_yaxes=True,
-                        horizontal_spacing=0.04)  # fmt: skip
-    for c, model in enumerate(models, start=1):
-        t = table[(table.model == model) & ~table.engine.isin(skip)]
-        labels = [
-            f"{m} · {b}" if b != "dense" else m for m, b in zip(t.method, t.budget, strict=True)
-        ]
-        floor = t["ms per token"] / t["/ its floor"]
-        fig.add_trace(
-            go.Bar(
-                y=labels,
-                x=t["ms per token"],
-                orientation="h",
-                name="ms per token",
-                showlegend=c == 1,
-                marker_color=[
-                    COLORS.get(e.split("_")[0].replace("sparse", "dejavu"), "#17becf")
-                    for e in t.engine
-                ],
-                text=[f"{v:.2f}× dense" for v in t["vs dense"]],
-                textposition="outside",
-                hovertemplate="%{y}<br>%{x:.2f} ms per token<extra></extra>",
-            ),
-            row=1,
-            col=c,
-        )
-        fig.add_trace(
-            go.Scatter(
-                y=labels,
-                x=floor,
-                mode="markers",
-                name="its bytes floor (bytes / copy ceiling)",
-                showlegend=c == 1,
-                marker=dict(symbol="line-ns-open", size=18, color="black", line=dict(width=2)),
-                hovertemplate="floor %{x:.2f} ms<extra></extra>",
-            ),
-            row=1,
-            col=c,
-        )
-    top = float(table.loc[~table.engine.isin(skip), "ms per token"].max()) * 1.35
-    fig.update_xaxes(title_text="ms per generated token", range=[0, top])
-    fig.update_yaxes(autorange="reversed")
-    fig.update_layout(height=540, margin=dict(t=100, b=130, l=260, r=20), barmode="overlay",
-                      legend=dict(orientation="h", y=1.16, x=1, xanchor="right"))  # fmt: skip
-    fig.add_annotation(text=_wrap(caption), xref="paper", yref="paper", x=0, y=-0.2,
-                       yanchor="top", showarrow=False, font=dict(size=9), xanchor="left",
-                       align="left")  # fmt: skip
-    return fig
+        return getattr(methods_report, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -26,7 +26,9 @@ and ``report`` stand alone):
 - :mod:`~dejavu_lab.engine.report`  — tables and figures of the end-to-end chapter (imported on
   first use: it needs pandas and plotly);
 - :mod:`~dejavu_lab.engine.profile_report` — the decode step's GPU time per kernel inside its
-  CUDA graph, grouped by part (``kernels/profile_engine.py``'s recording).
+  CUDA graph, grouped by part (``kernels/profile_engine.py``'s recording);
+- :mod:`~dejavu_lab.engine.methods_report` — GPU time per token of every sparsity method
+  (``results/engine_methods.json``), for the gated-MLP chapter.
 
 >>> import torch
 >>> from dejavu_lab.engine import METHODS, Decoder

@@ -1,0 +1,172 @@
+"""GPU time per token of every sparsity method in our engine (issue 11's speed side).
+
+:func:`load_engine_methods` reads ``results/engine_methods.json`` (recorded by
+``kernels/bench_engine.py``) or measures live on a GPU box; :func:`engine_methods_table` puts
+each method beside our dense engine, compiled Hugging Face and the bytes' floor;
+:func:`engine_figure` draws it. Chapter 42 shows these; the quality side is
+:mod:`dejavu_lab.gated_report`.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import plotly.graph_objects as go
+import torch
+from plotly.subplots import make_subplots
+
+from .. import results
+from ..gated_report import COLORS
+from ..plots import wrap_caption
+
+__all__ = ["ENGINE_ARGS", "ENGINE_NAME", "LABELS", "engine_figure", "engine_methods_table",
+           "load_engine_methods"]  # fmt: skip
+
+ENGINE_NAME = "engine_methods"  # results/engine_methods.json
+# the recorded run's arguments (its provenance "command"), for a live rerun on a GPU box
+ENGINE_ARGS = ["--models", "llama-2-13b,llama-3-8b", "--prompts", "512", "--methods",
+               "dense,dense_auto,dejavu,teal,wina,cats", "--sparsity", "0.4,0.5",
+               "--baselines", "hf_compiled,hf"]  # fmt: skip
+
+
+def load_engine_methods(live: bool | None = None):
+    """(rows, provenance, live) of the engine's per-method run: measured now on a GPU box
+    (``live=None`` and CUDA present: ``kernels/bench_engine.py`` with the recorded run's
+    arguments, a few minutes), else read from ``results/engine_methods.json``.
+
+    >>> frame, prov, live = load_engine_methods(live=False)
+    >>> live, prov["gpu"], sorted(set(frame.loc[frame.kind == "e2e", "model"]))
+    (False, 'NVIDIA H200', ['llama-2-13b', 'llama-3-8b'])
+    """
+    live = torch.cuda.is_available() if live is None else live
+    name = ENGINE_NAME
+    if live:
+        script = Path(__file__).resolve().parents[1] / "kernels" / "bench_engine.py"
+        name = ENGINE_NAME + "_live"
+        cmd = [sys.executable, str(script), *ENGINE_ARGS, "--no-check", "--name", name]
+        subprocess.run(cmd, check=True)
+    frame, prov = results.load(name)
+    return frame, prov, live
+
+
+LABELS = {
+    "hf": "HF generate",
+    "hf_compiled": "HF generate, compiled",
+    "dense": "dense (ours)",
+    "dense_auto": "dense (ours, tuned ops)",
+    "sparse": "DejaVu",
+    "sparse_fixed_sets": "DejaVu, sets given (no predictors)",
+    "sparse_inline_predictors": "DejaVu, predictors inline",
+    "teal": "TEAL",
+    "wina": "WINA",
+    "cats": "CATS",
+}
+
+
+def _budget(r) -> str:
+    if r.engine.startswith("sparse"):
+        return f"MLP {r.mlp_sparsity:.0%} · heads {r.head_sparsity:.0%}"
+    if r.engine in ("teal", "wina"):
+        return f"{r.sparsity:.0%} of every input"
+    if r.engine == "cats":
+        return f"MLP {r.sparsity:.0%}"
+    return "dense"
+
+
+def engine_methods_table(frame: pd.DataFrame, prompt: int = 512) -> pd.DataFrame:
+    """Every engine variant per model: ms per token, the ratio to our dense engine and to
+    compiled Hugging Face ``generate``, the floor ratio (dense bytes per step / its bytes: the
+    speedup the bytes allow) and the measured time over its own floor.
+
+    >>> t = engine_methods_table(load_engine_methods(live=False)[0])
+    >>> t.columns.tolist()
+    ['model', 'engine', 'method', 'budget', 'ms per token', 'vs dense', 'vs HF compiled', 'floor ratio', '/ its floor']
+    >>> t.loc[(t.model == "llama-3-8b") & (t.engine == "dense"), "vs dense"].item()
+    1.0
+    """
+    from .report import method_table
+
+    e = frame[(frame.kind == "e2e") & (frame.prompt == prompt)].copy()
+    if "error" in e:
+        e = e[e.error.isna()]
+    e["sparsity"] = e["sparsity"].fillna(0.0) if "sparsity" in e else 0.0
+    out = []
+    for model in dict.fromkeys(e.model):
+        t = method_table(frame, model, prompt).reset_index()
+        meta = e[e.model == model][["engine", "sparsity", "mlp_sparsity", "head_sparsity"]]
+        t = t.merge(meta, on=["engine", "sparsity"], how="left")
+        dense_gb = float(t.loc[t.engine == "dense", "GB per step"].iloc[0])
+        t["floor ratio"] = dense_gb / t["GB per step"]
+        t["model"] = model
+        t["method"] = t.engine.map(LABELS).fillna(t.engine)
+        t["budget"] = [_budget(r) for r in t.itertuples()]
+        out.append(t)
+    cols = ["model", "engine", "method", "budget", "ms per token", "vs dense", "vs HF compiled",
+            "floor ratio", "/ its floor"]  # fmt: skip
+    return pd.concat(out, ignore_index=True)[cols]
+
+
+def engine_figure(table: pd.DataFrame, caption: str, skip=("hf",)) -> go.Figure:
+    """ms per token per method (bars, labelled with the ratio to our dense engine) beside each
+    one's bytes floor (markers), one panel per model.
+
+    ``skip``: engines left out of the figure (default the eager HF loop, off the scale; the
+    table has it).
+
+    >>> t = engine_methods_table(load_engine_methods(live=False)[0])
+    >>> fig = engine_figure(t, "Recorded.")
+    >>> len(fig.data), fig.data[0].name  # per model: bars and floors
+    (4, 'ms per token')
+    """
+    models = list(dict.fromkeys(table.model))
+    fig = make_subplots(rows=1, cols=len(models), subplot_titles=models, shared_yaxes=True,
+                        horizontal_spacing=0.04)  # fmt: skip
+    for c, model in enumerate(models, start=1):
+        t = table[(table.model == model) & ~table.engine.isin(skip)]
+        labels = [
+            f"{m} · {b}" if b != "dense" else m for m, b in zip(t.method, t.budget, strict=True)
+        ]
+        floor = t["ms per token"] / t["/ its floor"]
+        fig.add_trace(
+            go.Bar(
+                y=labels,
+                x=t["ms per token"],
+                orientation="h",
+                name="ms per token",
+                showlegend=c == 1,
+                marker_color=[
+                    COLORS.get(e.split("_")[0].replace("sparse", "dejavu"), "#17becf")
+                    for e in t.engine
+                ],
+                text=[f"{v:.2f}× dense" for v in t["vs dense"]],
+                textposition="outside",
+                hovertemplate="%{y}<br>%{x:.2f} ms per token<extra></extra>",
+            ),
+            row=1,
+            col=c,
+        )
+        fig.add_trace(
+            go.Scatter(
+                y=labels,
+                x=floor,
+                mode="markers",
+                name="its bytes floor (bytes / copy ceiling)",
+                showlegend=c == 1,
+                marker=dict(symbol="line-ns-open", size=18, color="black", line=dict(width=2)),
+                hovertemplate="floor %{x:.2f} ms<extra></extra>",
+            ),
+            row=1,
+            col=c,
+        )
+    top = float(table.loc[~table.engine.isin(skip), "ms per token"].max()) * 1.35
+    fig.update_xaxes(title_text="ms per generated token", range=[0, top])
+    fig.update_yaxes(autorange="reversed")
+    fig.update_layout(height=540, margin=dict(t=100, b=130, l=260, r=20), barmode="overlay",
+                      legend=dict(orientation="h", y=1.16, x=1, xanchor="right"))  # fmt: skip
+    fig.add_annotation(text=wrap_caption(caption.replace("<br>", " "), 120), xref="paper", yref="paper", x=0, y=-0.2,
+                       yanchor="top", showarrow=False, font=dict(size=9), xanchor="left",
+                       align="left")  # fmt: skip
+    return fig
