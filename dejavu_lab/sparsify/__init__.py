@@ -19,7 +19,8 @@ Sparsity is always the fraction REMOVED (the paper's "85% MLP sparsity" keeps 15
 a float or a per-layer list in [0, 1) (:mod:`dejavu_lab.budgets`). Masks are applied through
 the writable hook points of :mod:`dejavu_lab.hooks`, so the model's own forward runs unchanged.
 This measures *quality*: the dense work still happens on CPU; what a sparse step would read is
-counted by :mod:`~dejavu_lab.sparsify.layer_bytes` (:mod:`~dejavu_lab.sparsify.frontier` puts
+counted by :mod:`~dejavu_lab.sparsify.layer_bytes` (perplexity and bytes together:
+:mod:`~dejavu_lab.sparsify.evaluate`) (:mod:`~dejavu_lab.sparsify.frontier` puts
 every method on that axis), the speed side lives in
 :mod:`dejavu_lab.bytes_model`, the kernels and the engine.
 
@@ -37,16 +38,8 @@ from .calibration import (
     load_calibration,
     load_thresholds,
 )
-from .core import (
-    METHODS,
-    MODES,
-    SITES,
-    SparseResult,
-    register,
-    sparse_eval,
-    sparse_perplexity,
-    sparsified,
-)
+from .core import METHODS, MODES, SITES, register, sparsified
+from .evaluate import SparseResult, sparse_eval, sparse_perplexity
 from .layer_bytes import Kept, bytes_per_token_fraction
 from .paper import PAPER_KNOWL9, PAPER_TASKS
 from .static import StaticSets, static_sets

@@ -29,7 +29,7 @@ import torch
 from ..arch import get_arch
 from ..corpus import load_text, token_windows
 from .calibration import calibrate
-from .core import sparse_eval
+from .evaluate import sparse_eval
 
 __all__ = ["SPARSITIES", "VARIANTS", "at_bytes", "frontier", "main", "study_windows"]
 
