@@ -6,11 +6,14 @@ import pytest
 import torch
 
 # make test runs one pytest-xdist worker per core: each gets its share of the cores, so two
-# workers' matmuls do not fight over the same two cores
+# workers' matmuls do not fight over the same two cores. The processes a test starts get the
+# same share (OMP_NUM_THREADS): the book build's notebook kernels, beside the other worker, ran
+# two OpenMP threads on a core that worker held, several times slower than one (chapter 40 in
+# quick mode, one core busy elsewhere: 138 s with two threads, 24 s with one)
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
-    torch.set_num_threads(
-        max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
-    )
+    share = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    torch.set_num_threads(share)
+    os.environ.setdefault("OMP_NUM_THREADS", str(share))
 
 from dejavu_lab.models import load_model, random_model
 
