@@ -167,7 +167,11 @@ def threshold_finalize_kernel(ws_ptr, b_ptr, out_ptr, N, stride_ob, HAS_BIAS: tl
 
 
 def fits(w_t: torch.Tensor) -> bool:
-    """Whether the tile kernel's int32 offsets address all of ``w_t`` (rows x row stride)."""
+    """Whether the tile kernel's int32 offsets address all of ``w_t`` (rows x row stride).
+
+    >>> fits(torch.empty(11008, 4096, device="meta")), fits(torch.empty(65536, 65536, device="meta"))
+    (True, False)
+    """
     return w_t.shape[0] * w_t.stride(0) <= INT32_MAX
 
 
@@ -180,6 +184,15 @@ def launch(xb: torch.Tensor, w_t: torch.Tensor, thr, bias, out: torch.Tensor, cf
     ``num_warps`` (and ``num_stages`` for a union batch; the finalize's block: ``fin_block``,
     default 1024); ``activation``: applied in the finalize (``"none"``, ``"relu"``, ``"gelu"``,
     ``"silu"``).
+
+    >>> from dejavu_lab.kernels import threshold_gemv_ref
+    >>> _ = torch.manual_seed(0)
+    >>> x = torch.randn(1, 32, dtype=torch.float16)
+    >>> w_t = torch.randn(32, 16, dtype=torch.float16) / 4
+    >>> out = torch.empty(1, 16, dtype=torch.float16)
+    >>> launch(x, w_t, 0.5, None, out, TILE_B1)  # CPU: the kernels under TRITON_INTERPRET=1
+    >>> torch.allclose(out, threshold_gemv_ref(x, w_t, 0.5), atol=1e-2)
+    True
     """
     batch, d_in = xb.shape
     d_out = w_t.shape[1]
