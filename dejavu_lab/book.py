@@ -74,7 +74,8 @@ def hardware() -> str:
     """
     if torch.cuda.is_available():
         return torch.cuda.get_device_name()
-    return f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)"
+    n = torch.get_num_threads()
+    return f"CPU ({platform.machine()}, {n} thread{'' if n == 1 else 's'})"
 
 
 def caption(model: str, text: str, n_tokens: int, extra: str = "") -> str:
