@@ -48,7 +48,7 @@ from .sets import KeptSets
 from .threshold_blocks import ThresholdBlocks
 from .threshold_blocks import default_ops as _default_ops
 from .threshold_blocks import dense_ops as _resolve_ops
-from .weights import DecoderWeights, decoder_weights
+from .weights import DecoderWeights, check_layout, decoder_weights, layout_for
 
 __all__ = ["Decoder"]
 
@@ -56,28 +56,6 @@ __all__ = ["Decoder"]
 def _norm(x: torch.Tensor, p: tuple, kind: str) -> torch.Tensor:
     w, b, eps = p  # one program per row: torch's kernel takes ~15 us for one row on an H200
     return row_norm(x, w, b if kind == "layer" else None, eps=eps, kind=kind)
-
-
-def _layout_for(method: str, sparse: SparseConfig | None) -> str:
-    """The weights layout a method reads: TEAL/WINA thresholds W_QKV's and W_in's columns."""
-    return "columns" if method in ("teal", "wina") else "rows"
-
-
-def _check_layout(w: DecoderWeights, method: str, sparse: SparseConfig | None) -> None:
-    lw, need = w.layers[0], []
-    if method in ("dejavu", "cats"):
-        need = [("w_in", "rows")] + ([("w_qkv", "rows")] if method == "dejavu" else [])
-    elif method in ("teal", "wina"):
-        sites = {site for _, site in sparse.thresholds}
-        need = [(m, "columns") for m, s in (("w_qkv_t", "attn_in"), ("w_in_t", "mlp_in"))
-                if s in sites]  # fmt: skip
-    for name, layout in need:
-        if getattr(lw, name) is None:
-            raise EngineError(
-                f"method {method!r} reads the {layout} layout of the weights but these were built "
-                f"with layout={w.layout!r}; build them with decoder_weights(model, "
-                f"layout={layout!r}) (or 'both', to share them between methods)."
-            )
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -119,7 +97,7 @@ class Decoder(KeptSets, ThresholdBlocks):
         if isinstance(model, DecoderWeights):
             self.w = model
         else:
-            self.w = decoder_weights(model, arch, layout=_layout_for(method, sparse))
+            self.w = decoder_weights(model, arch, layout=layout_for(method))
         self.ops = _resolve_ops(dense_ops if dense_ops is not None else _default_ops(self.w))
         a = self.arch = self.w.arch
         self.sparse = sparse
@@ -130,7 +108,7 @@ class Decoder(KeptSets, ThresholdBlocks):
                 f"the {method} path runs the fp16/bf16 kernels but the weights are "
                 f"{self.w.dtype}; load the model with dtype=torch.float16 (or bfloat16)."
             )
-        _check_layout(self.w, method, sparse)
+        check_layout(self.w, method, sparse)
         if predictors is not None and getattr(predictors, "mode", "lookahead") != "lookahead":
             raise EngineError(
                 "the engine runs lookahead predictors (Knowl 2); train mode='lookahead'."

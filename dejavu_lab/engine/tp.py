@@ -58,9 +58,9 @@ import torch
 import torch.distributed as dist
 
 from .config import EngineError, SparseConfig
-from .decoder import Decoder, _layout_for
+from .decoder import Decoder
 from .tp_weights import ShardedWeights, shard_weights
-from .weights import DecoderWeights, decoder_weights
+from .weights import DecoderWeights, decoder_weights, layout_for
 
 __all__ = ["NVLS_OFF", "TPDecoder", "init_tp", "split_indices"]
 
@@ -184,7 +184,7 @@ class TPDecoder(Decoder):
         else:
             method = "dense" if sparse is None else sparse.method
             full = model if isinstance(model, DecoderWeights) else decoder_weights(
-                model, arch, layout=_layout_for(method, sparse))  # fmt: skip
+                model, arch, layout=layout_for(method))  # fmt: skip
             w = shard_weights(full, self.rank, self.world_size, vocab_parallel=vocab_parallel,
                               device=device)  # fmt: skip
         if self.backend == "nccl" and w.device.type != "cuda":

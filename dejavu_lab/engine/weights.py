@@ -31,7 +31,7 @@ from torch import nn
 from ..arch import Arch, get_arch
 from .config import EngineError
 
-__all__ = ["DecoderWeights", "LayerWeights", "decoder_weights"]
+__all__ = ["DecoderWeights", "LayerWeights", "check_layout", "decoder_weights", "layout_for"]
 
 ENGINE_TYPES = ("opt", "llama", "mistral", "qwen2")  # Arch tables whose blocks the engine runs
 
@@ -310,3 +310,36 @@ def decoder_weights(
         rotary=model.model.rotary_emb,
         max_positions=int(getattr(cfg, "sliding_window", None) or 1 << 20),
     )
+
+
+def layout_for(method: str) -> str:
+    """The weights layout a method reads: TEAL/WINA threshold W_QKV's and W_in's columns.
+
+    >>> layout_for("teal"), layout_for("dejavu")
+    ('columns', 'rows')
+    """
+    return "columns" if method in ("teal", "wina") else "rows"
+
+
+def check_layout(w: DecoderWeights, method: str, sparse) -> None:
+    """Raise :class:`EngineError` when ``w`` lacks a layout that ``method`` reads (``sparse``:
+    its :class:`~dejavu_lab.engine.SparseConfig`, whose thresholded sites decide for TEAL/WINA).
+
+    >>> from dejavu_lab.models import random_model
+    >>> w = decoder_weights(random_model("tiny-llama").model, layout="rows")
+    >>> check_layout(w, "cats", None)  # CATS reads the rows layout: fine
+    """
+    lw, need = w.layers[0], []
+    if method in ("dejavu", "cats"):
+        need = [("w_in", "rows")] + ([("w_qkv", "rows")] if method == "dejavu" else [])
+    elif method in ("teal", "wina"):
+        sites = {site for _, site in sparse.thresholds}
+        need = [(m, "columns") for m, s in (("w_qkv_t", "attn_in"), ("w_in_t", "mlp_in"))
+                if s in sites]  # fmt: skip
+    for name, layout in need:
+        if getattr(lw, name) is None:
+            raise EngineError(
+                f"method {method!r} reads the {layout} layout of the weights but these were built "
+                f"with layout={w.layout!r}; build them with decoder_weights(model, "
+                f"layout={layout!r}) (or 'both', to share them between methods)."
+            )
