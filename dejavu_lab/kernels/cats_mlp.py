@@ -136,9 +136,8 @@ def cats_mlp(
         cfg = {**up_config(batch, d, n, device=device), **config}
         cats_up(xb, w_gate_up, dense_gate(xb, w_gate_up, n, b_in), thr, activation=activation,
                 b_in=b_in, out=h, config=cfg)  # fmt: skip
-    if (
-        batch == 1 and not deterministic
-    ):  # the tile kernel over h's nonzeros (fp32 atomics, one threshold: 0)
+    if batch == 1 and not deterministic:
+        # the tile kernel over h's nonzeros (fp32 atomics, one threshold: 0)
         threshold_gemv(h, w_down_t, 0.0, bias=b_down, out=res2, config=cfg.get("down"))
         return res
     zeros = _workspace.buffer(device, "zero_thresholds", n, torch.float32)[:n]

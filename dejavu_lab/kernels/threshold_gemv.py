@@ -412,9 +412,7 @@ def threshold_gemv(
     mode = config.get("mode", base.get("mode", "compact"))
     if mode not in ("tile", "compact"):
         raise ValueError(f"config mode={mode!r} is not 'tile' or 'compact'.")
-    # union batches run the tile kernel only when asked (not yet timed against compaction)
-    asked = batch == 1 or config.get("mode") == "tile"
-    if mode == "tile" and asked and not deterministic and threshold_tile.fits(w_t):
+    if mode == "tile" and not deterministic and threshold_tile.fits(w_t):
         tile = base if base.get("mode") == "tile" else threshold_tile.TILE_B1
         threshold_tile.launch(xb, w_t, thr, bias, res2, {**tile, **config})
         return res

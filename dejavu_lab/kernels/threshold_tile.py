@@ -22,8 +22,9 @@ less.
 
 A union batch (2-32 tokens) has the same grid in :func:`threshold_tile_batch_kernel`: a row is
 read when any token keeps it, each token's entries are masked by its own rule, and the tile's
-product runs on tensor cores. It is opt-in (``config={"mode": "tile"}``) until a GPU run shows
-it beating the compacting kernel, which union batches run by default
+product runs on tensor cores. It runs when asked (``config={"mode": "tile"}``, or a tuned
+table entry for the shape that picks it) until a GPU run shows it beating the compacting kernel,
+which union batches run by default
 (``kernels/bench_threshold_gemv.py`` times both).
 
 The threshold may be one number (TEAL's rule: a Python float, passed as a kernel argument,
@@ -35,13 +36,13 @@ callers of :func:`~.threshold_gemv.threshold_gemv` get the compacting kernel ins
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from . import _workspace
 from ._common import batch_block, check_rowmajor, dot_acc, upcast_dot, use_triton
 from ._reduce import take_zero
+from .fused_mlp import FUSED_ACTIVATIONS, _act, act_ref
 
 __all__ = ["fits", "launch", "threshold_finalize_kernel", "threshold_gemv_act",
            "threshold_tile_batch_kernel", "threshold_tile_kernel"]  # fmt: skip
@@ -130,20 +131,6 @@ def threshold_tile_batch_kernel(
                   mask=mask_b[:, None] & (offs_d < D)[None, :], sem="relaxed")  # fmt: skip
 
 
-ACTIVATIONS = {"none": 0, "relu": 1, "gelu": 2, "silu": 3}
-
-
-@triton.jit
-def _act(y, ACT: tl.constexpr):
-    if ACT == 1:
-        y = tl.maximum(y, 0.0)
-    elif ACT == 2:  # exact (erf) GELU, as torch's default
-        y = 0.5 * y * (1.0 + tl.erf(y * 0.7071067811865476))
-    elif ACT == 3:
-        y = y / (1.0 + tl.exp(-y))
-    return y
-
-
 @triton.jit
 def threshold_finalize_kernel(ws_ptr, b_ptr, out_ptr, N, stride_ob, HAS_BIAS: tl.constexpr,
                               ACT: tl.constexpr, GATED: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
@@ -182,8 +169,8 @@ def launch(xb: torch.Tensor, w_t: torch.Tensor, thr, bias, out: torch.Tensor, cf
 
     ``thr``: a float (one threshold) or an fp32 [d_in] tensor; ``cfg``: ``BLOCK_R``, ``BLOCK_D``,
     ``num_warps`` (and ``num_stages`` for a union batch; the finalize's block: ``fin_block``,
-    default 1024); ``activation``: applied in the finalize (``"none"``, ``"relu"``, ``"gelu"``,
-    ``"silu"``).
+    default 1024); ``activation``: applied in the finalize (one of
+    :data:`~.fused_mlp.FUSED_ACTIVATIONS`).
 
     >>> from dejavu_lab.kernels import threshold_gemv_ref
     >>> _ = torch.manual_seed(0)
@@ -221,7 +208,7 @@ def launch(xb: torch.Tensor, w_t: torch.Tensor, thr, bias, out: torch.Tensor, cf
     n = d_out // 2 if gated else d_out
     threshold_finalize_kernel[(triton.cdiv(n, fin), batch)](
         ws, bias if bias is not None else ws, out, n, out.stride(0), HAS_BIAS=bias is not None,
-        ACT=ACTIVATIONS[activation], GATED=gated, BLOCK=fin, num_warps=4,
+        ACT=activation, GATED=gated, BLOCK=fin, num_warps=4,
     )  # fmt: skip
 
 
@@ -235,6 +222,7 @@ def threshold_gemv_act(x: torch.Tensor, w_t: torch.Tensor, thr, *, activation: s
     :func:`~.threshold_gemv.threshold_gemv` followed by torch. Union batches and the CPU
     without the interpreter run that pair.
 
+    >>> import torch.nn.functional as F
     >>> from dejavu_lab.kernels import threshold_gemv_ref
     >>> _ = torch.manual_seed(0)
     >>> x = torch.randn(1, 32, dtype=torch.float16)
@@ -246,8 +234,8 @@ def threshold_gemv_act(x: torch.Tensor, w_t: torch.Tensor, thr, *, activation: s
     """
     from .threshold_gemv import threshold_gemv
 
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation {activation!r} is not one of {', '.join(ACTIVATIONS)}.")
+    if activation not in FUSED_ACTIVATIONS:
+        raise ValueError(f"activation {activation!r} is not one of {', '.join(FUSED_ACTIVATIONS)}.")
     d_out = w_t.shape[-1]
     if gated and d_out % 2:
         raise ValueError(
@@ -256,14 +244,10 @@ def threshold_gemv_act(x: torch.Tensor, w_t: torch.Tensor, thr, *, activation: s
     xb = x.view(1, -1) if x.dim() == 1 else x
     if xb.shape[0] != 1 or not use_triton(x.device) or not fits(w_t):
         a = threshold_gemv(xb, w_t, thr, bias=bias)
-        h = _torch_act(a[..., : d_out // 2] if gated else a, activation)
+        h = act_ref(a[..., : d_out // 2] if gated else a, activation)
         h = h * a[..., d_out // 2 :] if gated else h
         return h.view(-1) if x.dim() == 1 else h
     check_rowmajor("w_t", w_t)
     out = torch.empty((1, d_out // 2 if gated else d_out), dtype=x.dtype, device=x.device)
     launch(xb, w_t, thr, bias, out, {**TILE_B1}, activation=activation, gated=gated)
     return out.view(-1) if x.dim() == 1 else out
-
-
-def _torch_act(a: torch.Tensor, activation: str) -> torch.Tensor:
-    return {"none": lambda t: t, "relu": torch.relu, "gelu": F.gelu, "silu": F.silu}[activation](a)
