@@ -157,8 +157,8 @@ class GemvCase:
         outs = [torch.empty(batch, self.d_out, dtype=self.dtype, device=self.device) for _ in xs]
         xk = [x[:, :k].contiguous() for x in xs]
         w, thr = self.w, self.thr
-        masked = {"mode": "compact", "compact": False} if masked else {}
-        cfg = {**(config or {}), **masked} or None
+        no_compaction = {"mode": "compact", "compact": False} if masked else {}
+        cfg = {**(config or {}), **no_compaction} or None
         return k, {
             "dense": [lambda c=c: torch.mm(xs[c], w[c]) for c in range(self.copies)],
             "contig": [lambda c=c: torch.mm(xk[c], w[c, :k]) for c in range(self.copies)],
