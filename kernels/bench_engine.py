@@ -371,7 +371,7 @@ def graph_check(dec: Decoder, ids) -> float:
 
 def bench_model(preset, prompts, new_tokens, hf_new, hf_prompts, device, ceiling, parts_at, *,
                 baselines=("hf", "hf_compiled"), methods=("dense", "dejavu"), sparsities=(0.5,),
-                dejavu_budget=None, dense_ops=None) -> None:  # fmt: skip
+                dejavu_budget=None, dense_ops=None, plain=False) -> None:  # fmt: skip
     model, arch = build(preset, device)
     vocab = model.get_output_embeddings().weight.shape[0]
     d_embed = model.get_output_embeddings().weight.shape[1]
@@ -429,6 +429,10 @@ def bench_model(preset, prompts, new_tokens, hf_new, hf_prompts, device, ceiling
                     thr = calibrate_thresholds(w, ids, v.sparsity, method=v.method)
                 dec = make_decoder(v, w, arch, p + new_tokens, preds, dense_ops, thr)
                 row.update(engine_row(dec, ids, new_tokens))
+                if plain and dec.fuse_epilogues and v.method != "dejavu":  # the unfused step
+                    dec.fuse_epilogues = False
+                    row["plain_ms_per_token"] = engine_row(dec, ids, new_tokens)["ms_per_token"]
+                    dec.fuse_epilogues = True
                 if cuda():
                     row["graph_vs_eager"] = graph_check(dec, ids)
             except Exception as exc:  # record and go on: one failure must not lose the run
@@ -577,6 +581,12 @@ def main(argv=None):
     )
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: relaunches "
                     "kernels/bench_engine_tp.py under torchrun with this many processes")  # fmt: skip
+    ap.add_argument(
+        "--plain",
+        action="store_true",
+        help="also time each dense/TEAL/WINA/CATS "
+        "decoder with its epilogues unfused (fuse_epilogues=False): plain_ms_per_token",
+    )
     ap.add_argument("--quick", action="store_true", help="CPU plumbing check at tiny shapes")
     args = ap.parse_args(argv)
     if args.tp > 1:  # one process per GPU: torchrun runs the tensor-parallel benchmark
@@ -637,7 +647,8 @@ def main(argv=None):
         try:
             bench_model(preset, prompts, new, hf_new, hf_prompts, device, ceiling, parts_at,
                         baselines=baselines, methods=methods, sparsities=sparsities,
-                        dejavu_budget=budget, dense_ops=args.dense_ops)  # fmt: skip
+                        dejavu_budget=budget, dense_ops=args.dense_ops,
+                        plain=args.plain)  # fmt: skip
         except Exception as exc:
             print(f"{preset} failed: {exc!r}")
             ROWS.append({"kind": "e2e", "model": preset, "error": repr(exc)[:300]})

@@ -76,6 +76,8 @@ class BatchDecoder(BatchSets, BatchBlocks, Decoder):
     True
     """
 
+    fuse_epilogues = False  # its blocks are batched (BatchBlocks); the fused step is batch 1
+
     def __init__(self, model, *, max_seq_len: int, max_batch: int = MAX_BATCH,
                  sparse: SparseConfig | None = None, predictors=None, arch=None,
                  dense_ops: str | dict | None = None, union_budget: float | None = None,

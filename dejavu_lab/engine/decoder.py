@@ -44,6 +44,7 @@ from ..kernels import (
 )
 from ..kernels.qkv_rope import qkv_rope
 from .config import EngineError, SparseConfig
+from .fused_step import FusedStep
 from .sets import KeptSets
 from .threshold_blocks import ThresholdBlocks
 from .threshold_blocks import default_ops as _default_ops
@@ -64,7 +65,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-class Decoder(KeptSets, ThresholdBlocks):
+class Decoder(KeptSets, ThresholdBlocks, FusedStep):
     """Greedy batch-1 decoding of one sequence of up to ``max_seq_len`` tokens.
 
     ``model`` is a HF model or the :class:`DecoderWeights` of one (to share them between
@@ -311,6 +312,8 @@ class Decoder(KeptSets, ThresholdBlocks):
     def _layers(self, x: torch.Tensor) -> torch.Tensor:
         """Every block of a decode step on x [B, d], the lookahead predictors of layer i + 1
         on the side stream while layer i computes (a batched decoder shares this loop)."""
+        if self._fusable(x):  # one token: each block finished in its residual add + norm
+            return self._layers_fused(x)
         attn, mlp = self._attn, self._mlp
         pred = self.predictors is not None
         side = self._side if (pred and x.is_cuda and self.sparse.side_stream) else None

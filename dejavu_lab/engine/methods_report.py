@@ -29,7 +29,7 @@ ENGINE_NAME = "engine_methods"  # results/engine_methods.json
 # the recorded run's arguments (its provenance "command"), for a live rerun on a GPU box
 ENGINE_ARGS = ["--models", "llama-2-13b,llama-3-8b", "--prompts", "512", "--methods",
                "dense,dense_auto,dejavu,teal,wina,cats", "--sparsity", "0.4,0.5",
-               "--baselines", "hf_compiled,hf"]  # fmt: skip
+               "--baselines", "hf_compiled,hf", "--plain"]  # fmt: skip
 
 
 def load_engine_methods(live: bool | None = None):

@@ -29,7 +29,9 @@ from ..kernels import (
     threshold_gemv,
     threshold_gemv_act,
 )
+from ..kernels.epilogue import rope_sums
 from ..kernels.rope import rope_
+from ..kernels.threshold_tile import threshold_sums
 from .config import EngineError
 
 __all__ = ["DENSE_OPS", "ThresholdBlocks", "default_ops", "dense_ops"]
@@ -183,22 +185,37 @@ class ThresholdBlocks:
             return threshold_gemv(o, lw.w_o_t, thr, bias=lw.b_o)
         return _mm(o, lw.w_o_t, lw.b_o)
 
-    def _attn_all(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        """Attention over every head (dense, TEAL, WINA, CATS); x [1, d] -> [1, d]."""
+    def _qkv_rot(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """[1, (H + 2 Hkv) dh]: q/k/v of x with queries and keys turned at this position. One
+        thresholded token finishes its sums inside the rotation (:func:`rope_sums`)."""
+        rot = self.H + self.Hkv
+        thr = self._thr(i, "attn_in", x) if self.cos is not None else None
+        ws = threshold_sums(x, self.w.layers[i].w_qkv_t, thr) if thr is not None else None
+        if ws is not None:
+            out = torch.empty((1, ws.numel()), dtype=x.dtype, device=x.device)
+            return rope_sums(ws, self.w.layers[i].b_qkv, out, self.cos, self.sin,
+                             self._positions, n_rot=rot)  # fmt: skip
+        qkv = self._qkv(i, x)
+        if self.cos is not None:  # in place
+            rope_(qkv, self.cos, self.sin, self._positions, n_rot=rot)
+        return qkv
+
+    def _attn_core(self, i: int, qkv: torch.Tensor) -> torch.Tensor:
+        """[1, H dh]: this token's K/V appended to layer i's cache, every head attended."""
         H, Hkv, dh = self.H, self.Hkv, self.dh
-        qkv = self._qkv(i, x)  # [1, (H + 2 Hkv) dh]
-        if self.cos is not None:  # queries and keys turned at this position, in place
-            rope_(qkv, self.cos, self.sin, self._positions, n_rot=H + Hkv)
         if self.ops["attn"] == "triton":  # our kernel appends K/V and attends, every head
-            o = sparse_attention_core(
+            return sparse_attention_core(
                 qkv, self.kv[i, 0][None], self.kv[i, 1][None], self._seqlen, self._heads_all,
                 n_heads=H, kv_heads=None if H == Hkv else self._kv_all, scale=self.scale,
             )  # fmt: skip
-            return self._out(i, o)
         qkv = qkv.view(H + 2 * Hkv, dh)
         q, new = qkv[:H], qkv[H:].view(2, Hkv, dh)
         self.kv[i].index_copy_(2, self.pos_t, new.unsqueeze(2))
-        return self._out(i, self._attend(i, q, self._cur_mask).view(1, H * dh))
+        return self._attend(i, q, self._cur_mask).view(1, H * dh)
+
+    def _attn_all(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Attention over every head (dense, TEAL, WINA, CATS); x [1, d] -> [1, d]."""
+        return self._out(i, self._attn_core(i, self._qkv_rot(i, x)))
 
     def _attend(self, i: int, q: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """One query per head over layer i's cache; q [H, dh] -> [H, dh] (GQA by grouping)."""
@@ -238,14 +255,19 @@ class ThresholdBlocks:
             return fused_sparse_mlp(x, lw.w_in, lw.w_down_t, self._mlp_all,
                                     activation=self.w.activation, gated=self.arch.gated,
                                     b_in=lw.b_in, b_down=lw.b_down, validate=False)  # fmt: skip
-        if t_in is None:
-            h = self._act(lw.mlp_in(x))
-        else:  # one token: the activation runs in the GEMV's finalize launch
-            h = threshold_gemv_act(x, lw.w_in_t, t_in, activation=self.w.activation,
-                                   gated=self.arch.gated, bias=lw.b_in)  # fmt: skip
+        h = self._hidden(i, x, t_in)
         if t_down is None:
             return _mm(h, lw.w_down_t, lw.b_down)
         return threshold_gemv(h, lw.w_down_t, t_down, bias=lw.b_down)
+
+    def _hidden(self, i: int, x: torch.Tensor, t_in) -> torch.Tensor:
+        """The MLP's hidden activations of x (mlp_in thresholded by ``t_in``, or dense)."""
+        lw = self.w.layers[i]
+        if t_in is None:
+            return self._act(lw.mlp_in(x))
+        # one token: the activation runs in the GEMV's finalize launch
+        return threshold_gemv_act(x, lw.w_in_t, t_in, activation=self.w.activation,
+                                  gated=self.arch.gated, bias=lw.b_in)  # fmt: skip
 
     def _mlp_cats(self, i: int, x: torch.Tensor) -> torch.Tensor:
         """CATS: dense gate, up/down rows of the neurons with |act(gate)| > thr only."""

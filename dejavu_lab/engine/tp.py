@@ -165,6 +165,8 @@ class TPDecoder(Decoder):
     >>> dist.destroy_process_group()
     """
 
+    fuse_epilogues = False  # each block's output is all-reduced (_reduce) before the residual add
+
     def __init__(self, model, *, max_seq_len: int, sparse: SparseConfig | None = None,
                  predictors=None, arch=None, dense_ops: str | dict | None = None, group=None,
                  vocab_parallel: bool = True, device: str | torch.device | None = None):  # fmt: skip

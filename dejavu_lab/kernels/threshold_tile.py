@@ -44,7 +44,7 @@ from ._common import batch_block, check_rowmajor, dot_acc, upcast_dot, use_trito
 from ._reduce import take_zero
 from .fused_mlp import FUSED_ACTIVATIONS, _act, act_ref
 
-__all__ = ["fits", "launch", "threshold_finalize_kernel", "threshold_gemv_act",
+__all__ = ["fits", "launch", "threshold_finalize_kernel", "threshold_gemv_act", "threshold_sums",
            "threshold_tile_batch_kernel", "threshold_tile_kernel"]  # fmt: skip
 
 INT32_MAX = 2**31 - 1
@@ -162,22 +162,24 @@ def fits(w_t: torch.Tensor) -> bool:
     return w_t.shape[0] * w_t.stride(0) <= INT32_MAX
 
 
-def launch(xb: torch.Tensor, w_t: torch.Tensor, thr, bias, out: torch.Tensor, cfg: dict, *,
-           activation: str = "none", gated: bool = False) -> None:  # fmt: skip
+def launch(xb: torch.Tensor, w_t: torch.Tensor, thr, bias, out: torch.Tensor | None, cfg: dict,
+           *, activation: str = "none", gated: bool = False) -> torch.Tensor:  # fmt: skip
     """Run the tile kernel and its finalize on checked inputs: xb [B, d_in] (rows contiguous),
     out [B, d_out] (``gated``: [B, d_out / 2], ``act(gate) * up`` of the product's halves).
 
     ``thr``: a float (one threshold) or an fp32 [d_in] tensor; ``cfg``: ``BLOCK_R``, ``BLOCK_D``,
     ``num_warps`` (and ``num_stages`` for a union batch; the finalize's block: ``fin_block``,
     default 1024); ``activation``: applied in the finalize (one of
-    :data:`~.fused_mlp.FUSED_ACTIVATIONS`).
+    :data:`~.fused_mlp.FUSED_ACTIVATIONS`). ``out=None`` skips the finalize: the fp32 sums are
+    left in the workspace, whose [B * d_out] view is returned, for an epilogue to take and
+    zero (:mod:`.epilogue`); else returns out.
 
     >>> from dejavu_lab.kernels import threshold_gemv_ref
     >>> _ = torch.manual_seed(0)
     >>> x = torch.randn(1, 32, dtype=torch.float16)
     >>> w_t = torch.randn(32, 16, dtype=torch.float16) / 4
     >>> out = torch.empty(1, 16, dtype=torch.float16)
-    >>> launch(x, w_t, 0.5, None, out, TILE_B1)  # CPU: the kernels under TRITON_INTERPRET=1
+    >>> _ = launch(x, w_t, 0.5, None, out, TILE_B1)  # CPU: the kernels under TRITON_INTERPRET=1
     >>> torch.allclose(out, threshold_gemv_ref(x, w_t, 0.5), atol=1e-2)
     True
     """
@@ -204,12 +206,43 @@ def launch(xb: torch.Tensor, w_t: torch.Tensor, thr, bias, out: torch.Tensor, cf
             UPCAST=upcast_dot(xb.dtype), num_warps=cfg["num_warps"],
             num_stages=cfg.get("num_stages", 1),
         )  # fmt: skip
+    if out is None:
+        return ws[: batch * d_out]
     fin = int(cfg.get("fin_block", 1024))
     n = d_out // 2 if gated else d_out
     threshold_finalize_kernel[(triton.cdiv(n, fin), batch)](
         ws, bias if bias is not None else ws, out, n, out.stride(0), HAS_BIAS=bias is not None,
         ACT=activation, GATED=gated, BLOCK=fin, num_warps=4,
     )  # fmt: skip
+    return out
+
+
+def threshold_sums(x: torch.Tensor, w_t: torch.Tensor, thr) -> torch.Tensor | None:
+    """One token's thresholded product ``sum_i [|x_i| > thr_i] x_i w_t[i]`` left as fp32 sums
+    [d_out] in the per-device workspace, with no finalize: the caller's next launch takes them
+    and leaves zeros (:func:`~.epilogue.rope_sums`, :func:`~.epilogue.residual_norm`), or the
+    next threshold GEMV's sums are wrong. Runs the tile config
+    :func:`~.threshold_gemv.threshold_gemv` would pick for the shape; returns None where it
+    would not run the tile kernel (a union batch, the CPU without the interpreter, a weight
+    past int32 offsets, a tuned table that picks the compacting kernel): call it instead.
+    No input checks (the engine calls it inside a CUDA graph).
+
+    >>> from dejavu_lab.kernels import threshold_gemv_ref
+    >>> x, w_t = torch.randn(1, 32).half(), (torch.randn(32, 16) / 4).half()
+    >>> ws = threshold_sums(x, w_t, 0.5)  # CPU: under TRITON_INTERPRET=1
+    >>> torch.allclose(ws.half(), threshold_gemv_ref(x, w_t, 0.5)[0], atol=1e-2)
+    True
+    >>> _ = ws.zero_()  # what the epilogue does
+    """
+    from .threshold_gemv import default_config
+
+    xb = x.view(1, -1) if x.dim() == 1 else x
+    if xb.shape[0] != 1 or not use_triton(x.device) or not fits(w_t):
+        return None
+    base = default_config(1, w_t.shape[0], w_t.shape[1], device=x.device)
+    if base.get("mode", "tile") != "tile":
+        return None
+    return launch(xb, w_t, thr, None, None, {**TILE_B1, **base})
 
 
 def threshold_gemv_act(x: torch.Tensor, w_t: torch.Tensor, thr, *, activation: str,

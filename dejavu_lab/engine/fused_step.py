@@ -1,0 +1,90 @@
+"""The one-token decode step with each block's output finished inside the residual add and
+the next norm — for the dense, TEAL, WINA and CATS paths of a pre-LN model.
+
+The plain step (:meth:`dejavu_lab.engine.Decoder._layers`) runs, per block, the block's last
+GEMV (with a finalize launch where it is a threshold GEMV), a residual add in PyTorch and the
+next norm: three launches over one row, two for cuBLAS's dense output. Here
+:func:`~dejavu_lab.kernels.epilogue.residual_norm` does all of it in one, taking a threshold
+GEMV's fp32 sums straight from the workspace (:func:`~dejavu_lab.kernels.threshold_tile.threshold_sums`).
+So each layer carries both the residual stream and its norm to the next: ``(x, norm(x))``.
+
+Where it applies: one token, a pre-LN model, a GPU (or the CPU under ``TRITON_INTERPRET=1``),
+any method but DejaVu (whose blocks run their own kernels and lookahead predictors). Decoders
+that change the blocks (batched, tensor-parallel) turn it off; ``fuse_epilogues = False`` on a
+decoder runs the plain step, for timing the difference (``kernels/bench_engine.py --fused``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels import threshold_gemv
+from ..kernels._common import use_triton
+from ..kernels.epilogue import residual_norm
+from ..kernels.row_norm import row_norm
+from ..kernels.threshold_tile import threshold_sums
+
+__all__ = ["FusedStep"]
+
+
+class FusedStep:
+    """A mixin of :class:`dejavu_lab.engine.Decoder` (expects its weights, blocks and
+    ``method``): :meth:`_layers_fused` runs every block of a one-token step.
+
+    >>> import torch
+    >>> from dejavu_lab.engine import Decoder
+    >>> from dejavu_lab.models import random_model
+    >>> m = random_model("tiny-llama", dtype=torch.float16).model
+    >>> dec, ids = Decoder(m, max_seq_len=16), torch.tensor([[1, 2, 3]])
+    >>> fused = dec.generate(ids, 4)  # on CPU: fused under TRITON_INTERPRET=1 only
+    >>> dec.fuse_epilogues = False
+    >>> dec.generate(ids, 4).tolist() == fused.tolist()
+    True
+    """
+
+    fuse_epilogues = True  # the fused step where it applies (False: the plain step)
+
+    def _fusable(self, x: torch.Tensor) -> bool:
+        return (self.fuse_epilogues and self.method != "dejavu" and self.arch.pre_ln
+                and x.shape[0] == 1 and use_triton(x.device)
+                and self.w.dtype in (torch.float16, torch.bfloat16))  # fmt: skip
+
+    def _norm_of(self, p: tuple) -> tuple:
+        w, b, eps = p
+        return (w, b if self.w.norm == "layer" else None, eps)
+
+    def _layers_fused(self, x: torch.Tensor) -> torch.Tensor:
+        """Every block of a one-token step on x [1, d]: attention and MLP with their outputs
+        added to the residual stream and normed for the next block in one launch each."""
+        layers, kind, n = self.w.layers, self.w.norm, self.arch.n_layers
+        w, b, eps = self._norm_of(layers[0].ln_attn)
+        xn = row_norm(x, w, b, eps=eps, kind=kind)
+        for i in range(n):
+            o = self._attn_core(i, self._qkv_rot(i, xn))
+            src, bias, sums = self._o_src(i, o)
+            h, hn = residual_norm(src, bias, x, self._norm_of(layers[i].ln_mlp), kind=kind,
+                                  from_sums=sums)  # fmt: skip
+            src, bias, sums = self._mlp_src(i, hn)
+            nxt = self._norm_of(layers[i + 1].ln_attn) if i + 1 < n else None
+            x, xn = residual_norm(src, bias, h, nxt, kind=kind, from_sums=sums)
+        return x
+
+    def _o_src(self, i: int, o: torch.Tensor) -> tuple:
+        """o [1, H dh] times W_O^T as (output, bias still to add, whether it is fp32 sums)."""
+        lw, thr = self.w.layers[i], self._thr(i, "o_in", o)
+        ws = threshold_sums(o, lw.w_o_t, thr) if thr is not None else None
+        if ws is not None:
+            return ws, lw.b_o, True
+        return self._out(i, o), None, False
+
+    def _mlp_src(self, i: int, x: torch.Tensor) -> tuple:
+        """The MLP of x as (output, bias still to add, whether it is fp32 sums): a thresholded
+        down projection leaves its sums (TEAL, WINA); CATS and dense MLPs give a tensor."""
+        lw, t_down = self.w.layers[i], self._thr(i, "down_in", x)
+        if self.method == "cats" or t_down is None:
+            return self._mlp(i, x), None, False
+        h = self._hidden(i, x, self._thr(i, "mlp_in", x))
+        ws = threshold_sums(h, lw.w_down_t, t_down)
+        if ws is not None:
+            return ws, lw.b_down, True
+        return threshold_gemv(h, lw.w_down_t, t_down, bias=lw.b_down), None, False
