@@ -102,3 +102,29 @@ def test_threshold_sums_then_epilogue_equals_the_threshold_gemv(thr):
 def test_threshold_sums_leaves_union_batches_to_the_gemv():
     x = torch.randn(2, 32, dtype=torch.float16, device=DEVICE)
     assert threshold_sums(x, torch.randn(32, 16, dtype=torch.float16, device=DEVICE), 0.5) is None
+
+
+@pytest.mark.parametrize("act,gated", [("silu", True), ("relu", False), ("gelu", False)])
+def test_threshold_sums_finishes_the_previous_sums_in_its_loads(act, gated):
+    """The down GEMV reading the gate/up GEMV's sums: act(gate + b) * (up + b) (or act(a + b)),
+    rounded to the weights' dtype, thresholded — as the finalize and the plain GEMV would."""
+    from dejavu_lab.kernels.fused_mlp import act_ref
+
+    g = torch.Generator().manual_seed(6)
+    d, n = 64, 48
+    w_in = (torch.randn(d, 2 * n if gated else n, generator=g) / 4).to(DEVICE, torch.float16)
+    w2 = (torch.randn(n, 40, generator=g) / 4).to(DEVICE, torch.float16)
+    b_in = (torch.randn(w_in.shape[1], generator=g) / 4).to(DEVICE, torch.float16)
+    x = torch.randn(1, d, generator=g).to(DEVICE, torch.float16)
+    gu = threshold_sums(x, w_in, 0.3, kind="hidden")
+    if gu is None:
+        pytest.skip("the tile kernel runs on a GPU or under the interpreter only")
+    a = gu.float() + b_in.float()
+    h = act_ref(a[:n], act) * a[n:] if gated else act_ref(a, act)
+    want = threshold_gemv_ref(h.half()[None], w2, 0.05)[0]
+    y = threshold_sums(gu, w2, 0.05, x_act=act, x_gated=gated, x_bias=b_in)
+    torch.testing.assert_close(y.half(), want, atol=2e-2, rtol=2e-2)
+    res = torch.zeros(1, 40, dtype=torch.float16, device=DEVICE)
+    h2, _ = residual_norm(y, None, res, None, from_sums=True, zero=gu)
+    torch.testing.assert_close(h2[0], want, atol=2e-2, rtol=2e-2)
+    assert bool((gu == 0).all()) and bool((y == 0).all()), "both workspaces left at zero"

@@ -7,6 +7,9 @@ next norm: three launches over one row, two for cuBLAS's dense output. Here
 :func:`~dejavu_lab.kernels.epilogue.residual_norm` does all of it in one, taking a threshold
 GEMV's fp32 sums straight from the workspace (:func:`~dejavu_lab.kernels.threshold_tile.threshold_sums`).
 So each layer carries both the residual stream and its norm to the next: ``(x, norm(x))``.
+A thresholded MLP's hidden activations get no launch either: the down GEMV reads the gate/up
+GEMV's sums and applies ``act(gate) * up`` as it loads them, and the residual epilogue after
+it zeroes them.
 
 Where it applies: one token, a pre-LN model, a GPU (or the CPU under ``TRITON_INTERPRET=1``),
 any method but DejaVu (whose blocks run their own kernels and lookahead predictors). Decoders
@@ -64,9 +67,9 @@ class FusedStep:
             src, bias, sums = self._o_src(i, o)
             h, hn = residual_norm(src, bias, x, self._norm_of(layers[i].ln_mlp), kind=kind,
                                   from_sums=sums)  # fmt: skip
-            src, bias, sums = self._mlp_src(i, hn)
+            src, bias, sums, hidden = self._mlp_src(i, hn)
             nxt = self._norm_of(layers[i + 1].ln_attn) if i + 1 < n else None
-            x, xn = residual_norm(src, bias, h, nxt, kind=kind, from_sums=sums)
+            x, xn = residual_norm(src, bias, h, nxt, kind=kind, from_sums=sums, zero=hidden)
         return x
 
     def _o_src(self, i: int, o: torch.Tensor) -> tuple:
@@ -78,13 +81,23 @@ class FusedStep:
         return self._out(i, o), None, False
 
     def _mlp_src(self, i: int, x: torch.Tensor) -> tuple:
-        """The MLP of x as (output, bias still to add, whether it is fp32 sums): a thresholded
-        down projection leaves its sums (TEAL, WINA); CATS and dense MLPs give a tensor."""
+        """The MLP of x as (output, bias still to add, whether it is fp32 sums, the gate/up
+        sums the epilogue must zero or None). Thresholded gate/up and down (TEAL, WINA): the
+        down GEMV finishes the gate/up sums itself (act(gate) * up in its loads), so the
+        hidden activations cost no launch; CATS and dense MLPs give a tensor."""
         lw, t_down = self.w.layers[i], self._thr(i, "down_in", x)
         if self.method == "cats" or t_down is None:
-            return self._mlp(i, x), None, False
-        h = self._hidden(i, x, self._thr(i, "mlp_in", x))
+            return self._mlp(i, x), None, False, None
+        t_in = self._thr(i, "mlp_in", x)
+        gu = threshold_sums(x, lw.w_in_t, t_in, kind="hidden") if t_in is not None else None
+        if gu is not None:
+            ws = threshold_sums(gu, lw.w_down_t, t_down, x_act=self.w.activation,
+                                x_gated=self.arch.gated, x_bias=lw.b_in)  # fmt: skip
+            if ws is not None:
+                return ws, lw.b_down, True, gu
+            gu.zero_()  # not reached at today's shapes: both GEMVs take the tile kernel
+        h = self._hidden(i, x, t_in)
         ws = threshold_sums(h, lw.w_down_t, t_down)
         if ws is not None:
-            return ws, lw.b_down, True
-        return threshold_gemv(h, lw.w_down_t, t_down, bias=lw.b_down), None, False
+            return ws, lw.b_down, True, None
+        return threshold_gemv(h, lw.w_down_t, t_down, bias=lw.b_down), None, False, None

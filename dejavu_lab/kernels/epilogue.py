@@ -122,8 +122,10 @@ def residual_norm_kernel(
     w_ptr,  # [N] the next norm's scale (NORM)
     nb_ptr,  # [N] the next norm's shift (HAS_NB)
     y_ptr,  # [N] norm(h) (NORM)
+    z_ptr,  # [n_zero] fp32 sums an earlier launch consumed, zeroed by programs 1..
     n,
     eps,
+    n_zero,
     FROM_SUMS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     NORM: tl.constexpr,
@@ -132,6 +134,11 @@ def residual_norm_kernel(
     BLOCK: tl.constexpr,  # next power of two >= N: the whole row in one program
 ):
     offs = tl.arange(0, BLOCK)
+    pid = tl.program_id(0)
+    if pid > 0:  # the other programs leave a consumed workspace at zero
+        zo = (pid - 1) * BLOCK + offs
+        tl.store(z_ptr + zo, tl.zeros((BLOCK,), tl.float32), mask=zo < n_zero)
+        return
     mask = offs < n
     a = _take(src_ptr + offs, mask, FROM_SUMS)
     if HAS_BIAS:
@@ -153,11 +160,13 @@ def residual_norm_kernel(
 
 
 def residual_norm(src: torch.Tensor, bias, residual: torch.Tensor, norm=None, *,
-                  kind: str = "rms", from_sums: bool = False):  # fmt: skip
+                  kind: str = "rms", from_sums: bool = False, zero: torch.Tensor | None = None):  # fmt: skip
     """One token's residual add and the next norm: ``h = residual + (src + bias)``, and
     ``norm(h)`` with ``norm = (weight, shift or None, eps)`` of ``kind`` "rms" or "layer"
     (None: h only). ``src`` is a tensor in the model's dtype, or (``from_sums``) the fp32 sums
-    of a threshold GEMV, left at zero; residual [1, N]. Returns (h, norm(h) or None), both new [1, N] tensors. No
+    of a threshold GEMV, left at zero; residual [1, N]. ``zero``: fp32 sums an earlier launch
+    read without zeroing (the MLP's gate/up sums, finished inside the down GEMV:
+    :func:`~.threshold_tile.threshold_sums`), zeroed here by the launch's other programs. Returns (h, norm(h) or None), both new [1, N] tensors. No
     input checks (the engine calls it inside a CUDA graph).
 
     >>> x = torch.randn(1, 96).half()
@@ -179,6 +188,8 @@ def residual_norm(src: torch.Tensor, bias, residual: torch.Tensor, norm=None, *,
         h.copy_((residual.float() + a.view(1, n)).to(h.dtype))
         if from_sums:
             src.zero_()
+        if zero is not None:
+            zero.zero_()
         if norm is not None:
             w, b, eps = norm
             y.copy_(row_norm_ref(h.float(), w.float(), None if b is None else b.float(),
@@ -186,9 +197,11 @@ def residual_norm(src: torch.Tensor, bias, residual: torch.Tensor, norm=None, *,
         return h, y
     w, nb, eps = norm if norm is not None else (h, None, 0.0)
     block = next_pow2(n)
-    residual_norm_kernel[(1,)](
+    n_zero = zero.numel() if zero is not None else 0
+    residual_norm_kernel[(1 + triton.cdiv(n_zero, block),)](
         src, bias if bias is not None else src, residual, h, w, nb if nb is not None else w,
-        y if y is not None else h, n, eps, FROM_SUMS=from_sums, HAS_BIAS=bias is not None,
+        y if y is not None else h, zero if zero is not None else src, n, eps, n_zero,
+        FROM_SUMS=from_sums, HAS_BIAS=bias is not None,
         NORM=norm is not None, RMS=kind == "rms", HAS_NB=nb is not None, BLOCK=block,
         num_warps=min(16, max(1, block // 512)),
     )  # fmt: skip

@@ -60,6 +60,7 @@ def threshold_tile_kernel(
     thr_ptr,  # [K] fp32 thresholds (THR_SCALAR: unused)
     thr_value,  # the one threshold (THR_SCALAR)
     ws_ptr,  # [D] fp32 sums, zero between launches
+    xb_ptr,  # [K] (GATED_X: [2K]) the bias of x's sums (ACT_X and HAS_XBIAS)
     K,
     D,
     stride_w,
@@ -67,11 +68,26 @@ def threshold_tile_kernel(
     EVEN_D: tl.constexpr,  # D % BLOCK_D == 0: no column mask
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    ACT_X: tl.constexpr = "",  # x is fp32 sums [K] (GATED_X: [gate | up], 2K): act(x + xb) first
+    GATED_X: tl.constexpr = False,
+    HAS_XBIAS: tl.constexpr = False,
 ):
     offs_d = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
     offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_r = offs_r < K
-    x = tl.load(x_ptr + offs_r, mask=mask_r, other=0.0, eviction_policy="evict_last")
+    if ACT_X == "":
+        x = tl.load(x_ptr + offs_r, mask=mask_r, other=0.0, eviction_policy="evict_last")
+    else:  # the previous GEMV's sums, finished here: act(gate) * up, rounded as stored
+        a = tl.load(x_ptr + offs_r, mask=mask_r, other=0.0)
+        if HAS_XBIAS:
+            a += tl.load(xb_ptr + offs_r, mask=mask_r, other=0.0).to(tl.float32)
+        a = _act(a, ACT_X)
+        if GATED_X:
+            u = tl.load(x_ptr + K + offs_r, mask=mask_r, other=0.0)
+            if HAS_XBIAS:
+                u += tl.load(xb_ptr + K + offs_r, mask=mask_r, other=0.0).to(tl.float32)
+            a = a * u
+        x = a.to(w_ptr.dtype.element_ty)
     # compare in x's own dtype and widen only in the product: the H200 ran this form at
     # 15.7 µs against 20.1 for widening x first (11008->4096, 50% kept, same tiles)
     if THR_SCALAR:  # the rows past K stay masked at a negative threshold (keep-all)
@@ -163,7 +179,8 @@ def fits(w_t: torch.Tensor) -> bool:
 
 
 def launch(xb: torch.Tensor, w_t: torch.Tensor, thr, bias, out: torch.Tensor | None, cfg: dict,
-           *, activation: str = "none", gated: bool = False) -> torch.Tensor:  # fmt: skip
+           *, activation: str = "none", gated: bool = False, kind: str = "sums",
+           x_act: str = "", x_gated: bool = False, x_bias=None) -> torch.Tensor:  # fmt: skip
     """Run the tile kernel and its finalize on checked inputs: xb [B, d_in] (rows contiguous),
     out [B, d_out] (``gated``: [B, d_out / 2], ``act(gate) * up`` of the product's halves).
 
@@ -172,7 +189,9 @@ def launch(xb: torch.Tensor, w_t: torch.Tensor, thr, bias, out: torch.Tensor | N
     default 1024); ``activation``: applied in the finalize (one of
     :data:`~.fused_mlp.FUSED_ACTIVATIONS`). ``out=None`` skips the finalize: the fp32 sums are
     left in the workspace, whose [B * d_out] view is returned, for an epilogue to take and
-    zero (:mod:`.epilogue`); else returns out.
+    zero (:mod:`.epilogue`); else returns out. ``kind`` names the workspace (two sums may
+    be alive at once). ``x_act`` (batch 1): xb is a previous launch's fp32 sums, finished here
+    as ``x_act(xb + x_bias)`` (``x_gated``: ``act(gate) * up`` of its halves [1, 2 d_in]).
 
     >>> from dejavu_lab.kernels import threshold_gemv_ref
     >>> _ = torch.manual_seed(0)
@@ -186,14 +205,16 @@ def launch(xb: torch.Tensor, w_t: torch.Tensor, thr, bias, out: torch.Tensor | N
     batch, d_in = xb.shape
     d_out = w_t.shape[1]
     block_r, block_d = cfg["BLOCK_R"], cfg["BLOCK_D"]
-    ws = _workspace.sums(xb.device, batch * d_out)
+    ws = _workspace.buffer(xb.device, kind, batch * d_out, torch.float32)
     scalar = not isinstance(thr, torch.Tensor)
+    d_in = w_t.shape[0]
     thr_ptr, thr_value = (ws, float(thr)) if scalar else (thr, 0.0)
     grid = (triton.cdiv(d_out, block_d), triton.cdiv(d_in, block_r))
     if batch == 1:
         threshold_tile_kernel[grid](
-            xb, w_t, thr_ptr, thr_value, ws, d_in, d_out, w_t.stride(0), THR_SCALAR=scalar,
-            EVEN_D=d_out % block_d == 0, BLOCK_R=block_r, BLOCK_D=block_d,
+            xb, w_t, thr_ptr, thr_value, ws, x_bias if x_bias is not None else ws, d_in, d_out,
+            w_t.stride(0), THR_SCALAR=scalar, EVEN_D=d_out % block_d == 0, BLOCK_R=block_r,
+            BLOCK_D=block_d, ACT_X=x_act, GATED_X=x_gated, HAS_XBIAS=x_bias is not None,
             num_warps=cfg["num_warps"], num_stages=1,
         )  # fmt: skip
     else:
@@ -217,22 +238,32 @@ def launch(xb: torch.Tensor, w_t: torch.Tensor, thr, bias, out: torch.Tensor | N
     return out
 
 
-def threshold_sums(x: torch.Tensor, w_t: torch.Tensor, thr) -> torch.Tensor | None:
+def threshold_sums(x: torch.Tensor, w_t: torch.Tensor, thr, *, kind: str = "sums",
+                   x_act: str = "", x_gated: bool = False, x_bias=None) -> torch.Tensor | None:  # fmt: skip
     """One token's thresholded product ``sum_i [|x_i| > thr_i] x_i w_t[i]`` left as fp32 sums
-    [d_out] in the per-device workspace, with no finalize: the caller's next launch takes them
-    and leaves zeros (:func:`~.epilogue.rope_sums`, :func:`~.epilogue.residual_norm`), or the
-    next threshold GEMV's sums are wrong. Runs the tile config
-    :func:`~.threshold_gemv.threshold_gemv` would pick for the shape; returns None where it
-    would not run the tile kernel (a union batch, the CPU without the interpreter, a weight
-    past int32 offsets, a tuned table that picks the compacting kernel): call it instead.
-    No input checks (the engine calls it inside a CUDA graph).
+    [d_out] in the per-device workspace ``kind``, with no finalize: the caller's next launch
+    takes them and leaves zeros (:func:`~.epilogue.rope_sums`, :func:`~.epilogue.residual_norm`),
+    or the next GEMV into that workspace is wrong. With ``x_act`` (an activation), x is
+    itself a previous call's sums, finished in this kernel: ``x_act(x + x_bias)``, or with
+    ``x_gated`` ``act(gate) * up`` of x's halves, rounded to w_t's dtype before the threshold
+    — the MLP's hidden activations without their own launch (the caller then zeroes x).
+    Runs the tile config :func:`~.threshold_gemv.threshold_gemv` would pick for the shape;
+    returns None where it would not run the tile kernel (a union batch, the CPU without the
+    interpreter, a weight past int32 offsets, a tuned table that picks the compacting kernel):
+    call that instead. No input checks (the engine calls it inside a CUDA graph).
 
+    >>> import torch.nn.functional as F
     >>> from dejavu_lab.kernels import threshold_gemv_ref
     >>> x, w_t = torch.randn(1, 32).half(), (torch.randn(32, 16) / 4).half()
-    >>> ws = threshold_sums(x, w_t, 0.5)  # CPU: under TRITON_INTERPRET=1
+    >>> ws = threshold_sums(x, w_t, 0.5, kind="hidden")  # CPU: under TRITON_INTERPRET=1
     >>> torch.allclose(ws.half(), threshold_gemv_ref(x, w_t, 0.5)[0], atol=1e-2)
     True
-    >>> _ = ws.zero_()  # what the epilogue does
+    >>> w2 = (torch.randn(8, 4) / 4).half()  # a down projection of the 8 gated neurons
+    >>> h = (F.silu(ws[:8]) * ws[8:]).half()[None]
+    >>> y = threshold_sums(ws, w2, 0.1, x_act="silu", x_gated=True)
+    >>> torch.allclose(y.half(), threshold_gemv_ref(h, w2, 0.1)[0], atol=1e-2)
+    True
+    >>> _ = ws.zero_(), y.zero_()  # what the epilogues do
     """
     from .threshold_gemv import default_config
 
@@ -242,7 +273,8 @@ def threshold_sums(x: torch.Tensor, w_t: torch.Tensor, thr) -> torch.Tensor | No
     base = default_config(1, w_t.shape[0], w_t.shape[1], device=x.device)
     if base.get("mode", "tile") != "tile":
         return None
-    return launch(xb, w_t, thr, None, None, {**TILE_B1, **base})
+    return launch(xb, w_t, thr, None, None, {**TILE_B1, **base}, kind=kind, x_act=x_act,
+                  x_gated=x_gated, x_bias=x_bias)  # fmt: skip
 
 
 def threshold_gemv_act(x: torch.Tensor, w_t: torch.Tensor, thr, *, activation: str,
