@@ -590,8 +590,15 @@ def main(argv=None):
         help="also time each dense/TEAL/WINA/CATS "
         "decoder with its epilogues unfused (fuse_epilogues=False): plain_ms_per_token",
     )
+    ap.add_argument(
+        "--fuse-hidden",
+        action="store_true",
+        help="TEAL/WINA: the down GEMV "
+        "finishes the gate/up sums in its loads (FusedStep.fuse_hidden)",
+    )
     ap.add_argument("--quick", action="store_true", help="CPU plumbing check at tiny shapes")
     args = ap.parse_args(argv)
+    Decoder.fuse_hidden = args.fuse_hidden
     if args.tp > 1:  # one process per GPU: torchrun runs the tensor-parallel benchmark
         return _run_tp(args)
     command = "python kernels/bench_engine.py " + " ".join(

@@ -7,9 +7,10 @@ next norm: three launches over one row, two for cuBLAS's dense output. Here
 :func:`~dejavu_lab.kernels.epilogue.residual_norm` does all of it in one, taking a threshold
 GEMV's fp32 sums straight from the workspace (:func:`~dejavu_lab.kernels.threshold_tile.threshold_sums`).
 So each layer carries both the residual stream and its norm to the next: ``(x, norm(x))``.
-A thresholded MLP's hidden activations get no launch either: the down GEMV reads the gate/up
-GEMV's sums and applies ``act(gate) * up`` as it loads them, and the residual epilogue after
-it zeroes them.
+With ``fuse_hidden = True`` a thresholded MLP's hidden activations get no launch either: the
+down GEMV reads the gate/up GEMV's sums and applies ``act(gate) * up`` as it loads them, and
+the residual epilogue after it zeroes them. It is off by default until a GPU run times it
+(tested under the interpreter only; ``kernels/bench_engine.py --fuse-hidden``).
 
 Where it applies: one token, a pre-LN model, a GPU (or the CPU under ``TRITON_INTERPRET=1``),
 any method but DejaVu (whose blocks run their own kernels and lookahead predictors). Decoders
@@ -46,6 +47,7 @@ class FusedStep:
     """
 
     fuse_epilogues = True  # the fused step where it applies (False: the plain step)
+    fuse_hidden = False  # the down GEMV finishes the gate/up sums (not yet timed on a GPU)
 
     def _fusable(self, x: torch.Tensor) -> bool:
         return (self.fuse_epilogues and self.method != "dejavu" and self.arch.pre_ln
@@ -82,14 +84,16 @@ class FusedStep:
 
     def _mlp_src(self, i: int, x: torch.Tensor) -> tuple:
         """The MLP of x as (output, bias still to add, whether it is fp32 sums, the gate/up
-        sums the epilogue must zero or None). Thresholded gate/up and down (TEAL, WINA): the
-        down GEMV finishes the gate/up sums itself (act(gate) * up in its loads), so the
-        hidden activations cost no launch; CATS and dense MLPs give a tensor."""
+        sums the epilogue must zero or None). A thresholded down GEMV leaves its sums (TEAL,
+        WINA; with ``fuse_hidden`` it also finishes the gate/up sums in its loads, act(gate) *
+        up, so the hidden activations cost no launch); CATS and dense MLPs give a tensor."""
         lw, t_down = self.w.layers[i], self._thr(i, "down_in", x)
         if self.method == "cats" or t_down is None:
             return self._mlp(i, x), None, False, None
         t_in = self._thr(i, "mlp_in", x)
-        gu = threshold_sums(x, lw.w_in_t, t_in, kind="hidden") if t_in is not None else None
+        gu = None
+        if self.fuse_hidden and t_in is not None:
+            gu = threshold_sums(x, lw.w_in_t, t_in, kind="hidden")
         if gu is not None:
             ws = threshold_sums(gu, lw.w_down_t, t_down, x_act=self.w.activation,
                                 x_gated=self.arch.gated, x_bias=lw.b_in)  # fmt: skip

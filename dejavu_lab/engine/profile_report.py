@@ -23,9 +23,11 @@ import plotly.express as px
 
 from .. import results
 
-__all__ = ["PARTS", "bound_table", "kernel_part", "load_profile", "profile_figure", "profile_table"]
+__all__ = ["PARTS", "bound_table", "fused_table", "kernel_part", "load_profile", "profile_figure",
+           "profile_table"]  # fmt: skip
 
 NAME = "engine_profile"
+FUSED = "fused_probe"  # kernels/bench_engine.py --plain: each decoder timed fused and plain
 PARTS = ("weight GEMVs", "lm_head", "attention", "norms", "small ops", "idle")
 # the tile kernel's finalize is its split-K reduction (with the activation), counted with
 # the GEMVs as cuBLAS's splitKreduce is
@@ -49,7 +51,7 @@ def kernel_part(name: str, launches: float) -> str:
         return "weight GEMVs"
     if any(k in name for k in _ATTENTION):
         return "attention"
-    if "row_norm" in name:
+    if "row_norm" in name or "residual_norm" in name:  # the fused add + norm counts as a norm
         return "norms"
     if any(k in name for k in _GEMM):
         return "lm_head" if launches < 1.5 else "weight GEMVs"
@@ -138,3 +140,29 @@ def profile_figure(df: pd.DataFrame):
                         showlegend=i == 1, row=1, col=i)  # fmt: skip
     fig.update_yaxes(matches=None, showticklabels=True)
     return fig
+
+
+def fused_table(name: str = FUSED) -> tuple[pd.DataFrame, dict]:
+    """ms per token of each decoder with its epilogues fused (:mod:`dejavu_lab.engine.fused_step`)
+    and plain, timed in one run (``bench_engine.py --plain``), and the speedup over the dense
+    decoder either way; with the recording's provenance.
+
+    >>> t, prov = fused_table()
+    >>> list(t.columns)
+    ['plain (ms)', 'fused (ms)', 'saved (ms)', 'vs dense, plain', 'vs dense, fused']
+    >>> bool((t["saved (ms)"] > 0).all())
+    True
+    """
+    df, prov = results.load(name)
+    e2e = df[(df["kind"] == "e2e") & df["plain_ms_per_token"].notna()].copy()
+    e2e["variant"] = [
+        e if s == 0 else f"{e} {s:.0%}" for e, s in zip(e2e["engine"], e2e["sparsity"], strict=True)
+    ]
+    t = e2e.set_index(["model", "variant"])[["plain_ms_per_token", "ms_per_token"]]
+    t.columns = ["plain (ms)", "fused (ms)"]
+    t["saved (ms)"] = t["plain (ms)"] - t["fused (ms)"]
+    dense = t.xs("dense", level="variant")
+    models = t.index.get_level_values("model")
+    t["vs dense, plain"] = dense["plain (ms)"].reindex(models).to_numpy() / t["plain (ms)"]
+    t["vs dense, fused"] = dense["fused (ms)"].reindex(models).to_numpy() / t["fused (ms)"]
+    return t, prov
