@@ -138,25 +138,25 @@ def residual_norm_kernel(
     if pid > 0:  # the other programs leave a consumed workspace at zero
         zo = (pid - 1) * BLOCK + offs
         tl.store(z_ptr + zo, tl.zeros((BLOCK,), tl.float32), mask=zo < n_zero)
-        return
-    mask = offs < n
-    a = _take(src_ptr + offs, mask, FROM_SUMS)
-    if HAS_BIAS:
-        a += tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    ty = h_ptr.dtype.element_ty
-    h = (tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32) + a).to(ty)
-    tl.store(h_ptr + offs, h, mask=mask)
-    if NORM:
-        x = h.to(tl.float32)
-        if RMS:
-            xc = x
-        else:
-            xc = tl.where(mask, x - tl.sum(x, axis=0) / n, 0.0)
-        y = xc * tl.rsqrt(tl.sum(xc * xc, axis=0) / n + eps)
-        y = y * tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        if HAS_NB:
-            y += tl.load(nb_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(y_ptr + offs, y.to(ty), mask=mask)
+    else:
+        mask = offs < n
+        a = _take(src_ptr + offs, mask, FROM_SUMS)
+        if HAS_BIAS:
+            a += tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        ty = h_ptr.dtype.element_ty
+        h = (tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32) + a).to(ty)
+        tl.store(h_ptr + offs, h, mask=mask)
+        if NORM:
+            x = h.to(tl.float32)
+            if RMS:
+                xc = x
+            else:
+                xc = tl.where(mask, x - tl.sum(x, axis=0) / n, 0.0)
+            y = xc * tl.rsqrt(tl.sum(xc * xc, axis=0) / n + eps)
+            y = y * tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            if HAS_NB:
+                y += tl.load(nb_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(y_ptr + offs, y.to(ty), mask=mask)
 
 
 def residual_norm(src: torch.Tensor, bias, residual: torch.Tensor, norm=None, *,
