@@ -21,8 +21,7 @@ CUDA graph (:meth:`Decoder.capture`), as gpt-fast does, so launch overhead stays
 
 >>> from dejavu_lab.models import random_model
 >>> m = random_model("tiny-llama").model
->>> dec = Decoder(m, max_seq_len=16)
->>> dec.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4).shape
+>>> Decoder(m, max_seq_len=16).generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4).shape
 torch.Size([1, 7])
 """
 
@@ -79,7 +78,8 @@ class Decoder(KeptSets, ThresholdBlocks, FusedStep):
     ``"qkv=triton,mlp=triton"`` (:func:`~dejavu_lab.engine.threshold_blocks.dense_ops`). The
     default (``None``) runs the attention core through our kernel on a GPU with fp16/bf16
     weights (faster than PyTorch's at every shape measured, ``results/engine_methods.json``)
-    and every op through torch elsewhere.
+    and every op through torch elsewhere. One-token steps of a pre-LN model finish each block
+    in its residual add + norm (:mod:`~dejavu_lab.engine.fused_step`), except DejaVu's.
 
     >>> from dejavu_lab.models import random_model
     >>> m = random_model("tiny-opt").model
@@ -192,8 +192,8 @@ class Decoder(KeptSets, ThresholdBlocks, FusedStep):
         return _norm(h + r(mlp(i, h)), lw.ln_mlp, kind)
 
     def _reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """A block's output [S, d] as the residual stream adds it: itself here; the
-        tensor-parallel decoder (:mod:`dejavu_lab.engine.tp`) all-reduces its ranks' shares."""
+        """A block's output [S, d] as the residual stream adds it: itself here (all-reduced
+        over the ranks in :mod:`dejavu_lab.engine.tp`)."""
         return t
 
     def _mlp_sparse(self, i: int, x: torch.Tensor) -> torch.Tensor:
@@ -455,10 +455,7 @@ class Decoder(KeptSets, ThresholdBlocks, FusedStep):
             )
         for _ in range(n):
             self._before_step()
-            if self.graph is not None:
-                self.graph.replay()
-            else:
-                self._step_body()
+            self.graph.replay() if self.graph is not None else self._step_body()
             self._advance()
 
     @torch.no_grad()
@@ -486,8 +483,7 @@ class Decoder(KeptSets, ThresholdBlocks, FusedStep):
         """Zero-argument callables running one part of a decode step over every layer, for
         timing by :mod:`kernels.bench_engine` (each replays on the current static buffers)."""
         L, attn, mlp = self.arch.n_layers, self._attn, self._mlp
-        d = self.arch.d_model
-        x = torch.randn(1, d, dtype=self.w.dtype, device=self.w.device)
+        x = torch.randn(1, self.arch.d_model, dtype=self.w.dtype, device=self.w.device)
 
         def run_attn():
             self._per_step()

@@ -36,21 +36,11 @@ from ._common import (
     upcast_dot,
     use_triton,
 )
+from .fused_mlp import _act
 
 __all__ = ["ACTIVATIONS", "sparse_mlp_up", "sparse_mlp_up_kernel", "sparse_mlp_up_ref"]
 
 ACTIVATIONS = ("relu", "gelu", "silu", "none")  # gelu is the exact (erf) form, as in HF "gelu"
-
-
-@triton.jit
-def _activation(h, ACT: tl.constexpr):
-    if ACT == "relu":
-        h = tl.maximum(h, 0.0)
-    elif ACT == "gelu":
-        h = 0.5 * h * (1.0 + tl.erf(h * 0.7071067811865476))
-    elif ACT == "silu":
-        h = h * tl.sigmoid(h)
-    return h
 
 
 @triton.jit
@@ -156,7 +146,7 @@ def sparse_mlp_up_kernel(
         u = acc_u
     if HAS_BIAS:
         h += tl.load(b_ptr + rows, mask=mask_n, other=0.0).to(tl.float32)[:, None]
-    h = _activation(h, ACT)
+    h = _act(h, ACT)
     if GATED:
         if HAS_UP_BIAS:
             u += tl.load(bu_ptr + rows, mask=mask_n, other=0.0).to(tl.float32)[:, None]
