@@ -24,6 +24,7 @@ import torch
 
 from ..kernels import threshold_gemv
 from ..kernels._common import use_triton
+from ..kernels.cats_mlp import cats_hidden
 from ..kernels.epilogue import residual_norm
 from ..kernels.row_norm import row_norm
 from ..kernels.threshold_tile import threshold_sums
@@ -86,8 +87,17 @@ class FusedStep:
         """The MLP of x as (output, bias still to add, whether it is fp32 sums, the gate/up
         sums the epilogue must zero or None). A thresholded down GEMV leaves its sums (TEAL,
         WINA; with ``fuse_hidden`` it also finishes the gate/up sums in its loads, act(gate) *
-        up, so the hidden activations cost no launch); CATS and dense MLPs give a tensor."""
+        up, so the hidden activations cost no launch), and so does CATS's (over its kept
+        neurons' activations, threshold 0); a dense MLP gives a tensor."""
         lw, t_down = self.w.layers[i], self._thr(i, "down_in", x)
+        gate = self.site_thresholds[i].get("gate") if self.method == "cats" else None
+        if gate is not None:  # CATS: its down GEMV (threshold 0 over h's zeros) leaves sums
+            h = cats_hidden(x, lw.w_in, gate, activation=self.w.activation, n=self.arch.d_mlp,
+                            b_in=lw.b_in)  # fmt: skip
+            ws = threshold_sums(h, lw.w_down_t, 0.0)
+            if ws is not None:
+                return ws, lw.b_down, True, None
+            return threshold_gemv(h, lw.w_down_t, 0.0, bias=lw.b_down), None, False, None
         if self.method == "cats" or t_down is None:
             return self._mlp(i, x), None, False, None
         t_in = self._thr(i, "mlp_in", x)

@@ -33,7 +33,7 @@ from .cats_up import default_config as up_config
 from .fused_mlp import check_mlp, check_mode, default_config, hidden_ref, launch
 from .threshold_gemv import threshold_gemv
 
-__all__ = ["cats_mlp", "cats_mlp_ref", "dense_gate"]
+__all__ = ["cats_hidden", "cats_mlp", "cats_mlp_ref", "dense_gate"]
 
 
 def dense_gate(xb, w_gate_up, n, b_in=None):
@@ -51,6 +51,28 @@ def dense_gate(xb, w_gate_up, n, b_in=None):
     else:
         g = xb.float() @ w.float().T
     return g if b is None else g.add_(b.float())
+
+
+def cats_hidden(xb: torch.Tensor, w_gate_up: torch.Tensor, thr: torch.Tensor, *,
+                activation: str, n: int, b_in=None, config: dict | None = None) -> torch.Tensor:  # fmt: skip
+    """CATS's hidden activations [B, n]: ``act(gate) * up`` (or ``act(fc1)``) of the neurons
+    with ``|act(gate)| > thr``, zeros elsewhere — the first two of :func:`cats_mlp`'s steps on
+    checked inputs (xb [B, d] fp16/bf16 on a GPU or under the interpreter), for a caller that
+    runs the down GEMV itself (the engine's fused step:
+    :func:`~.threshold_tile.threshold_sums` with threshold 0)."""
+    batch, d = xb.shape
+    gated = w_gate_up.shape[0] == 2 * n
+    config = config or {}
+    h = torch.empty((batch, n), dtype=xb.dtype, device=xb.device)
+    if config.get("fused_gate"):
+        cfg = {**default_config("cats", batch, d, n, n, device=xb.device), **config}
+        launch(xb, w_gate_up, None, thr, b_in, h, cats=True, gated=gated, activation=activation,
+               k=n, n=n, cfg=cfg)  # fmt: skip
+    else:
+        cfg = {**up_config(batch, d, n, device=xb.device), **config}
+        cats_up(xb, w_gate_up, dense_gate(xb, w_gate_up, n, b_in), thr, activation=activation,
+                b_in=b_in, out=h, config=cfg)  # fmt: skip
+    return h
 
 
 def cats_mlp_ref(x, w_gate_up, w_down_t, thr, *, activation, b_in=None, b_down=None):
@@ -116,7 +138,6 @@ def cats_mlp(
     if w_gate_up.shape[0] not in (n, 2 * n):
         raise ValueError(f"w_gate_up has {w_gate_up.shape[0]} rows; expected 2n = {2 * n} "
                          f"(gate then up) or n = {n} (fc1) for w_down_t's {n} neurons.")  # fmt: skip
-    gated = w_gate_up.shape[0] == 2 * n
     check_thr(thr, n)
     check_device(device, thr=thr)
     batch = xb.shape[0]
@@ -127,20 +148,12 @@ def cats_mlp(
         return res
     config = config or {}
     check_mode(config)
-    h = torch.empty((batch, n), dtype=dtype, device=device)
-    if config.get("fused_gate"):
-        cfg = {**default_config("cats", batch, d, n, n, device=device), **config}
-        launch(xb, w_gate_up, None, thr, b_in, h, cats=True, gated=gated, activation=activation,
-               k=n, n=n, cfg=cfg)  # fmt: skip
-    else:
-        cfg = {**up_config(batch, d, n, device=device), **config}
-        cats_up(xb, w_gate_up, dense_gate(xb, w_gate_up, n, b_in), thr, activation=activation,
-                b_in=b_in, out=h, config=cfg)  # fmt: skip
+    h = cats_hidden(xb, w_gate_up, thr, activation=activation, n=n, b_in=b_in, config=config)
     if batch == 1 and not deterministic:
         # the tile kernel over h's nonzeros (fp32 atomics, one threshold: 0)
-        threshold_gemv(h, w_down_t, 0.0, bias=b_down, out=res2, config=cfg.get("down"))
+        threshold_gemv(h, w_down_t, 0.0, bias=b_down, out=res2, config=config.get("down"))
         return res
     zeros = _workspace.buffer(device, "zero_thresholds", n, torch.float32)[:n]
     threshold_gemv(h, w_down_t, zeros, bias=b_down, out=res2, deterministic=True,
-                   config=cfg.get("down"))  # fmt: skip
+                   config=config.get("down"))  # fmt: skip
     return res
