@@ -59,9 +59,19 @@ def cats_hidden(xb: torch.Tensor, w_gate_up: torch.Tensor, thr: torch.Tensor, *,
     with ``|act(gate)| > thr``, zeros elsewhere — the first two of :func:`cats_mlp`'s steps on
     checked inputs (xb [B, d] fp16/bf16 on a GPU or under the interpreter), for a caller that
     runs the down GEMV itself (the engine's fused step:
-    :func:`~.threshold_tile.threshold_sums` with threshold 0)."""
+    :func:`~.threshold_tile.threshold_sums` with threshold 0). Elsewhere (the CPU without
+    the interpreter) PyTorch computes the same.
+
+    >>> x = torch.tensor([[1.0, 2.0]], dtype=torch.float16)
+    >>> w_in = torch.tensor([[1.0, 1.0], [0.5, 0.0], [3.0, 0.0]], dtype=torch.float16)  # fc1
+    >>> cats_hidden(x, w_in, torch.ones(3), activation="relu", n=3)  # 0.5 <= 1: dropped
+    tensor([[3., 0., 3.]], dtype=torch.float16)
+    """
     batch, d = xb.shape
     gated = w_gate_up.shape[0] == 2 * n
+    if not use_triton(xb.device):
+        a, u = hidden_ref(xb, w_gate_up, n, activation=activation, gated=gated, b_in=b_in)
+        return torch.where(a.abs() > thr.float(), a if u is None else a * u, 0.0).to(xb.dtype)
     config = config or {}
     h = torch.empty((batch, n), dtype=xb.dtype, device=xb.device)
     if config.get("fused_gate"):
