@@ -15,7 +15,9 @@ the residual epilogue after it zeroes them. It is off by default until a GPU run
 Where it applies: one token, a pre-LN model, a GPU (or the CPU under ``TRITON_INTERPRET=1``),
 any method but DejaVu (whose blocks run their own kernels and lookahead predictors). Decoders
 that change the blocks (batched, tensor-parallel) turn it off; ``fuse_epilogues = False`` on a
-decoder runs the plain step, for timing the difference (``kernels/bench_engine.py --fused``).
+decoder runs the plain step, for timing the difference (``kernels/bench_engine.py --plain``);
+set it before :meth:`~dejavu_lab.engine.Decoder.capture` (a captured graph keeps the step it
+recorded).
 """
 
 from __future__ import annotations
