@@ -107,7 +107,8 @@ class BatchBlocks:
         if self.ops["attn"] == "triton":  # finished sequences attend nothing
             o = sparse_attention_core(qkv, kc, vc, self._seqlen, self._heads_all, n_heads=H,
                                       kv_heads=None if H == Hkv else self._kv_all,
-                                      scale=self.scale, head_mask=self._live_heads[:B])  # fmt: skip
+                                      scale=self.scale, head_mask=self._live_heads[:B],
+                                      q_slot=self._slots_all)  # fmt: skip
             return self._out(i, o)
         blocks = qkv.view(B, H + 2 * Hkv, dh)
         where = (self._ar_b[:B, None], self._kv_all[None], self.pos_t[:B, None])

@@ -29,6 +29,7 @@ from ..kernels import (
     threshold_gemv,
     threshold_gemv_act,
 )
+from ..kernels.attention_core import query_slots
 from ..kernels.epilogue import rope_sums
 from ..kernels.rope import rope_
 from ..kernels.threshold_tile import threshold_sums
@@ -158,6 +159,7 @@ class ThresholdBlocks:
                         for sites in self.site_thresholds]  # fmt: skip
         self._qkv_all = torch.arange(self.H + 2 * self.Hkv, device=dev)  # every W_QKV block
         self._heads_all = torch.arange(self.H, device=dev)
+        self._slots_all = query_slots(self._heads_all, self.H)  # once, not per step (GQA)
         self._mlp_all = torch.arange(a.d_mlp, device=dev, dtype=torch.int32)
 
     def _thr(self, i: int, site: str, x: torch.Tensor):
@@ -207,6 +209,7 @@ class ThresholdBlocks:
             return sparse_attention_core(
                 qkv, self.kv[i, 0][None], self.kv[i, 1][None], self._seqlen, self._heads_all,
                 n_heads=H, kv_heads=None if H == Hkv else self._kv_all, scale=self.scale,
+                q_slot=self._slots_all,
             )  # fmt: skip
         qkv = qkv.view(H + 2 * Hkv, dh)
         q, new = qkv[:H], qkv[H:].view(2, Hkv, dh)
