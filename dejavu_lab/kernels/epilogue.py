@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from ._common import next_pow2, use_triton
-from .row_norm import KINDS, row_norm_ref
+from .row_norm import KINDS, normed, row_norm_ref
 
 __all__ = ["residual_norm", "residual_norm_kernel", "rope_sums", "rope_sums_kernel"]
 
@@ -146,16 +146,8 @@ def residual_norm_kernel(
         ty = h_ptr.dtype.element_ty
         h = (tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32) + a).to(ty)
         tl.store(h_ptr + offs, h, mask=mask)
-        if NORM:
-            x = h.to(tl.float32)
-            if RMS:
-                xc = x
-            else:
-                xc = tl.where(mask, x - tl.sum(x, axis=0) / n, 0.0)
-            y = xc * tl.rsqrt(tl.sum(xc * xc, axis=0) / n + eps)
-            y = y * tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            if HAS_NB:
-                y += tl.load(nb_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if NORM:  # the norm of the rounded residual, as the unfused path reads it
+            y = normed(h.to(tl.float32), w_ptr, nb_ptr, offs, mask, n, eps, RMS, HAS_NB)
             tl.store(y_ptr + offs, y.to(ty), mask=mask)
 
 

@@ -25,6 +25,21 @@ KINDS = ("layer", "rms")
 
 
 @triton.jit
+def normed(x, w_ptr, b_ptr, offs, mask, n, eps, RMS: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """The fp32 row x [BLOCK] (zeros past ``n``) normalised, scaled and (HAS_BIAS) shifted:
+    LayerNorm's mean and biased variance, or RMSNorm's mean square (RMS)."""
+    if RMS:
+        xc = x
+    else:
+        xc = tl.where(mask, x - tl.sum(x, axis=0) / n, 0.0)
+    y = xc * tl.rsqrt(tl.sum(xc * xc, axis=0) / n + eps)
+    y = y * tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        y = y + tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return y
+
+
+@triton.jit
 def row_norm_kernel(
     x_ptr,  # [M, N] rows to normalise (last dimension contiguous)
     w_ptr,  # [N] scale
@@ -42,14 +57,7 @@ def row_norm_kernel(
     offs = tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    if RMS:
-        xc = x
-    else:
-        xc = tl.where(mask, x - tl.sum(x, axis=0) / n, 0.0)
-    y = xc * tl.rsqrt(tl.sum(xc * xc, axis=0) / n + eps)
-    y = y * tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        y = y + tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y = normed(x, w_ptr, b_ptr, offs, mask, n, eps, RMS, HAS_BIAS)
     tl.store(y_ptr + row * stride_y + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 

@@ -202,12 +202,11 @@ def launch(xb: torch.Tensor, w_t: torch.Tensor, thr, bias, out: torch.Tensor | N
     >>> torch.allclose(out, threshold_gemv_ref(x, w_t, 0.5), atol=1e-2)
     True
     """
-    batch, d_in = xb.shape
-    d_out = w_t.shape[1]
+    batch = xb.shape[0]
+    d_in, d_out = w_t.shape  # xb is [B, d_in], or [1, 2 d_in] of gated sums (x_gated)
     block_r, block_d = cfg["BLOCK_R"], cfg["BLOCK_D"]
     ws = _workspace.buffer(xb.device, kind, batch * d_out, torch.float32)
     scalar = not isinstance(thr, torch.Tensor)
-    d_in = w_t.shape[0]
     thr_ptr, thr_value = (ws, float(thr)) if scalar else (thr, 0.0)
     grid = (triton.cdiv(d_out, block_d), triton.cdiv(d_in, block_r))
     if batch == 1:
