@@ -436,6 +436,11 @@ def bench_model(preset, prompts, new_tokens, hf_new, hf_prompts, device, ceiling
                     dec.fuse_epilogues = False
                     row["plain_ms_per_token"] = engine_row(dec, ids, new_tokens)["ms_per_token"]
                     dec.fuse_epilogues = True
+                    if dec.fuse_hidden and v.method in ("teal", "wina"):  # its own saving
+                        dec.fuse_hidden = False
+                        ms = engine_row(dec, ids, new_tokens)["ms_per_token"]
+                        row["hidden_unfused_ms_per_token"] = ms
+                        dec.fuse_hidden = True
                 if cuda():
                     row["graph_vs_eager"] = graph_check(dec, ids)
             except Exception as exc:  # record and go on: one failure must not lose the run
@@ -587,18 +592,19 @@ def main(argv=None):
     ap.add_argument(
         "--plain",
         action="store_true",
-        help="also time each dense/TEAL/WINA/CATS "
-        "decoder with its epilogues unfused (fuse_epilogues=False): plain_ms_per_token",
+        help="also time each dense/TEAL/WINA/CATS decoder with its epilogues unfused "
+        "(fuse_epilogues=False): plain_ms_per_token; TEAL/WINA also without fuse_hidden: "
+        "hidden_unfused_ms_per_token",
     )
     ap.add_argument(
-        "--fuse-hidden",
+        "--no-fuse-hidden",
         action="store_true",
-        help="TEAL/WINA: the down GEMV "
-        "finishes the gate/up sums in its loads (FusedStep.fuse_hidden)",
+        help="TEAL/WINA: finish the gate/up sums in their own launch "
+        "(FusedStep.fuse_hidden = False; by default the down GEMV does it as it loads them)",
     )
     ap.add_argument("--quick", action="store_true", help="CPU plumbing check at tiny shapes")
     args = ap.parse_args(argv)
-    Decoder.fuse_hidden = args.fuse_hidden
+    Decoder.fuse_hidden = not args.no_fuse_hidden
     if args.tp > 1:  # one process per GPU: torchrun runs the tensor-parallel benchmark
         return _run_tp(args)
     command = "python kernels/bench_engine.py " + " ".join(

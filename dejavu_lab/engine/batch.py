@@ -51,6 +51,7 @@ from .batch_prompts import batch_prompts
 from .batch_sets import BatchSets
 from .config import EngineError, SparseConfig
 from .decoder import Decoder, _norm
+from .greedy import argmax_rows
 
 __all__ = ["MAX_BATCH", "BatchDecoder"]
 
@@ -125,7 +126,7 @@ class BatchDecoder(BatchSets, BatchBlocks, Decoder):
     def _choose(self, logits: torch.Tensor) -> torch.Tensor:
         """Next tokens [B]: argmax, or Gumbel-max sampling at temperature (no host sync)."""
         if not self._sample:
-            return logits.argmax(-1)
+            return argmax_rows(logits)
         u = torch.rand(logits.shape, generator=self._gen, device=logits.device)
         gumbel = -torch.log(-torch.log(u.clamp(1e-20, 1.0 - 1e-7)))
         return (logits.float() / self._temp_t + gumbel).argmax(-1)

@@ -16,8 +16,7 @@ by hand (:meth:`Decoder.set_indices`: oracle or random sets, for timing). Skippe
 K/V (Knowl 5): the attention input of the last ``kv_window`` tokens is kept per layer, a kept
 head recomputes its K/V over that window in the same weight pass (a union batch, Knowl 12), and
 every ``kv_window`` tokens one dense K/V pass over the window fills every head — memory stays
-``n_layers x kv_window x d``. The whole decode step (predictors included) is captured in one
-CUDA graph (:meth:`Decoder.capture`), as gpt-fast does, so launch overhead stays small.
+``n_layers x kv_window x d``. The whole step, predictors too, is one CUDA graph (gpt-fast's way).
 
 >>> from dejavu_lab.models import random_model
 >>> m = random_model("tiny-llama").model
@@ -44,6 +43,7 @@ from ..kernels import (
 from ..kernels.qkv_rope import qkv_rope
 from .config import EngineError, SparseConfig
 from .fused_step import FusedStep
+from .greedy import argmax_rows
 from .sets import KeptSets
 from .threshold_blocks import ThresholdBlocks
 from .threshold_blocks import default_ops as _default_ops
@@ -207,9 +207,9 @@ class Decoder(KeptSets, ThresholdBlocks, FusedStep):
                 up_bias=None if (b is None or not self.arch.gated) else b[n:], validate=False,
             )  # fmt: skip
             return sparse_mlp_down(h, lw.w_down_t, idx, bias=lw.b_down, validate=False)
-        return fused_sparse_mlp(x, lw.w_in, lw.w_down_t, self.mlp_idx[i],
-                                activation=self.w.activation, gated=self.arch.gated,
-                                b_in=lw.b_in, b_down=lw.b_down, validate=False)  # fmt: skip
+        return fused_sparse_mlp(x, lw.w_in, lw.w_down_t, idx, activation=self.w.activation,
+                                gated=self.arch.gated, b_in=lw.b_in, b_down=lw.b_down,
+                                validate=False)  # fmt: skip
 
     def _per_step(self) -> None:
         """Tensors every layer of this step shares, computed once: mask or length, positions."""
@@ -303,7 +303,7 @@ class Decoder(KeptSets, ThresholdBlocks, FusedStep):
         x = self._embed(self.tok_t, self.pos_t)  # [1, d]
         self._per_step()
         logits = self._head(self._layers(x))  # [1, V]
-        nxt = logits.argmax(-1)
+        nxt = argmax_rows(logits)  # two-stage: one block's reduction over V is slow
         self.tokens.index_copy_(0, self.pos_t + 1, nxt)
         self.tok_t.copy_(nxt)
         self.pos_t.add_(1)
