@@ -68,6 +68,7 @@ from dejavu_lab.engine import (
     keep_all,
     step_bytes,
 )
+from dejavu_lab.kernels import pdl
 from dejavu_lab.models import PRESETS, load_model, random_model
 
 MODELS = ["opt-30b", "llama-2-13b", "llama-3-8b", "opt-13b", "opt-6.7b"]  # most important first
@@ -436,6 +437,9 @@ def bench_model(preset, prompts, new_tokens, hf_new, hf_prompts, device, ceiling
                     dec.fuse_epilogues = False
                     row["plain_ms_per_token"] = engine_row(dec, ids, new_tokens)["ms_per_token"]
                     dec.fuse_epilogues = True
+                    on, pdl.PDL = pdl.PDL, False  # each kernel launched after the last ends
+                    row["no_pdl_ms_per_token"] = engine_row(dec, ids, new_tokens)["ms_per_token"]
+                    pdl.PDL = on
                     if dec.fuse_hidden and v.method in ("teal", "wina"):  # its own saving
                         dec.fuse_hidden = False
                         ms = engine_row(dec, ids, new_tokens)["ms_per_token"]
@@ -593,8 +597,8 @@ def main(argv=None):
         "--plain",
         action="store_true",
         help="also time each dense/TEAL/WINA/CATS decoder with its epilogues unfused "
-        "(fuse_epilogues=False): plain_ms_per_token; TEAL/WINA also without fuse_hidden: "
-        "hidden_unfused_ms_per_token",
+        "(fuse_epilogues=False): plain_ms_per_token; without programmatic dependent launch: "
+        "no_pdl_ms_per_token; TEAL/WINA also without fuse_hidden: hidden_unfused_ms_per_token",
     )
     ap.add_argument(
         "--no-fuse-hidden",

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from ._common import dot_acc, next_pow2, upcast_dot, use_triton
+from .pdl import await_inputs, pdl_args
 
 __all__ = [
     "sparse_attention_combine_kernel",
@@ -66,6 +67,7 @@ def sparse_attention_kernel(
     DIRECT: tl.constexpr,  # GROUP == 1 and kv_heads == heads: program s serves query slot s
     HAS_MASK: tl.constexpr,  # per-sequence heads (mask_ptr)
     UPCAST: tl.constexpr,  # fp32 tl.dot (CPU interpreter, bf16)
+    PDL: tl.constexpr = False,  # launched with launch_pdl (pdl.pdl_args)
 ):
     """One (sequence, KV head, context split): the group's query heads against the cache.
 
@@ -73,6 +75,7 @@ def sparse_attention_kernel(
     two tensor-core products, ``q @ K^T`` and ``p @ V``, over ``BLOCK_T`` cached positions, so
     each key and value is read once for the whole group and the loads pipeline through shared
     memory (an FMA broadcast over [group, BLOCK_T, DH] kept too few bytes in flight)."""
+    await_inputs(PDL)
     b = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     split = tl.program_id(2)
@@ -160,12 +163,14 @@ def sparse_attention_combine_kernel(
     DIRECT: tl.constexpr,
     HAS_MASK: tl.constexpr,
     BLOCK_S: tl.constexpr,  # next power of two >= n_split
+    PDL: tl.constexpr = False,  # launched with launch_pdl (pdl.pdl_args)
 ):
     """Merge the splits' online-softmax states: o = sum_i 2^(m_i - M) acc_i / sum_i 2^(m_i - M) l_i.
 
     One program per (sequence, KV head, query head of its group); every split's state is loaded
     in one [BLOCK_S, DH] tile, so the loads are issued together rather than one split at a time
     (a loop over 40 splits was a chain of 80 dependent loads: 16 us per layer at Llama-3-8B)."""
+    await_inputs(PDL)
     b = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     g = tl.program_id(2)
@@ -344,12 +349,12 @@ def sparse_attention_core(
         chunk, part, mask, stride_mask, GROUP=group, BLOCK_G=block_g, BLOCK_H=max(16, block_g),
         DH=dh, BLOCK_T=block_t, PARTIAL=n_split > 1, DIRECT=direct, HAS_MASK=has_mask,
         UPCAST=upcast_dot(dtype), num_warps=cfg.get("num_warps", 4),
-        num_stages=cfg.get("num_stages", 2),
+        num_stages=cfg.get("num_stages", 2), **pdl_args(device),
     )  # fmt: skip
     if n_split > 1:
         sparse_attention_combine_kernel[(batch, n_kv_sel, 1 if direct else group)](
             part, kv_heads, q_slot, res, n_kv_sel, n_split, res.stride(0), mask, stride_mask,
             GROUP=group, BLOCK_G=block_g, DH=dh, DIRECT=direct, HAS_MASK=has_mask,
-            BLOCK_S=next_pow2(n_split), num_warps=4 if n_split > 16 else 2,
+            BLOCK_S=next_pow2(n_split), num_warps=4 if n_split > 16 else 2, **pdl_args(device),
         )  # fmt: skip
     return res

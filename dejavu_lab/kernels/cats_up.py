@@ -34,6 +34,7 @@ from ._common import (
     use_triton,
 )
 from .fused_mlp import FUSED_ACTIVATIONS, _act, _rows_dot, act_ref
+from .pdl import await_inputs, pdl_args
 
 __all__ = ["cats_up", "cats_up_kernel", "cats_up_ref", "default_config"]
 
@@ -60,7 +61,9 @@ def cats_up_kernel(
     BLOCK_N: tl.constexpr,  # neurons per program
     BLOCK_K: tl.constexpr,  # input features per step
     UPCAST: tl.constexpr,  # fp32 tl.dot (CPU interpreter, bf16)
+    PDL: tl.constexpr = False,  # launched with launch_pdl (pdl.pdl_args)
 ):
+    await_inputs(PDL)
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -221,4 +224,5 @@ def launch(xb, w_gate_up, gate, thr, b_in, h, *, activation, cfg):
         GATED=w_gate_up.shape[0] == 2 * n, ACT=activation, HAS_BIAS=b_in is not None,
         BLOCK_B=block_b, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=min(cfg["BLOCK_K"], max(16, next_pow2(d))),
         UPCAST=upcast_dot(xb.dtype), num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 2),
+        **pdl_args(xb.device),
     )  # fmt: skip

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from ._common import next_pow2, use_triton
+from .pdl import await_inputs, pdl_args
 from .row_norm import KINDS, normed, row_norm_ref
 
 __all__ = ["residual_norm", "residual_norm_kernel", "rope_sums", "rope_sums_kernel"]
@@ -57,7 +58,9 @@ def rope_sums_kernel(
     DH: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK: tl.constexpr,  # next power of two >= HALF
+    PDL: tl.constexpr = False,  # launched with launch_pdl (pdl.pdl_args)
 ):
+    await_inputs(PDL)
     j = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < HALF
@@ -109,6 +112,7 @@ def rope_sums(ws: torch.Tensor, bias, out: torch.Tensor, cos, sin, positions, *,
     rope_sums_kernel[(ws.numel() // dh,)](
         ws, bias if bias is not None else ws, out, cos, sin, positions, n_rot,
         HAS_BIAS=bias is not None, DH=dh, HALF=dh // 2, BLOCK=next_pow2(dh // 2), num_warps=1,
+        **pdl_args(ws.device),
     )  # fmt: skip
     return out
 
@@ -132,7 +136,9 @@ def residual_norm_kernel(
     RMS: tl.constexpr,
     HAS_NB: tl.constexpr,
     BLOCK: tl.constexpr,  # next power of two >= N: the whole row in one program
+    PDL: tl.constexpr = False,  # launched with launch_pdl (pdl.pdl_args)
 ):
+    await_inputs(PDL)
     offs = tl.arange(0, BLOCK)
     pid = tl.program_id(0)
     if pid > 0:  # the other programs leave a consumed workspace at zero
@@ -195,6 +201,6 @@ def residual_norm(src: torch.Tensor, bias, residual: torch.Tensor, norm=None, *,
         y if y is not None else h, zero if zero is not None else src, n, eps, n_zero,
         FROM_SUMS=from_sums, HAS_BIAS=bias is not None,
         NORM=norm is not None, RMS=kind == "rms", HAS_NB=nb is not None, BLOCK=block,
-        num_warps=min(16, max(1, block // 512)),
+        num_warps=min(16, max(1, block // 512)), **pdl_args(h.device),
     )  # fmt: skip
     return h, y

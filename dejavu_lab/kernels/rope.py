@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from ._common import use_triton
+from .pdl import await_inputs, pdl_args
 
 __all__ = ["rope_", "rope_kernel", "rope_ref"]
 
@@ -32,7 +33,9 @@ def rope_kernel(
     DH: tl.constexpr,
     HALF: tl.constexpr,  # DH // 2
     BLOCK: tl.constexpr,  # next power of two >= HALF
+    PDL: tl.constexpr = False,  # launched with launch_pdl (pdl.pdl_args)
 ):
+    await_inputs(PDL)
     b = tl.program_id(0)
     j = tl.program_id(1)
     p = tl.load(pos_ptr + b).to(tl.int64)
@@ -97,6 +100,6 @@ def rope_(qkv, cos, sin, positions, *, n_rot: int) -> torch.Tensor:
     half = dh // 2
     rope_kernel[(qkv.shape[0], n_rot)](
         qkv, cos, sin, positions, qkv.stride(0), cos.stride(0), sin.stride(0),
-        DH=dh, HALF=half, BLOCK=triton.next_power_of_2(half), num_warps=1,
+        DH=dh, HALF=half, BLOCK=triton.next_power_of_2(half), num_warps=1, **pdl_args(qkv.device),
     )  # fmt: skip
     return qkv

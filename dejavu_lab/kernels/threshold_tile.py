@@ -43,6 +43,7 @@ from . import _workspace
 from ._common import batch_block, check_rowmajor, dot_acc, upcast_dot, use_triton
 from ._reduce import take_zero
 from .fused_mlp import FUSED_ACTIVATIONS, _act, act_ref
+from .pdl import await_inputs, pdl_args
 
 __all__ = ["fits", "launch", "threshold_finalize_kernel", "threshold_gemv_act", "threshold_sums",
            "threshold_tile_batch_kernel", "threshold_tile_kernel"]  # fmt: skip
@@ -71,7 +72,9 @@ def threshold_tile_kernel(
     ACT_X: tl.constexpr = "",  # x is fp32 sums [K] (GATED_X: [gate | up], 2K): act(x + xb) first
     GATED_X: tl.constexpr = False,
     HAS_XBIAS: tl.constexpr = False,
+    PDL: tl.constexpr = False,  # launched with launch_pdl (pdl.pdl_args)
 ):
+    await_inputs(PDL)
     offs_d = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
     offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_r = offs_r < K
@@ -149,10 +152,11 @@ def threshold_tile_batch_kernel(
 
 @triton.jit
 def threshold_finalize_kernel(ws_ptr, b_ptr, out_ptr, N, stride_ob, HAS_BIAS: tl.constexpr,
-                              ACT: tl.constexpr, GATED: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+                              ACT: tl.constexpr, GATED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
     """Row ``program_id(1)``: ``out = act(ws + bias)`` (GATED: ``act(gate) * up`` over a ws row
     [gate | up], N = half of its columns) in the output dtype, and ``ws = 0`` for the next
     launch. ws rows are contiguous ([B, N] or [B, 2N]); out rows ``stride_ob`` apart."""
+    await_inputs(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     row = tl.program_id(1)
     mask = offs < N
@@ -214,7 +218,7 @@ def launch(xb: torch.Tensor, w_t: torch.Tensor, thr, bias, out: torch.Tensor | N
             xb, w_t, thr_ptr, thr_value, ws, x_bias if x_bias is not None else ws, d_in, d_out,
             w_t.stride(0), THR_SCALAR=scalar, EVEN_D=d_out % block_d == 0, BLOCK_R=block_r,
             BLOCK_D=block_d, ACT_X=x_act, GATED_X=x_gated, HAS_XBIAS=x_bias is not None,
-            num_warps=cfg["num_warps"], num_stages=1,
+            num_warps=cfg["num_warps"], num_stages=1, **pdl_args(xb.device),
         )  # fmt: skip
     else:
         if block_r < 16 or block_d < 16:
@@ -232,7 +236,7 @@ def launch(xb: torch.Tensor, w_t: torch.Tensor, thr, bias, out: torch.Tensor | N
     n = d_out // 2 if gated else d_out
     threshold_finalize_kernel[(triton.cdiv(n, fin), batch)](
         ws, bias if bias is not None else ws, out, n, out.stride(0), HAS_BIAS=bias is not None,
-        ACT=activation, GATED=gated, BLOCK=fin, num_warps=4,
+        ACT=activation, GATED=gated, BLOCK=fin, num_warps=4, **pdl_args(ws.device),
     )  # fmt: skip
     return out
 
