@@ -27,7 +27,7 @@ __all__ = ["PARTS", "bound_table", "fused_table", "kernel_part", "load_profile",
            "profile_table"]  # fmt: skip
 
 NAME = "engine_profile"
-FUSED = "engine_methods"  # kernels/bench_engine.py --plain: each decoder timed fused and plain
+FUSED = "engine_pdl"  # kernels/bench_engine.py --plain: each decoder timed fused and plain
 PARTS = ("weight GEMVs", "lm_head", "attention", "norms", "small ops", "idle")
 # the tile kernel's finalize is its split-K reduction (with the activation), counted with
 # the GEMVs as cuBLAS's splitKreduce is
@@ -145,12 +145,14 @@ def profile_figure(df: pd.DataFrame):
 def fused_table(name: str = FUSED) -> tuple[pd.DataFrame, dict]:
     """ms per token of each decoder with its epilogues fused (:mod:`dejavu_lab.engine.fused_step`)
     and plain, timed in one run (``bench_engine.py --plain``), and the speedup over the dense
-    decoder either way; with the recording's provenance.
+    decoder either way; with the recording's provenance. Where the recording has them, also the
+    fused step with TEAL's and WINA's hidden activations finished in their own launch, and
+    without programmatic dependent launch (:mod:`dejavu_lab.kernels.pdl`).
 
     >>> t, prov = fused_table()
     >>> list(t.columns)  # doctest: +NORMALIZE_WHITESPACE
-    ['plain (ms)', 'fused, hidden apart (ms)', 'fused (ms)', 'saved (ms)', 'vs dense, plain',
-     'vs dense, fused']
+    ['plain (ms)', 'fused, hidden apart (ms)', 'fused, no PDL (ms)', 'fused (ms)', 'saved (ms)',
+     'vs dense, plain', 'vs dense, fused']
     >>> bool((t["saved (ms)"] > 0).all())
     True
     """
@@ -164,6 +166,9 @@ def fused_table(name: str = FUSED) -> tuple[pd.DataFrame, dict]:
     t["saved (ms)"] = t["plain (ms)"] - t["fused (ms)"]
     if "hidden_unfused_ms_per_token" in e2e:  # TEAL/WINA: fused, but their own hidden launch
         t.insert(1, "fused, hidden apart (ms)", e2e["hidden_unfused_ms_per_token"].to_numpy())
+    if "no_pdl_ms_per_token" in e2e:  # fused, each kernel launched after the last one ended
+        t.insert(t.columns.get_loc("fused (ms)"), "fused, no PDL (ms)",
+                 e2e["no_pdl_ms_per_token"].to_numpy())  # fmt: skip
     dense = t.xs("dense", level="variant")
     models = t.index.get_level_values("model")
     t["vs dense, plain"] = dense["plain (ms)"].reindex(models).to_numpy() / t["plain (ms)"]
