@@ -3,6 +3,7 @@ grid before it at its first statement: a launch site with ``**pdl_args(...)`` wh
 reads or writes memory before ``await_inputs(PDL)`` would race with its predecessor."""
 
 import ast
+import importlib
 import inspect
 import pathlib
 
@@ -38,7 +39,7 @@ def test_every_pdl_launch_waits_first():
             "residual_norm_kernel", "rope_kernel", "sparse_attention_kernel",
             "sparse_attention_combine_kernel", "cats_up_kernel"} <= names  # fmt: skip
     for module, name in launches:
-        fn = getattr(__import__(f"dejavu_lab.kernels.{module}", fromlist=[name]), name).fn
+        fn = getattr(importlib.import_module(f"dejavu_lab.kernels.{module}"), name).fn
         tree = ast.parse(inspect.getsource(fn).lstrip())
         body = tree.body[0].body
         if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
