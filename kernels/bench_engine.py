@@ -71,6 +71,9 @@ from dejavu_lab.engine import (
 from dejavu_lab.kernels import pdl
 from dejavu_lab.models import PRESETS, load_model, random_model
 
+# the module (the package's name ``cats_mlp`` is the function): its SPLIT_GATE switch
+CATS_MLP = importlib.import_module("dejavu_lab.kernels.cats_mlp")
+
 MODELS = ["opt-30b", "llama-2-13b", "llama-3-8b", "opt-13b", "opt-6.7b"]  # most important first
 PROMPTS = [128, 256, 512, 1024]
 ALL_METHODS = ("dense", "dense_triton", "dense_auto", "dejavu", "teal", "wina", "cats")
@@ -440,6 +443,11 @@ def bench_model(preset, prompts, new_tokens, hf_new, hf_prompts, device, ceiling
                     on, pdl.PDL = pdl.PDL, False  # each kernel launched after the last ends
                     row["no_pdl_ms_per_token"] = engine_row(dec, ids, new_tokens)["ms_per_token"]
                     pdl.PDL = on
+                    if v.method == "cats":  # the gate through cuBLAS, as before the split
+                        CATS_MLP.SPLIT_GATE = False
+                        ms = engine_row(dec, ids, new_tokens)["ms_per_token"]
+                        row["cublas_gate_ms_per_token"] = ms
+                        CATS_MLP.SPLIT_GATE = True
                     if dec.fuse_hidden and v.method in ("teal", "wina"):  # its own saving
                         dec.fuse_hidden = False
                         ms = engine_row(dec, ids, new_tokens)["ms_per_token"]
@@ -598,7 +606,8 @@ def main(argv=None):
         action="store_true",
         help="also time each dense/TEAL/WINA/CATS decoder with its epilogues unfused "
         "(fuse_epilogues=False): plain_ms_per_token; without programmatic dependent launch: "
-        "no_pdl_ms_per_token; TEAL/WINA also without fuse_hidden: hidden_unfused_ms_per_token",
+        "no_pdl_ms_per_token; TEAL/WINA also without fuse_hidden: hidden_unfused_ms_per_token; "
+        "CATS also with cuBLAS's gate: cublas_gate_ms_per_token",
     )
     ap.add_argument(
         "--no-fuse-hidden",

@@ -30,10 +30,16 @@ from . import _workspace
 from ._common import check_device, check_thr, output, use_triton
 from .cats_up import cats_up
 from .cats_up import default_config as up_config
+from .cats_up import launch as up_launch
 from .fused_mlp import check_mlp, check_mode, default_config, hidden_ref, launch
+from .rows_sums import rows_sums
 from .threshold_gemv import threshold_gemv
 
-__all__ = ["cats_hidden", "cats_mlp", "cats_mlp_ref", "dense_gate"]
+__all__ = ["SPLIT_GATE", "cats_hidden", "cats_mlp", "cats_mlp_ref", "dense_gate"]
+
+# one token's gate as split-K tiles (rows_sums) rather than cuBLAS; False (or the config
+# {"cublas_gate": True}) runs cuBLAS, for timing the two (kernels/bench_engine.py --plain)
+SPLIT_GATE = True
 
 
 def dense_gate(xb, w_gate_up, n, b_in=None):
@@ -78,6 +84,13 @@ def cats_hidden(xb: torch.Tensor, w_gate_up: torch.Tensor, thr: torch.Tensor, *,
         cfg = {**default_config("cats", batch, d, n, n, device=xb.device), **config}
         launch(xb, w_gate_up, None, thr, b_in, h, cats=True, gated=gated, activation=activation,
                k=n, n=n, cfg=cfg)  # fmt: skip
+    elif (
+        batch == 1 and SPLIT_GATE and not config.get("cublas_gate")
+    ):  # the gate as split-K tiles' sums
+        cfg = {**up_config(batch, d, n, device=xb.device), **config}
+        g = rows_sums(xb, w_gate_up[:n], kind="cats_gate", config=config.get("gate"))
+        up_launch(xb, w_gate_up, g.view(1, n), thr, b_in, h, activation=activation, cfg=cfg,
+                  gate_sums=True)  # fmt: skip
     else:
         cfg = {**up_config(batch, d, n, device=xb.device), **config}
         cats_up(xb, w_gate_up, dense_gate(xb, w_gate_up, n, b_in), thr, activation=activation,

@@ -33,6 +33,7 @@ from ._common import (
     upcast_dot,
     use_triton,
 )
+from ._reduce import take_zero
 from .fused_mlp import FUSED_ACTIVATIONS, _act, _rows_dot, act_ref
 from .pdl import await_inputs, pdl_args
 
@@ -61,6 +62,7 @@ def cats_up_kernel(
     BLOCK_N: tl.constexpr,  # neurons per program
     BLOCK_K: tl.constexpr,  # input features per step
     UPCAST: tl.constexpr,  # fp32 tl.dot (CPU interpreter, bf16)
+    GATE_SUMS: tl.constexpr = False,  # g is a workspace of fp32 sums: add the gate bias, zero it
     PDL: tl.constexpr = False,  # launched with launch_pdl (pdl.pdl_args)
 ):
     await_inputs(PDL)
@@ -70,7 +72,13 @@ def cats_up_kernel(
     offs_b = tl.arange(0, BLOCK_B)
     mask_b = offs_b < B
     m2 = mask_n[:, None] & mask_b[None, :]
-    g = tl.load(g_ptr + offs_b[None, :] * stride_gb + offs_n[:, None], mask=m2, other=0.0)
+    g_ptrs = g_ptr + offs_b[None, :] * stride_gb + offs_n[:, None]
+    if GATE_SUMS:  # read, and leave zeros for the next launch (rows_sums)
+        g = take_zero(g_ptrs, m2)
+        if HAS_BIAS:
+            g += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+    else:
+        g = tl.load(g_ptrs, mask=m2, other=0.0)
     a = _act(g.to(tl.float32), ACT)  # [BLOCK_N, BLOCK_B]
     t = tl.load(thr_ptr + offs_n, mask=mask_n, other=float("inf"))
     keep = (tl.abs(a) > t[:, None]) & m2
@@ -201,8 +209,10 @@ def cats_up(
     return res
 
 
-def launch(xb, w_gate_up, gate, thr, b_in, h, *, activation, cfg):
+def launch(xb, w_gate_up, gate, thr, b_in, h, *, activation, cfg, gate_sums=False):
     """Launch the kernel on checked inputs (xb [B, d], gate and h [B, n] with unit column stride).
+    ``gate_sums``: gate is fp32 sums in a workspace (:func:`~.rows_sums.rows_sums`, no bias):
+    the kernel adds the gate's bias (``b_in[:n]``) and leaves zeros there.
 
     >>> x, w = torch.ones(1, 8, dtype=torch.float16), torch.ones(4, 8, dtype=torch.float16)
     >>> h = torch.empty(1, 2, dtype=torch.float16)
@@ -223,6 +233,6 @@ def launch(xb, w_gate_up, gate, thr, b_in, h, *, activation, cfg):
         xb.stride(0), w_gate_up.stride(0), gate.stride(0), h.stride(0),
         GATED=w_gate_up.shape[0] == 2 * n, ACT=activation, HAS_BIAS=b_in is not None,
         BLOCK_B=block_b, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=min(cfg["BLOCK_K"], max(16, next_pow2(d))),
-        UPCAST=upcast_dot(xb.dtype), num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 2),
-        **pdl_args(xb.device),
+        UPCAST=upcast_dot(xb.dtype), GATE_SUMS=gate_sums, num_warps=cfg["num_warps"],
+        num_stages=cfg.get("num_stages", 2), **pdl_args(xb.device),
     )  # fmt: skip
