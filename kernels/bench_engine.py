@@ -448,7 +448,7 @@ def bench_model(preset, prompts, new_tokens, hf_new, hf_prompts, device, ceiling
                         ms = engine_row(dec, ids, new_tokens)["ms_per_token"]
                         row["cublas_gate_ms_per_token"] = ms
                         CATS_MLP.SPLIT_GATE = True
-                    if dec.fuse_hidden and v.method in ("teal", "wina"):  # its own saving
+                    if dec.fuse_hidden and v.method in ("teal", "wina", "cats"):  # its own saving
                         dec.fuse_hidden = False
                         ms = engine_row(dec, ids, new_tokens)["ms_per_token"]
                         row["hidden_unfused_ms_per_token"] = ms
@@ -606,7 +606,7 @@ def main(argv=None):
         action="store_true",
         help="also time each dense/TEAL/WINA/CATS decoder with its epilogues unfused "
         "(fuse_epilogues=False): plain_ms_per_token; without programmatic dependent launch: "
-        "no_pdl_ms_per_token; TEAL/WINA also without fuse_hidden: hidden_unfused_ms_per_token; "
+        "no_pdl_ms_per_token; TEAL/WINA/CATS also without fuse_hidden: hidden_unfused_ms_per_token; "
         "CATS also with cuBLAS's gate: cublas_gate_ms_per_token",
     )
     ap.add_argument(

@@ -43,7 +43,7 @@ def steps(dec, ids, n_prompt, fused):
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-opt"])
 @pytest.mark.parametrize("method,hidden", [("dense", False), ("teal", False), ("teal", True),
-                                           ("wina", True), ("cats", False)])  # fmt: skip
+                                           ("wina", True), ("cats", False), ("cats", True)])  # fmt: skip
 def test_fused_step_gives_the_plain_steps_logits(preset, method, hidden):
     m = model_of(preset, seed=4)
     ids = torch.randint(0, 128, (1, 10), generator=torch.Generator().manual_seed(4)).to(DEVICE)

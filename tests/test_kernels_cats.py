@@ -105,3 +105,25 @@ def test_cats_one_token_gate_sums_match_cublas_gate_call_after_call(gated, biase
     plain = cats_hidden(x, w, thr, activation="silu", n=N, b_in=b,
                         config={**cfg, "cublas_gate": True})  # fmt: skip
     assert_close(plain, ref, torch.float16, seed)
+
+
+@pytest.mark.parametrize("gated,biased", [(True, True), (True, False), (False, True)])
+def test_cats_sums_finished_by_the_down_gemv(gated, biased, seed):
+    """The gate's sums, the kept up rows' sums and a down GEMV that applies CATS's rule to
+    them as it loads them (keep_gate) give CATS's MLP; the workspace is zeroed by the caller."""
+    from dejavu_lab.kernels.cats_mlp import cats_sums
+    from dejavu_lab.kernels.threshold_tile import threshold_sums
+
+    x, w, b, gate, thr = inputs(torch.float16, 1, gated, biased=biased)
+    w_down_t = (torch.randn(N, D) / N**0.5).half()
+    for _ in range(2):  # the second call finds the workspace at zero again
+        gu = cats_sums(x, w, thr, activation="silu", n=N, b_in=b)
+        a = torch.nn.functional.silu(gate[0])
+        assert_close(gu[:N], gate[0] - (0 if b is None else b[:N].float()), torch.float16, seed)
+        if gated:  # only the kept neurons' up rows were read
+            assert bool((gu[N:][a.abs() <= thr] == 0).all()), f"seed={seed}"
+        y = threshold_sums(gu, w_down_t, thr, x_act="silu", x_gated=gated, x_bias=b,
+                           keep_gate=True)  # fmt: skip
+        ref = cats_mlp_ref(x, w, w_down_t, thr, activation="silu", b_in=b)[0]
+        assert_close(y.half(), ref, torch.float16, seed)
+        y.zero_(), gu.zero_()

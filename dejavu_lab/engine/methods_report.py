@@ -22,10 +22,11 @@ from .. import results
 from ..gated_report import COLORS
 from ..plots import wrap_caption
 
-__all__ = ["ENGINE_ARGS", "ENGINE_NAME", "LABELS", "engine_figure", "engine_methods_table",
-           "load_engine_methods"]  # fmt: skip
+__all__ = ["ENGINE_ARGS", "ENGINE_NAME", "KEEPALL_NAME", "LABELS", "engine_figure",
+           "engine_methods_table", "keepall_table", "load_engine_methods"]  # fmt: skip
 
 ENGINE_NAME = "engine_methods"  # results/engine_methods.json
+KEEPALL_NAME = "engine_keepall"  # dense, and TEAL / CATS at 0% and 50%, in one run
 # the recorded run's arguments (its provenance "command"), for a live rerun on a GPU box
 ENGINE_ARGS = ["--models", "llama-2-13b,llama-3-8b", "--prompts", "512", "--methods",
                "dense,dense_auto,dejavu,teal,wina,cats", "--sparsity", "0.4,0.5",
@@ -44,7 +45,7 @@ def load_engine_methods(live: bool | None = None):
     live = torch.cuda.is_available() if live is None else live
     name = ENGINE_NAME
     if live:
-        script = Path(__file__).resolve().parents[1] / "kernels" / "bench_engine.py"
+        script = Path(__file__).resolve().parents[2] / "kernels" / "bench_engine.py"
         name = ENGINE_NAME + "_live"
         cmd = [sys.executable, str(script), *ENGINE_ARGS, "--no-check", "--name", name]
         subprocess.run(cmd, check=True)
@@ -170,3 +171,33 @@ def engine_figure(table: pd.DataFrame, caption: str, skip=("hf",)) -> go.Figure:
                        yanchor="top", showarrow=False, font=dict(size=9), xanchor="left",
                        align="left")  # fmt: skip
     return fig
+
+
+def keepall_table(name: str = KEEPALL_NAME) -> tuple[pd.DataFrame, dict]:
+    """(table, provenance): per model, the dense engine (cuBLAS GEMVs), TEAL's and CATS's
+    kernels with every entry kept (0%: thresholds below every activation) and at 50%, in ms per
+    token from one run, and each sparse step's ratio to the dense engine and to its own kernels
+    at 0% — the speedup that the skipped bytes alone buy.
+
+    >>> t, prov = keepall_table()
+    >>> bool(t.loc["llama-3-8b", "TEAL 0% (ms)"] < t.loc["llama-3-8b", "dense (ms)"])
+    True
+    """
+    frame, prov = results.load(name)
+    e = frame[frame.kind == "e2e"]
+    if "error" in e:
+        e = e[e.error.isna()]
+    rows = {}
+    for model, g in e.groupby("model", sort=False):
+        ms = {
+            (r.engine, round(float(r.sparsity or 0.0), 2)): r.ms_per_token for r in g.itertuples()
+        }
+        dense = ms[("dense", 0.0)]
+        row = {"dense (ms)": dense}
+        for m, label in (("teal", "TEAL"), ("cats", "CATS")):
+            row[f"{label} 0% (ms)"] = ms[(m, 0.0)]
+            row[f"{label} 50% (ms)"] = ms[(m, 0.5)]
+            row[f"{label} 50% vs dense"] = dense / ms[(m, 0.5)]
+            row[f"{label} 50% vs its 0%"] = ms[(m, 0.0)] / ms[(m, 0.5)]
+        rows[model] = row
+    return pd.DataFrame.from_dict(rows, orient="index"), prov

@@ -27,12 +27,12 @@ __all__ = ["PARTS", "bound_table", "fused_table", "kernel_part", "load_profile",
            "profile_table"]  # fmt: skip
 
 NAME = "engine_profile"
-FUSED = "engine_pdl"  # kernels/bench_engine.py --plain: each decoder timed fused and plain
+FUSED = "engine_methods"  # kernels/bench_engine.py --plain: each decoder timed fused and plain
 PARTS = ("weight GEMVs", "lm_head", "attention", "norms", "small ops", "idle")
 # the tile kernel's finalize is its split-K reduction (with the activation), counted with
 # the GEMVs as cuBLAS's splitKreduce is
 _OURS_GEMV = ("sparse_mlp_up", "sparse_mlp_down", "threshold_gemv", "threshold_tile",
-              "threshold_finalize", "fused_mlp", "cats", "qkv_rope")  # fmt: skip
+              "threshold_finalize", "fused_mlp", "cats", "qkv_rope", "rows_sums")  # fmt: skip
 _ATTENTION = ("sparse_attention", "softmax", "gemvx", "cutlass::Kernel2", "flash", "fmha")
 _GEMM = ("nvjet", "cublas", "gemv", "gemm", "splitKreduce", "cutlass")
 
@@ -44,6 +44,8 @@ def kernel_part(name: str, launches: float) -> str:
     ('weight GEMVs', 'attention')
     >>> kernel_part("threshold_tile_kernel", 4.0), kernel_part("threshold_finalize_kernel", 4.0)
     ('weight GEMVs', 'weight GEMVs')
+    >>> kernel_part("rows_sums_kernel", 1.0)  # CATS's gate: a GEMV, though once per layer
+    'weight GEMVs'
     >>> kernel_part("nvjet_sm90_hsh_256x8_64x6_2x1_v_bz_TNT", 1.0)  # once per step
     'lm_head'
     """
@@ -147,12 +149,13 @@ def fused_table(name: str = FUSED) -> tuple[pd.DataFrame, dict]:
     and plain, timed in one run (``bench_engine.py --plain``), and the speedup over the dense
     decoder either way; with the recording's provenance. Where the recording has them, also the
     fused step with TEAL's and WINA's hidden activations finished in their own launch, and
-    without programmatic dependent launch (:mod:`dejavu_lab.kernels.pdl`).
+    without programmatic dependent launch (:mod:`dejavu_lab.kernels.pdl`), and CATS with
+    cuBLAS's gate in place of the split-K one (:mod:`dejavu_lab.kernels.rows_sums`).
 
     >>> t, prov = fused_table()
     >>> list(t.columns)  # doctest: +NORMALIZE_WHITESPACE
-    ['plain (ms)', 'fused, hidden apart (ms)', 'fused, no PDL (ms)', 'fused (ms)', 'saved (ms)',
-     'vs dense, plain', 'vs dense, fused']
+    ['plain (ms)', 'fused, hidden apart (ms)', 'fused, cuBLAS gate (ms)', 'fused, no PDL (ms)',
+     'fused (ms)', 'saved (ms)', 'vs dense, plain', 'vs dense, fused']
     >>> bool((t["saved (ms)"] > 0).all())
     True
     """
@@ -166,6 +169,9 @@ def fused_table(name: str = FUSED) -> tuple[pd.DataFrame, dict]:
     t["saved (ms)"] = t["plain (ms)"] - t["fused (ms)"]
     if "hidden_unfused_ms_per_token" in e2e:  # TEAL/WINA: fused, but their own hidden launch
         t.insert(1, "fused, hidden apart (ms)", e2e["hidden_unfused_ms_per_token"].to_numpy())
+    if "cublas_gate_ms_per_token" in e2e:  # CATS: its gate through cuBLAS
+        t.insert(t.columns.get_loc("fused (ms)"), "fused, cuBLAS gate (ms)",
+                 e2e["cublas_gate_ms_per_token"].to_numpy())  # fmt: skip
     if "no_pdl_ms_per_token" in e2e:  # fused, each kernel launched after the last one ended
         t.insert(t.columns.get_loc("fused (ms)"), "fused, no PDL (ms)",
                  e2e["no_pdl_ms_per_token"].to_numpy())  # fmt: skip

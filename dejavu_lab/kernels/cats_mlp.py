@@ -4,17 +4,22 @@ CATS keeps neuron j of token b iff ``|act(gate_j . x_b)| > thr[j]`` (a per-layer
 calibrated for a target sparsity) and computes up and down only for the kept neurons. Three
 launches, each streaming one contiguous weight block at close to the copy ceiling:
 
-1. the gate of every neuron densely, by cuBLAS over the gate rows (``w_gate_up[:n]``, a
-   contiguous view; fp32 output, so the threshold sees the same gate as the reference);
-2. :func:`~.cats_up.cats_up`: the threshold, and the up rows of the kept neurons only (masked
-   row loads: a dropped row costs no memory traffic), ``h`` zero where dropped;
+1. the gate of every neuron densely, over the gate rows (``w_gate_up[:n]``) in fp32: for one
+   token as split-K tiles whose sums stay in a workspace (:func:`~.rows_sums.rows_sums`, at
+   about the copy ceiling on an H200 where cuBLAS reaches 0.91-0.95 of it at the Llama-2-13B
+   and Llama-3-8B shapes; ``SPLIT_GATE = False`` runs cuBLAS instead), for a union batch by
+   cuBLAS with an fp32 output (:func:`dense_gate`);
+2. :func:`~.cats_up.cats_up`: the threshold (taking and zeroing the gate's sums, plus its
+   bias), and the up rows of the kept neurons only (masked row loads: a dropped row costs no
+   memory traffic), ``h`` zero where dropped;
 3. :func:`~.threshold_gemv` over the nonzero entries of ``h``: the kept down rows. One token
    runs its tile kernel (:mod:`.threshold_tile`: fp32 atomics, so the rounding depends on the
    order the programs add in); a union batch the compacting kernel, reduced in a fixed order.
 
-Launch shapes fixed by the shapes, no host sync (CUDA-graph capturable). Measured on an H200
-(CUDA-graph replay, batch 1, 50% kept, random fp16 weights), with the down step then on the
-compacting kernel: 84 µs against the dense MLP's 110 at Llama-2-13B (gate 37 + up 21 + down
+Launch shapes fixed by the shapes, no host sync (CUDA-graph capturable). With the split-K gate
+and the tile kernel's down step, the H200 ran the whole MLP at 50% kept in 73.4 µs at
+Llama-2-13B's shape and 62.2 at Llama-3-8B's (cuBLAS's gate: 75.8 / 66.9;
+``results/cats_gate.json``). Earlier, with the down step on the compacting kernel: 84 µs against the dense MLP's 110 at Llama-2-13B (gate 37 + up 21 + down
 24 µs), 71 against 94 at Llama-3-8B; the earlier path, whose one Triton kernel computed the gate and
 the masked up rows together (:func:`~.fused_mlp.fused_mlp_kernel` with ``CATS=True``, ~2.5
 TB/s on the gate rows against cuBLAS's ~3.8), took 113 / 95 µs. ``config={"fused_gate":
@@ -35,7 +40,7 @@ from .fused_mlp import check_mlp, check_mode, default_config, hidden_ref, launch
 from .rows_sums import rows_sums
 from .threshold_gemv import threshold_gemv
 
-__all__ = ["SPLIT_GATE", "cats_hidden", "cats_mlp", "cats_mlp_ref", "dense_gate"]
+__all__ = ["SPLIT_GATE", "cats_hidden", "cats_mlp", "cats_mlp_ref", "cats_sums", "dense_gate"]
 
 # one token's gate as split-K tiles (rows_sums) rather than cuBLAS; False (or the config
 # {"cublas_gate": True}) runs cuBLAS, for timing the two (kernels/bench_engine.py --plain)
@@ -96,6 +101,33 @@ def cats_hidden(xb: torch.Tensor, w_gate_up: torch.Tensor, thr: torch.Tensor, *,
         cats_up(xb, w_gate_up, dense_gate(xb, w_gate_up, n, b_in), thr, activation=activation,
                 b_in=b_in, out=h, config=cfg)  # fmt: skip
     return h
+
+
+def cats_sums(xb: torch.Tensor, w_gate_up: torch.Tensor, thr: torch.Tensor, *, activation: str,
+              n: int, b_in=None) -> torch.Tensor | None:  # fmt: skip
+    """One token's gate and kept up rows as fp32 sums [gate | up] ([2n]; fc1: [n]) in the
+    workspace ``"hidden"``, for a down GEMV that finishes them as it loads them
+    (:func:`~.threshold_tile.threshold_sums` with ``x_act``, ``x_gated`` and ``keep_gate``;
+    its caller then zeroes them). Two split-K launches (:func:`~.rows_sums.rows_sums`): the
+    gate of every neuron, then the up rows of the neurons with ``|act(gate + b)| > thr`` only.
+    None where this path does not run (a union batch, the CPU without the interpreter,
+    ``SPLIT_GATE = False``): use :func:`cats_hidden` there.
+
+    >>> x, w = torch.ones(1, 2, dtype=torch.float16), torch.ones(4, 2, dtype=torch.float16)
+    >>> gu = cats_sums(x, w, torch.tensor([1.0, 9.0]), activation="relu", n=2)
+    >>> gu.tolist()  # gates 2, 2; relu(2) > 1 keeps neuron 0 only: its up row read
+    [2.0, 2.0, 2.0, 0.0]
+    >>> _ = gu.zero_()
+    """
+    if xb.shape[0] != 1 or not use_triton(xb.device) or not SPLIT_GATE:
+        return None
+    gated = w_gate_up.shape[0] == 2 * n
+    gu = _workspace.buffer(xb.device, "hidden", 2 * n, torch.float32)[: 2 * n if gated else n]
+    rows_sums(xb, w_gate_up[:n], out=gu[:n])
+    if gated:
+        gb = None if b_in is None else b_in[:n]
+        rows_sums(xb, w_gate_up[n:], out=gu[n:], keep=(gu[:n], thr, activation, gb))
+    return gu
 
 
 def cats_mlp_ref(x, w_gate_up, w_down_t, thr, *, activation, b_in=None, b_down=None):

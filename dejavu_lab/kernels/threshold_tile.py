@@ -72,12 +72,14 @@ def threshold_tile_kernel(
     ACT_X: tl.constexpr = "",  # x is fp32 sums [K] (GATED_X: [gate | up], 2K): act(x + xb) first
     GATED_X: tl.constexpr = False,
     HAS_XBIAS: tl.constexpr = False,
+    KEEP_GATE: tl.constexpr = False,  # ACT_X: row r kept iff |act(gate_r)| > thr_r (CATS)
     PDL: tl.constexpr = False,  # launched with launch_pdl (pdl.pdl_args)
 ):
     await_inputs(PDL)
     offs_d = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
     offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_r = offs_r < K
+    gate_keep = mask_r
     if ACT_X == "":
         x = tl.load(x_ptr + offs_r, mask=mask_r, other=0.0, eviction_policy="evict_last")
     else:  # the previous GEMV's sums, finished here: act(gate) * up, rounded as stored
@@ -85,6 +87,9 @@ def threshold_tile_kernel(
         if HAS_XBIAS:
             a += tl.load(xb_ptr + offs_r, mask=mask_r, other=0.0).to(tl.float32)
         a = _act(a, ACT_X)
+        if KEEP_GATE:
+            t = tl.load(thr_ptr + offs_r, mask=mask_r, other=float("inf"))
+            gate_keep = (tl.abs(a) > t) & mask_r
         if GATED_X:
             u = tl.load(x_ptr + K + offs_r, mask=mask_r, other=0.0)
             if HAS_XBIAS:
@@ -93,7 +98,9 @@ def threshold_tile_kernel(
         x = a.to(w_ptr.dtype.element_ty)
     # compare in x's own dtype and widen only in the product: the H200 ran this form at
     # 15.7 µs against 20.1 for widening x first (11008->4096, 50% kept, same tiles)
-    if THR_SCALAR:  # the rows past K stay masked at a negative threshold (keep-all)
+    if KEEP_GATE:  # CATS: the gate decided, and h is exactly zero elsewhere
+        keep = gate_keep
+    elif THR_SCALAR:  # the rows past K stay masked at a negative threshold (keep-all)
         keep = (tl.abs(x) > thr_value) & mask_r
     else:
         t = tl.load(thr_ptr + offs_r, mask=mask_r, other=float("inf"), eviction_policy="evict_last")
@@ -184,7 +191,8 @@ def fits(w_t: torch.Tensor) -> bool:
 
 def launch(xb: torch.Tensor, w_t: torch.Tensor, thr, bias, out: torch.Tensor | None, cfg: dict,
            *, activation: str = "none", gated: bool = False, kind: str = "sums",
-           x_act: str = "", x_gated: bool = False, x_bias=None) -> torch.Tensor:  # fmt: skip
+           x_act: str = "", x_gated: bool = False, x_bias=None,
+           keep_gate: bool = False) -> torch.Tensor:  # fmt: skip
     """Run the tile kernel and its finalize on checked inputs: xb [B, d_in] (rows contiguous),
     out [B, d_out] (``gated``: [B, d_out / 2], ``act(gate) * up`` of the product's halves).
 
@@ -218,7 +226,7 @@ def launch(xb: torch.Tensor, w_t: torch.Tensor, thr, bias, out: torch.Tensor | N
             xb, w_t, thr_ptr, thr_value, ws, x_bias if x_bias is not None else ws, d_in, d_out,
             w_t.stride(0), THR_SCALAR=scalar, EVEN_D=d_out % block_d == 0, BLOCK_R=block_r,
             BLOCK_D=block_d, ACT_X=x_act, GATED_X=x_gated, HAS_XBIAS=x_bias is not None,
-            num_warps=cfg["num_warps"], num_stages=1, **pdl_args(xb.device),
+            KEEP_GATE=keep_gate, num_warps=cfg["num_warps"], num_stages=1, **pdl_args(xb.device),
         )  # fmt: skip
     else:
         if block_r < 16 or block_d < 16:
@@ -242,7 +250,8 @@ def launch(xb: torch.Tensor, w_t: torch.Tensor, thr, bias, out: torch.Tensor | N
 
 
 def threshold_sums(x: torch.Tensor, w_t: torch.Tensor, thr, *, kind: str = "sums",
-                   x_act: str = "", x_gated: bool = False, x_bias=None) -> torch.Tensor | None:  # fmt: skip
+                   x_act: str = "", x_gated: bool = False, x_bias=None,
+                   keep_gate: bool = False) -> torch.Tensor | None:  # fmt: skip
     """One token's thresholded product ``sum_i [|x_i| > thr_i] x_i w_t[i]`` left as fp32 sums
     [d_out] in the per-device workspace ``kind``, with no finalize: the caller's next launch
     takes them and leaves zeros (:func:`~.epilogue.rope_sums`, :func:`~.epilogue.residual_norm`),
@@ -250,6 +259,8 @@ def threshold_sums(x: torch.Tensor, w_t: torch.Tensor, thr, *, kind: str = "sums
     itself a previous call's sums, finished in this kernel: ``x_act(x + x_bias)``, or with
     ``x_gated`` ``act(gate) * up`` of x's halves, rounded to w_t's dtype before the threshold
     — the MLP's hidden activations without their own launch (the caller then zeroes x).
+    ``keep_gate`` (with ``x_act``): CATS's rule instead of the threshold on x — row r is kept
+    iff ``|x_act(gate_r + bias_r)| > thr[r]`` (thr: fp32 [d_in], CATS's per-neuron thresholds).
     Runs the tile config :func:`~.threshold_gemv.threshold_gemv` would pick for the shape;
     returns None where it would not run the tile kernel (a union batch, the CPU without the
     interpreter, a weight past int32 offsets, a tuned table that picks the compacting kernel):
@@ -277,7 +288,7 @@ def threshold_sums(x: torch.Tensor, w_t: torch.Tensor, thr, *, kind: str = "sums
     if base.get("mode", "tile") != "tile":
         return None
     return launch(xb, w_t, thr, None, None, {**TILE_B1, **base}, kind=kind, x_act=x_act,
-                  x_gated=x_gated, x_bias=x_bias)  # fmt: skip
+                  x_gated=x_gated, x_bias=x_bias, keep_gate=keep_gate)  # fmt: skip
 
 
 def threshold_gemv_act(x: torch.Tensor, w_t: torch.Tensor, thr, *, activation: str,
