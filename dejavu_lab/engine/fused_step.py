@@ -97,7 +97,7 @@ class FusedStep:
         neurons' activations, threshold 0); a dense MLP gives a tensor."""
         lw, t_down = self.w.layers[i], self._thr(i, "down_in", x)
         gate = self.site_thresholds[i].get("gate") if self.method == "cats" else None
-        if gate is not None:  # CATS: its down GEMV (threshold 0 over h's zeros) leaves sums
+        if gate is not None:  # CATS: the down GEMV finishes gate/up sums, or reads h (thr 0)
             act, n = self.w.activation, self.arch.d_mlp
             gu = None
             if self.fuse_hidden:  # gate and kept up rows as sums, finished by the down GEMV

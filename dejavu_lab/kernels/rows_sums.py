@@ -6,7 +6,8 @@
 x it multiplies, and adds its ``BLOCK_N`` partial sums into a per-device fp32 workspace with
 relaxed atomics. No loop: thousands of short programs, each one tile, keep more loads in
 flight than a GEMV that loops over d. The sums are left in the workspace for the next launch
-to read and zero (:func:`~.cats_up.cats_up` with ``gate_sums=True``), so there is no
+to read and zero (:func:`~.cats_up.cats_up` with ``gate_sums=True``, or the residual
+epilogue after the down GEMV that finished them: :func:`~.cats_mlp.cats_sums`), so there is no
 finalize. The sums are order-dependent in fp32 (the atomics' order): not bitwise repeatable.
 
 This is the threshold tile kernel's grid (:mod:`.threshold_tile`) with every row kept and
