@@ -109,9 +109,11 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="tiny shapes (plumbing check, CPU)")
     args = ap.parse_args(argv)
     command = "python kernels/bench_cats_gate.py " + " ".join(argv or sys.argv[1:])
+    global TILES
     shapes = SHAPES
     if args.quick:
         shapes, device, ceiling = [("tiny", 64, 96)], torch.device("cpu"), 1.0
+        TILES = TILES[:2]
     elif not torch.cuda.is_available():
         raise SystemExit("bench_cats_gate needs a CUDA GPU (use --quick for a CPU check).")
     else:

@@ -29,3 +29,16 @@ def test_quick_run_records_every_variant(tmp_path, monkeypatch, capsys):
     assert all(r["check_ok"] for r in e2e if "check_ok" in r)
     assert {r["op"] for r in rows if r["kind"] == "op"} == {"qkv", "attn", "o", "mlp"}
     assert "vs hfc" in capsys.readouterr().out  # the table was printed
+
+
+def test_cats_gate_bench_quick_checks_every_variant(capsys):
+    """kernels/bench_cats_gate.py --quick (CPU, the interpreter): every gate variant and both
+    CATS paths are checked against fp32 math (a wrong one exits) and printed."""
+    path = SCRIPT.parent / "bench_cats_gate.py"
+    spec = importlib.util.spec_from_file_location("bench_cats_gate", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["--quick"])
+    out = capsys.readouterr().out
+    for variant in ("cublas_fp32", "cublas_fp16", "rows_sums", "hidden_cublas", "mlp_rows_sums"):
+        assert variant in out, variant
