@@ -77,6 +77,12 @@ def _budget(r) -> str:
     return "dense"
 
 
+def _timed(frame: pd.DataFrame) -> pd.DataFrame:
+    """The end-to-end rows of a recording that timed without an error."""
+    e = frame[frame.kind == "e2e"]
+    return e[e.error.isna()] if "error" in e else e
+
+
 def engine_methods_table(frame: pd.DataFrame, prompt: int = 512) -> pd.DataFrame:
     """Every engine variant per model: ms per token, the ratio to our dense engine and to
     compiled Hugging Face ``generate``, the floor ratio (dense bytes per step / its bytes: the
@@ -90,9 +96,8 @@ def engine_methods_table(frame: pd.DataFrame, prompt: int = 512) -> pd.DataFrame
     """
     from .report import method_table
 
-    e = frame[(frame.kind == "e2e") & (frame.prompt == prompt)].copy()
-    if "error" in e:
-        e = e[e.error.isna()]
+    e = _timed(frame)
+    e = e[e.prompt == prompt].copy()
     e["sparsity"] = e["sparsity"].fillna(0.0) if "sparsity" in e else 0.0
     out = []
     for model in dict.fromkeys(e.model):
@@ -184,9 +189,7 @@ def keepall_table(name: str = KEEPALL_NAME) -> tuple[pd.DataFrame, dict]:
     True
     """
     frame, prov = results.load(name)
-    e = frame[frame.kind == "e2e"]
-    if "error" in e:
-        e = e[e.error.isna()]
+    e = _timed(frame)
     rows = {}
     for model, g in e.groupby("model", sort=False):
         ms = {

@@ -19,9 +19,10 @@ launches, each streaming one contiguous weight block at close to the copy ceilin
 Launch shapes fixed by the shapes, no host sync (CUDA-graph capturable). With the split-K gate
 and the tile kernel's down step, the H200 ran the whole MLP at 50% kept in 73.4 µs at
 Llama-2-13B's shape and 62.2 at Llama-3-8B's (cuBLAS's gate: 75.8 / 66.9;
-``results/cats_gate.json``). Earlier, with the down step on the compacting kernel: 84 µs against the dense MLP's 110 at Llama-2-13B (gate 37 + up 21 + down
-24 µs), 71 against 94 at Llama-3-8B; the earlier path, whose one Triton kernel computed the gate and
-the masked up rows together (:func:`~.fused_mlp.fused_mlp_kernel` with ``CATS=True``, ~2.5
+``results/cats_gate.json``). Earlier, with the down step on the compacting kernel: 84 µs
+against the dense MLP's 110 at Llama-2-13B (gate 37 + up 21 + down 24 µs), 71 against 94 at
+Llama-3-8B; the earlier path, whose one Triton kernel computed the gate and the masked up rows
+together (:func:`~.fused_mlp.fused_mlp_kernel` with ``CATS=True``, ~2.5
 TB/s on the gate rows against cuBLAS's ~3.8), took 113 / 95 µs. ``config={"fused_gate":
 True}`` still runs it, for comparison. Union batches are not tuned: at 16 tokens (spread
 around one input) both paths took about twice the dense MLP (235 and 230 against 120 µs).
@@ -89,15 +90,13 @@ def cats_hidden(xb: torch.Tensor, w_gate_up: torch.Tensor, thr: torch.Tensor, *,
         cfg = {**default_config("cats", batch, d, n, n, device=xb.device), **config}
         launch(xb, w_gate_up, None, thr, b_in, h, cats=True, gated=gated, activation=activation,
                k=n, n=n, cfg=cfg)  # fmt: skip
-    elif (
-        batch == 1 and SPLIT_GATE and not config.get("cublas_gate")
-    ):  # the gate as split-K tiles' sums
-        cfg = {**up_config(batch, d, n, device=xb.device), **config}
+        return h
+    cfg = {**up_config(batch, d, n, device=xb.device), **config}
+    if batch == 1 and SPLIT_GATE and not config.get("cublas_gate"):  # split-K tiles' sums
         g = rows_sums(xb, w_gate_up[:n], kind="cats_gate", config=config.get("gate"))
         up_launch(xb, w_gate_up, g.view(1, n), thr, b_in, h, activation=activation, cfg=cfg,
                   gate_sums=True)  # fmt: skip
     else:
-        cfg = {**up_config(batch, d, n, device=xb.device), **config}
         cats_up(xb, w_gate_up, dense_gate(xb, w_gate_up, n, b_in), thr, activation=activation,
                 b_in=b_in, out=h, config=cfg)  # fmt: skip
     return h

@@ -31,7 +31,7 @@ from .pdl import await_inputs, pdl_args
 
 __all__ = ["ROWS_B1", "rows_sums", "rows_sums_kernel"]
 
-ROWS_B1 = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 2}  # see kernels/bench_fused_mlp.py --gate
+ROWS_B1 = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 2}  # kernels/bench_cats_gate.py
 
 
 @triton.jit
