@@ -12,8 +12,11 @@ not be trained to be timed), batch 1, for each prompt length, the variants of ``
   whose extra time is recorded as ``compile_s``;
 - ``dense``  — :class:`dejavu_lab.engine.Decoder`, the step replayed as a CUDA graph, its ops
   through torch/cuBLAS or our kernels as ``--dense-ops`` says; ``dense_triton`` — every dense op
-  through our kernels at 100% kept; ``dense_auto`` — each op (qkv, attention core, o, MLP)
-  timed alone both ways first (rows ``kind: "op"``), the faster one used;
+  through our kernels at 100% kept (the row-gather kernels of the rows layout);
+  ``dense_columns`` — every op through the threshold kernels of TEAL's columns layout with no
+  threshold (every column read: TEAL's path with nothing skipped, the fastest dense step on the
+  H200 at Llama shapes); ``dense_auto`` — each op (qkv, attention core, o, MLP) timed alone
+  both ways first (rows ``kind: "op"``), the faster one used;
 - ``dejavu`` — rows ``sparse`` (85% MLP + 50% heads removed on OPT, 50% + 50% on Llama shapes,
   ``--dejavu-sparsity``; DejaVu's predictors at their default rank choose the top-k on a side
   stream), ``sparse_fixed_sets`` (fixed random sets: no predictors) and
@@ -76,7 +79,8 @@ CATS_MLP = importlib.import_module("dejavu_lab.kernels.cats_mlp")
 
 MODELS = ["opt-30b", "llama-2-13b", "llama-3-8b", "opt-13b", "opt-6.7b"]  # most important first
 PROMPTS = [128, 256, 512, 1024]
-ALL_METHODS = ("dense", "dense_triton", "dense_auto", "dejavu", "teal", "wina", "cats")
+DENSE_ENGINES = ("dense", "dense_triton", "dense_columns", "dense_auto")
+ALL_METHODS = (*DENSE_ENGINES, "dejavu", "teal", "wina", "cats")
 SPARSITY = {"opt": (0.85, 0.5), "llama": (0.5, 0.5)}  # (MLP, heads) removed: §5.1; TEAL range
 ROWS: list[dict] = []
 CHECK = [32, 8]  # the keep-all check: prompt tokens, then tokens decoded and compared
@@ -301,6 +305,7 @@ class Variant:
     predictors: bool = False  # dejavu: lookahead predictors choose the kept sets
     ops: str | None = None  # dense_ops of this decoder (None: --dense-ops)
     only_at_parts: bool = False  # time only at the breakdown's prompt
+    columns: bool = False  # reads TEAL's columns layout (teal, wina, dense_columns)
 
 
 def variants(methods, sparsities, dejavu_budget, preds) -> list[Variant]:
@@ -311,6 +316,8 @@ def variants(methods, sparsities, dejavu_budget, preds) -> list[Variant]:
             out.append(Variant("dense"))
         elif m == "dense_triton":
             out.append(Variant("dense_triton", ops="triton"))
+        elif m == "dense_columns":  # our threshold kernels over every column
+            out.append(Variant("dense_columns", ops="triton", columns=True))
         elif m == "dense_auto":  # the faster of torch and ours per op, timed first
             out.append(Variant("dense_auto", ops="auto"))
         elif m == "dejavu":
@@ -323,8 +330,8 @@ def variants(methods, sparsities, dejavu_budget, preds) -> list[Variant]:
                                    sparse=SparseConfig(ms_, hs_, side_stream=False),
                                    only_at_parts=True))  # fmt: skip
         else:
-            out += [Variant(m, m, sparsity=s) for s in sparsities]
-    return sorted(out, key=lambda v: v.method in ("teal", "wina"))  # stable: rows first
+            out += [Variant(m, m, sparsity=s, columns=m in ("teal", "wina")) for s in sparsities]
+    return sorted(out, key=lambda v: v.columns)  # stable: rows layout first
 
 
 def decode_logits(dec: Decoder, ids, n_prompt: int) -> torch.Tensor:
@@ -408,7 +415,7 @@ def bench_model(preset, prompts, new_tokens, hf_new, hf_prompts, device, ceiling
     ref = decode_logits(Decoder(w, max_seq_len=sum(CHECK) + 1, dense_ops=dense_ops), check_ids,
                         CHECK[0])  # fmt: skip
     for v in variants(methods, sparsities, (ms_, hs_), preds):
-        if v.method in ("teal", "wina") and w.layout == "rows":
+        if v.columns and w.layout == "rows":
             w.set_layout("columns")  # TEAL/WINA read W_QKV^T and W_in^T (one copy at a time)
             torch.cuda.empty_cache() if cuda() else None
         if v.ops == "auto":
@@ -467,8 +474,8 @@ def bench_model(preset, prompts, new_tokens, hf_new, hf_prompts, device, ceiling
                 kept["site_kept"] = dict.fromkeys(SITES[v.method], 1 - v.sparsity)
             ROWS.append(_bw(row, prompt=p, **kept, **bw))
             print(_fmt(row))
-            if p == parts_at and v.engine in ("dense", "dense_triton", "dense_auto", "sparse",
-                                              "teal", "cats"):  # fmt: skip
+            if p == parts_at and v.engine in ("dense", "dense_triton", "dense_columns",
+                                              "dense_auto", "sparse", "teal", "cats"):  # fmt: skip
                 ROWS.extend(parts_rows(dec, {**base, "engine": v.engine, "prompt": p,
                                              "sparsity": v.sparsity}))  # fmt: skip
             del dec
@@ -506,14 +513,17 @@ def print_table(ceiling: float) -> None:
     e2e = [r for r in ROWS if r.get("kind") == "e2e" and "error" not in r]
     print(f"\ncopy ceiling {ceiling:.2f} TB/s; x = ratio of ms per token (higher: this variant "
           "is faster); floor = bytes / ceiling")  # fmt: skip
+    print(f"vs best = against the fastest dense variant of the run ({', '.join(DENSE_ENGINES)})")
     print(f"{'model':>12} {'prompt':>6} {'variant':>25} {'ms/tok':>8} {'vs dense':>8} "
-          f"{'vs hf':>6} {'vs hfc':>6} {'GB/step':>8} {'/floor':>6} {'keep-all':>8} "
-          f"{'graph':>7}")  # fmt: skip
+          f"{'vs best':>7} {'vs hf':>6} {'vs hfc':>6} {'GB/step':>8} {'/floor':>6} "
+          f"{'keep-all':>8} {'graph':>7}")  # fmt: skip
     by = {}
     for r in e2e:
         by.setdefault((r["model"], r["prompt"]), []).append(r)
     for (m, p), rows in sorted(by.items()):
         eng = {r["engine"]: r for r in rows}
+        best = min((r for r in rows if r["engine"] in DENSE_ENGINES),
+                   key=lambda r: r["ms_per_token"], default=None)  # fmt: skip
 
         def x(ref, r, w):
             ok = ref is not None and ref is not r
@@ -527,7 +537,7 @@ def print_table(ceiling: float) -> None:
             ge = r.get("graph_vs_eager")
             ge = f"{ge:7.1e}" if ge is not None else f"{'-':>7}"
             print(f"{m:>12} {p:6d} {name:>25} {r['ms_per_token']:8.2f} "
-                  f"{x(eng.get('dense'), r, 8)} {x(eng.get('hf'), r, 6)} "
+                  f"{x(eng.get('dense'), r, 8)} {x(best, r, 7)} {x(eng.get('hf'), r, 6)} "
                   f"{x(eng.get('hf_compiled'), r, 6)} {r['bytes_per_token'] / 1e9:8.2f} "
                   f"{floor:6.2f} {ka} {ge}")  # fmt: skip
     bad = [r for r in ROWS if r.get("check_ok") is False]

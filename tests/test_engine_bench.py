@@ -16,7 +16,7 @@ def test_quick_run_records_every_variant(tmp_path, monkeypatch, capsys):
     bench = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "bench_engine", bench)  # its dataclass looks itself up
     spec.loader.exec_module(bench)
-    methods = "dense,dense_auto,dejavu,teal,wina,cats"
+    methods = "dense,dense_columns,dense_auto,dejavu,teal,wina,cats"
     bench.main(["--quick", "--no-check", "--methods", methods, "--sparsity", "0.5", "--prompts", "8",
                 "--baselines", "hf,hf_compiled", "--name", "quick"])  # fmt: skip
     rows = json.loads((tmp_path / "quick.json").read_text())["rows"]
@@ -24,11 +24,14 @@ def test_quick_run_records_every_variant(tmp_path, monkeypatch, capsys):
     e2e = [r for r in rows if r["kind"] == "e2e"]
     for model in ("tiny-opt", "tiny-llama"):
         got = {r["engine"] for r in e2e if r["model"] == model}
-        assert got >= {"hf", "hf_compiled", "dense", "dense_auto", "sparse", "teal", "wina",
-                       "cats"}, got  # fmt: skip
+        assert got >= {"hf", "hf_compiled", "dense", "dense_columns", "dense_auto", "sparse",
+                       "teal", "wina", "cats"}, got  # fmt: skip
+        cols = next(r for r in e2e if r["model"] == model and r["engine"] == "dense_columns")
+        assert cols["keep_all_vs_dense"] < 3e-2  # every column read: the dense model's logits
     assert all(r["check_ok"] for r in e2e if "check_ok" in r)
     assert {r["op"] for r in rows if r["kind"] == "op"} == {"qkv", "attn", "o", "mlp"}
-    assert "vs hfc" in capsys.readouterr().out  # the table was printed
+    out = capsys.readouterr().out
+    assert "vs hfc" in out and "vs best" in out  # the table was printed
 
 
 def test_cats_gate_bench_quick_checks_every_variant(capsys):
