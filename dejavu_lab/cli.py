@@ -43,6 +43,7 @@ __all__ = ["main", "parser"]
 
 METHOD_NAMES = ("dense", "oracle", "static", "dejavu", "teal", "cats", "wina")
 TRAIN_TOKENS = 8192  # a corpus's first tokens are training text (chapter 40's predictors)
+CALIBRATION_TOKENS = TRAIN_TOKENS  # thresholds calibrate on all of it (sparsify.frontier's too)
 
 
 def _method_args(p: argparse.ArgumentParser) -> None:
@@ -63,8 +64,9 @@ def _method_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--calibration-tokens",
         type=_positive("--calibration-tokens"),
-        default=2048,
-        help="calibration tokens (thresholds, static sets)",
+        default=CALIBRATION_TOKENS,
+        help=f"calibration tokens (thresholds, static sets; default {CALIBRATION_TOKENS}: the "
+        "training text)",
     )
     p.add_argument(
         "--max-tokens", type=_positive("--max-tokens"), default=None, help="cap on evaluated tokens"

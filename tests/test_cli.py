@@ -275,3 +275,17 @@ def test_text_shorter_than_one_window_after_tokenising(capsys, tmp_path):
     rc, out, err = _run(capsys, "perplexity", "--method", "dense", "--corpus", str(short),
                         "--calibration", "demo", "--no-progress")  # fmt: skip
     assert rc == 2 and out == "" and "fewer than one window" in err
+
+
+def test_cli_calibrates_on_the_chapters_training_text():
+    """The CLI's default split is the chapters' (sparsify.frontier): the same training text, and
+    thresholds calibrated on all of it, so `dejavu-lab perplexity` reproduces chapter 42's points."""
+    from dejavu_lab import cli
+    from dejavu_lab.sparsify import frontier
+
+    assert (cli.TRAIN_TOKENS, cli.CALIBRATION_TOKENS) == (
+        frontier.TRAIN_TOKENS,
+        frontier.CALIBRATION_TOKENS,
+    )
+    args = cli.parser().parse_args(["perplexity", "--method", "teal", "--sparsity", "0.5"])
+    assert args.calibration_tokens == frontier.CALIBRATION_TOKENS
