@@ -519,10 +519,13 @@ def print_table(ceiling: float) -> None:
     e2e = [r for r in ROWS if r.get("kind") == "e2e" and "error" not in r]
     print(f"\ncopy ceiling {ceiling:.2f} TB/s; x = ratio of ms per token (higher: this variant "
           "is faster); floor = bytes / ceiling")  # fmt: skip
-    print(f"vs best = against the fastest dense variant of the run ({', '.join(DENSE_ENGINES)})")
+    print(
+        f"vs best = against the fastest dense variant of the run ({', '.join(DENSE_ENGINES)}); "
+        "graph / eager2 = relerr of graph replays / of a second eager run against eager steps"
+    )
     print(f"{'model':>12} {'prompt':>6} {'variant':>25} {'ms/tok':>8} {'vs dense':>8} "
           f"{'vs best':>7} {'vs hf':>6} {'vs hfc':>6} {'GB/step':>8} {'/floor':>6} "
-          f"{'keep-all':>8} {'graph':>7}")  # fmt: skip
+          f"{'keep-all':>8} {'graph':>7} {'eager2':>7}")  # fmt: skip
     by = {}
     for r in e2e:
         by.setdefault((r["model"], r["prompt"]), []).append(r)
@@ -540,12 +543,13 @@ def print_table(ceiling: float) -> None:
             floor = r["ms_per_token"] / r["floor_ms"] if r.get("floor_ms") else float("nan")
             ka = r.get("keep_all_vs_dense")
             ka = f"{ka:8.1e}" if ka is not None else f"{'-':>8}"
-            ge = r.get("graph_vs_eager")
+            ge, e2 = (r.get(k) for k in ("graph_vs_eager", "eager_vs_eager"))
             ge = f"{ge:7.1e}" if ge is not None else f"{'-':>7}"
+            e2 = f"{e2:7.1e}" if e2 is not None else f"{'-':>7}"
             print(f"{m:>12} {p:6d} {name:>25} {r['ms_per_token']:8.2f} "
                   f"{x(eng.get('dense'), r, 8)} {x(best, r, 7)} {x(eng.get('hf'), r, 6)} "
                   f"{x(eng.get('hf_compiled'), r, 6)} {r['bytes_per_token'] / 1e9:8.2f} "
-                  f"{floor:6.2f} {ka} {ge}")  # fmt: skip
+                  f"{floor:6.2f} {ka} {ge} {e2}")  # fmt: skip
     bad = [r for r in ROWS if r.get("check_ok") is False]
     if bad:
         print(f"keep-all check FAILED for: {sorted({(r['model'], r['engine']) for r in bad})}")
