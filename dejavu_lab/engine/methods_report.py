@@ -184,11 +184,13 @@ def engine_figure(table: pd.DataFrame, caption: str, skip=("hf",)) -> go.Figure:
     top = float(table.loc[~table.engine.isin(skip), "ms per token"].max()) * 1.35
     fig.update_xaxes(title_text="ms per generated token", range=[0, top])
     fig.update_yaxes(autorange="reversed")
-    fig.update_layout(height=540, margin=dict(t=100, b=130, l=260, r=20), barmode="overlay",
+    fig.update_layout(height=580, margin=dict(t=100, b=170, l=260, r=20), barmode="overlay",
                       legend=dict(orientation="h", y=1.16, x=1, xanchor="right"))  # fmt: skip
-    fig.add_annotation(text=wrap_caption(caption.replace("<br>", " "), 120), xref="paper", yref="paper", x=0, y=-0.2,
-                       yanchor="top", showarrow=False, font=dict(size=9), xanchor="left",
-                       align="left")  # fmt: skip
+    # under the plots, whose left edge sits after the 260-px label margin: lines of 80 characters
+    # fit the book's page width (120 ran past the figure's right edge)
+    fig.add_annotation(text=wrap_caption(caption.replace("<br>", " "), 80), xref="paper",
+                       yref="paper", x=0, y=-0.2, yanchor="top", showarrow=False,
+                       font=dict(size=9), xanchor="left", align="left")  # fmt: skip
     return fig
 
 
