@@ -78,8 +78,10 @@ class Decoder(KeptSets, ThresholdBlocks, FusedStep):
     ``"qkv=triton,mlp=triton"`` (:func:`~dejavu_lab.engine.threshold_blocks.dense_ops`). The
     default (``None``) runs the attention core through our kernel on a GPU with fp16/bf16
     weights (faster than PyTorch's at every shape measured, ``results/engine_methods.json``)
-    and every op through torch elsewhere. One-token steps of a pre-LN model finish each block
-    in its residual add + norm (:mod:`~dejavu_lab.engine.fused_step`), except DejaVu's.
+    and every op through torch elsewhere (fastest at batch 1: ``"triton"`` over the ``"columns"``
+    layout, ``dense_columns`` in ``results/engine_methods.json``). One-token steps of a pre-LN
+    model finish each block in its residual add + norm (:mod:`~dejavu_lab.engine.fused_step`),
+    except DejaVu's.
 
     >>> from dejavu_lab.models import random_model
     >>> m = random_model("tiny-opt").model
