@@ -372,7 +372,7 @@ def graph_check(dec: Decoder, ids) -> tuple[float, float]:
     """(graph vs eager, eager vs eager): relerr of 4 graph replays against 4 eager steps from
     the same prefill, fed the same tokens, and of a second eager run against the first (GPU
     only). Fixed tokens, not greedy ones: the threshold GEMVs' fp32 atomics round in arrival
-    order, a rounding flips an entry that sits at its threshold, and on random weights 40
+    order, a rounding flips an entry that sits at its threshold, and on random weights 32-40
     thresholded layers amplify that until a second eager run differs as much as the replay
     (H200: TEAL 50%, ~0.9 both; every column kept, ~5e-3 both) — the second number says
     whether the graph adds anything of its own."""
