@@ -79,6 +79,8 @@ CATS_MLP = importlib.import_module("dejavu_lab.kernels.cats_mlp")
 
 MODELS = ["opt-30b", "llama-2-13b", "llama-3-8b", "opt-13b", "opt-6.7b"]  # most important first
 PROMPTS = [128, 256, 512, 1024]
+# our dense steps; dejavu_lab.engine.methods_report.DENSE_ENGINES reads the same rows (this
+# script runs on GPU images without plotly, so it cannot import that module)
 DENSE_ENGINES = ("dense", "dense_triton", "dense_columns", "dense_auto")
 ALL_METHODS = (*DENSE_ENGINES, "dejavu", "teal", "wina", "cats")
 SPARSITY = {"opt": (0.85, 0.5), "llama": (0.5, 0.5)}  # (MLP, heads) removed: §5.1; TEAL range
@@ -480,8 +482,7 @@ def bench_model(preset, prompts, new_tokens, hf_new, hf_prompts, device, ceiling
                 kept["site_kept"] = dict.fromkeys(SITES[v.method], 1 - v.sparsity)
             ROWS.append(_bw(row, prompt=p, **kept, **bw))
             print(_fmt(row))
-            if p == parts_at and v.engine in ("dense", "dense_triton", "dense_columns",
-                                              "dense_auto", "sparse", "teal", "cats"):  # fmt: skip
+            if p == parts_at and v.engine in (*DENSE_ENGINES, "sparse", "teal", "cats"):
                 ROWS.extend(parts_rows(dec, {**base, "engine": v.engine, "prompt": p,
                                              "sparsity": v.sparsity}))  # fmt: skip
             del dec
