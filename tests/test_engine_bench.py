@@ -10,6 +10,9 @@ SCRIPT = Path(__file__).resolve().parents[1] / "kernels" / "bench_engine.py"
 
 
 def test_quick_run_records_every_variant(tmp_path, monkeypatch, capsys):
+    # import the kernels first: triton.jit picks interpreter or compiler when a kernel is
+    # defined, so a kernel module first imported below would stay compiled for later tests
+    importlib.import_module("dejavu_lab.engine")
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the kernels' references: plumbing only
     monkeypatch.setenv("DEJAVU_LAB_RESULTS", str(tmp_path))
     spec = importlib.util.spec_from_file_location("bench_engine", SCRIPT)
