@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .errors import ArchMismatchError, UnsupportedArchitectureError
+
 __all__ = [
     "ARCH_TABLES",
     "Arch",
@@ -35,30 +37,6 @@ __all__ = [
     "require_plain_blocks",
     "SUPPORTED",
 ]
-
-
-class UnsupportedArchitectureError(ValueError):
-    """The model's ``config.model_type`` has no adapter.
-
-    >>> from transformers import GPT2Config
-    >>> get_arch(GPT2Config())
-    Traceback (most recent call last):
-    ...
-    dejavu_lab.arch.UnsupportedArchitectureError: Architecture 'gpt2' is not supported; ...
-    """
-
-
-class ArchMismatchError(UnsupportedArchitectureError):
-    """An adapter table does not describe the layers it was put on.
-
-    >>> from dataclasses import replace
-    >>> from dejavu_lab.models import random_model
-    >>> model, _, arch = random_model("tiny-gemma3")
-    >>> replace(arch, table=ARCH_TABLES["llama"]).check(model)  # Llama's table on Gemma-3
-    Traceback (most recent call last):
-    ...
-    dejavu_lab.arch.ArchMismatchError: The 'llama' adapter table does not fit layer 0 ...
-    """
 
 
 @dataclass(frozen=True)
@@ -329,7 +307,7 @@ def require_plain_blocks(arch: Arch, what: str = "the engine") -> None:
     >>> require_plain_blocks(random_model("tiny-gemma3").arch, "deferred KV")
     Traceback (most recent call last):
     ...
-    dejavu_lab.arch.UnsupportedArchitectureError: deferred KV runs plain pre-LN blocks, but ...
+    dejavu_lab.errors.UnsupportedArchitectureError: deferred KV runs plain pre-LN blocks, but ...
     """
     extra = [
         "sandwich norms" if arch.sandwich else "",

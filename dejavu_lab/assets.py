@@ -26,18 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import atomic
+from .errors import AssetError
 
 __all__ = ["ASSETS", "Asset", "AssetError", "cache_dir", "fetch", "sha256_file"]
-
-
-class AssetError(RuntimeError):
-    """A pinned asset could not be fetched, verified or cached.
-
-    >>> fetch("wikitext.txt")
-    Traceback (most recent call last):
-    ...
-    dejavu_lab.assets.AssetError: Unknown asset 'wikitext.txt'; known assets are: ...
-    """
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
+from .errors import DEFAULT_HINT, BusyError, WriteError
+
 try:  # POSIX; on Windows the lock is a no-op (the atomic renames still keep files whole)
     import fcntl
 except ImportError:  # pragma: no cover - Windows
@@ -53,43 +55,6 @@ __all__ = [
 
 ENV_TIMEOUT = "DEJAVU_LAB_LOCK_TIMEOUT"  # seconds to wait for a lock before giving up
 PARTIAL = ".partial"  # suffix of temporary files; the name says which process wrote it
-_READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
-DEFAULT_HINT = "write somewhere else (set DEJAVU_LAB_CACHE, or pass another output path)"
-
-
-class WriteError(OSError):
-    """A file could not be written: the folder, the reason and what to do, in one sentence.
-
-    >>> import errno
-    >>> print(WriteError.explain(OSError(errno.ENOSPC, "No space left"), Path("/data/col")))
-    No space left on the device holding /data/col; free space there or write somewhere else ...
-    """
-
-    @staticmethod
-    def explain(e: OSError, folder: Path, hint: str = DEFAULT_HINT, need: int = 0) -> str:
-        if e.errno == errno.ENOSPC or e.errno == getattr(errno, "EDQUOT", -1):
-            need_s = f" (about {need / 2**20:.0f} MB more are needed)" if need > 2**20 else ""
-            return (
-                f"No space left on the device holding {folder}{need_s}; free space there or {hint}."
-            )
-        if e.errno in _READ_ONLY:
-            why = "read-only" if e.errno == errno.EROFS else "not writable by this user"
-            return f"Cannot write into {folder}: it is {why}; make it writable or {hint}."
-        return f"Could not write into {folder} ({e.strerror or e}); {hint}."
-
-
-class BusyError(OSError):
-    """Another process holds the lock and ``timeout`` ran out.
-
-    >>> import tempfile
-    >>> folder = tempfile.mkdtemp()
-    >>> with locked(folder, what="collecting into it"):  # a second holder gives up at once
-    ...     with locked(folder, what="collecting into it", timeout=0):
-    ...         pass
-    Traceback (most recent call last):
-    ...
-    dejavu_lab.atomic.BusyError: Another process is collecting into it (.../...); wait for ...
-    """
 
 
 def make_dirs(path: str | os.PathLike, *, hint: str = DEFAULT_HINT) -> Path:

@@ -37,11 +37,12 @@ from .cli_args import (
     _text_source,
     _windows,
 )
+from .vocab import METHODS
 
 __all__ = ["main", "parser"]
 
 
-METHOD_NAMES = ("dense", "oracle", "static", "dejavu", "teal", "cats", "wina")
+METHOD_NAMES = tuple(METHODS)
 TRAIN_TOKENS = 8192  # a corpus's first tokens are training text (chapter 40's predictors)
 CALIBRATION_TOKENS = TRAIN_TOKENS  # thresholds calibrate on all of it (sparsify.frontier's too)
 

@@ -14,8 +14,9 @@ import time
 from pathlib import Path
 
 from .cli_args import _budget, _common, _count, _layers, _load, _static_sets, _windows
+from .vocab import ALIASES, METHODS
 
-EVAL_METHODS = ("dense", "oracle", "static", "predicted", "dejavu", "teal", "wina", "cats")
+EVAL_METHODS = (*METHODS, *ALIASES)
 
 
 def add_parser(sub) -> None:

@@ -43,7 +43,9 @@ from .checks import files as check_files
 from .checks import tokens as check_tokens
 from .checks.scalars import integer
 from .corpus import CorpusError, load_text, token_windows
+from .errors import CollectionError
 from .hooks import hooks
+from .vocab import COLLECTION_FORMAT, fingerprint_id
 
 __all__ = [
     "default_dir",
@@ -58,19 +60,7 @@ __all__ = [
     "unpack_bits",
 ]
 
-FORMAT = 1  # bump when the chunk layout changes
-
-
-class CollectionError(ValueError):
-    """A collection directory is missing, incomplete or from another model/config.
-
-    Also raised for a config that cannot be collected:
-
-    >>> CollectConfig(window=512, max_tokens=100)
-    Traceback (most recent call last):
-    ...
-    dejavu_lab.collect.CollectionError: max_tokens must be at least 512 (a whole number), got 100; pass e.g. max_tokens=512 ...
-    """
+FORMAT = COLLECTION_FORMAT
 
 
 @dataclass(frozen=True)
@@ -126,16 +116,6 @@ def fingerprint(model, arch: Arch | None = None) -> dict:
         "gated": arch.gated,
         "weights_sha256": h.hexdigest()[:16],
     }
-
-
-def fingerprint_id(fp: dict) -> str:
-    """A short readable name for a :func:`fingerprint`, used in cache folder and file names.
-
-    >>> from dejavu_lab.models import random_model
-    >>> fingerprint_id(fingerprint(random_model("tiny-llama").model))
-    'llama-L2-d64-...'
-    """
-    return f"{fp['model_type']}-L{fp['n_layers']}-d{fp['d_model']}-{fp['weights_sha256'][:8]}"
 
 
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,8 @@ from tqdm.auto import tqdm
 from . import assets
 from .checks import scalars as check_scalars
 from .checks import tokens as check_tokens
+from .errors import CorpusError
+from .vocab import CORPORA
 
 __all__ = [
     "CorpusError",
@@ -32,18 +34,6 @@ __all__ = [
     "wants_bos",
     "window_nll",
 ]
-
-CORPORA = ("demo", "wikitext-2", "c4")
-
-
-class CorpusError(ValueError):
-    """A corpus could not be loaded or is too short for what was asked.
-
-    >>> load_text("wiki")
-    Traceback (most recent call last):
-    ...
-    dejavu_lab.corpus.CorpusError: Unknown corpus 'wiki'; choose one of demo, wikitext-2, c4.
-    """
 
 
 def load_text(name: str = "demo", split: str = "test", max_chars: int | None = None) -> str:

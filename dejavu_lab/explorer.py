@@ -30,6 +30,8 @@ from tqdm.auto import tqdm
 
 from .bytes_model import bytes_per_token
 from .sparsify import sparse_eval, sparsified
+from .vocab import ALIASES, method_names
+from .vocab import METHODS as VOCAB_METHODS
 
 __all__ = [
     "METHODS",
@@ -42,10 +44,9 @@ __all__ = [
     "step_speedup",
 ]
 
-UNIT_METHODS = ("oracle", "static", "dejavu")  # an MLP budget and a head budget
-THRESHOLD_METHODS = ("cats", "teal", "wina")  # one budget, thresholds from a calibration
-METHODS = ("dense", *UNIT_METHODS, *THRESHOLD_METHODS)
-ALIASES = {"predicted": "dejavu"}  # the older name of DejaVu's sets
+UNIT_METHODS = method_names(family="unit")  # an MLP budget and a head budget
+THRESHOLD_METHODS = method_names(family="threshold")  # one budget, calibrated thresholds
+METHODS = tuple(VOCAB_METHODS)
 COLORS = {"dense": "#444444", "oracle": "#2ca02c", "static": "#7f7f7f", "dejavu": "#d62728",
           "predicted": "#d62728", "cats": "#9467bd", "teal": "#1f77b4", "wina": "#ff7f0e"}  # fmt: skip
 X_TITLES = {

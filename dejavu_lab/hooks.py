@@ -54,35 +54,10 @@ from torch import nn
 from .arch import Arch, get_arch
 from .checks import hooks as check_hooks
 from .checks import tokens as check_tokens
+from .vocab import HOOK_POINTS, WRITABLE
 
 __all__ = ["HOOK_POINTS", "WRITABLE", "hook_names", "hooks", "run_with_cache", "run_with_hooks"]
 
-HOOK_POINTS = (
-    "hook_resid_pre",
-    "attn.hook_z",
-    "attn.hook_result",
-    "attn.hook_pattern",
-    "hook_attn_out",
-    "hook_resid_mid",
-    "mlp.hook_post",
-    "hook_mlp_out",
-    "hook_resid_post",
-    # inputs of the linear layers (input-sparsity sites), in forward order within the block
-    "ln1.hook_normalized",
-    "ln2.hook_normalized",
-    "mlp.hook_pre",
-)
-WRITABLE = {
-    "hook_resid_pre",
-    "attn.hook_z",
-    "hook_attn_out",
-    "mlp.hook_post",
-    "hook_mlp_out",
-    "hook_resid_post",
-    "ln1.hook_normalized",
-    "ln2.hook_normalized",
-    "mlp.hook_pre",
-}
 _NAME = re.compile(r"^blocks\.(\d+)\.(.+)$")
 
 HookFn = Callable[[torch.Tensor, str], torch.Tensor | None]

@@ -29,6 +29,7 @@ from functools import cache
 from pathlib import Path
 
 from . import assets  # stdlib only: `dejavu-lab --help` stays fast
+from .errors import LmEvalError
 
 __all__ = [
     "LOCAL_TASK",
@@ -46,17 +47,6 @@ TRAIN_ARTICLES = 40  # the demo corpus's first 40 articles (~9.3k tokens) are tr
 MIN_WORDS = 50  # a passage's context holds at least this many words (LAMBADA: ~4.6 sentences)
 _BORING = {"said", "says", "say"}  # news boilerplate ("..., he said."): not a test of context
 _VERSION = 1  # of the task's construction; part of its cache folder's name
-
-
-class LmEvalError(ValueError):
-    """lm-eval is missing, a task is unknown, or a task's data cannot be fetched.
-
-    >>> import pytest; _ = pytest.importorskip("lm_eval")  # pip install 'dejavu-lab[eval]'
-    >>> lm_eval_tasks(None, None, ["no_such_task"])
-    Traceback (most recent call last):
-    ...
-    dejavu_lab.lm_eval_tasks.LmEvalError: Unknown lm-eval task(s) 'no_such_task'; use ...
-    """
 
 
 def demo_lambada() -> list[dict[str, str]]:

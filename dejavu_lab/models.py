@@ -38,6 +38,7 @@ from transformers import (
 from . import assets
 from .arch import SUPPORTED, Arch, UnsupportedArchitectureError, get_arch
 from .checks import models as check_models
+from .errors import ModelNotFoundError
 
 __all__ = [
     "LoadedModel",
@@ -50,16 +51,6 @@ __all__ = [
 
 DEMO_ASSET = "smollm2-135m-instruct.gguf"
 DEMO_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised to fp32)"
-
-
-class ModelNotFoundError(OSError):
-    """The model spec names nothing we can load.
-
-    >>> load_model("")
-    Traceback (most recent call last):
-    ...
-    dejavu_lab.models.ModelNotFoundError: Model spec must be a non-empty string or path, got ''; ...
-    """
 
 
 class LoadedModel(NamedTuple):

@@ -44,6 +44,7 @@ from .checks import configs as check_configs
 from .checks import files as check_files
 from .checks import tokens as check_tokens
 from .collect import Collection, fingerprint, fingerprint_id
+from .errors import PredictorError
 from .hooks import hooks
 
 __all__ = [
@@ -61,16 +62,6 @@ __all__ = [
 ]
 
 MODES = ("same", "lookahead")
-
-
-class PredictorError(ValueError):
-    """A predictor file is damaged, or belongs to another model; or a bad predictor config.
-
-    >>> PredictorConfig(mode="magic")
-    Traceback (most recent call last):
-    ...
-    dejavu_lab.predictors.PredictorError: mode must be 'same' or 'lookahead', got 'magic'; ...
-    """
 
 
 @dataclass(frozen=True)
@@ -213,7 +204,7 @@ def load_predictors(path: str | os.PathLike, model=None, arch: Arch | None = Non
     >>> load_predictors(path, random_model("tiny-llama", seed=1).model)
     Traceback (most recent call last):
     ...
-    dejavu_lab.predictors.PredictorError: These predictors were trained for another model ...
+    dejavu_lab.errors.PredictorError: These predictors were trained for another model ...
     """
     path = Path(path)
     if not path.exists():

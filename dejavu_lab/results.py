@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .atomic import write_text
+from .errors import ResultsError
 
 __all__ = [
     "REQUIRED_PROVENANCE",
@@ -41,16 +42,6 @@ __all__ = [
 ENV_DIR = "DEJAVU_LAB_RESULTS"  # overrides where results live (default: <repo>/results)
 ENV_SHA = "DEJAVU_LAB_GIT_SHA"  # git sha to record for a copied tree (its .git may be stale)
 REQUIRED_PROVENANCE = ("gpu", "torch", "triton", "cuda", "git_sha", "date", "command", "host")
-
-
-class ResultsError(RuntimeError):
-    """A results file is missing, unreadable or lacks its provenance.
-
-    >>> load("no_such_benchmark")
-    Traceback (most recent call last):
-    ...
-    dejavu_lab.results.ResultsError: no results file at .../no_such_benchmark.json; run the ...
-    """
 
 
 def results_dir() -> Path:

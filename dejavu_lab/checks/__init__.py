@@ -25,20 +25,11 @@ CLI prints as one ``dejavu-lab: error: …`` line with exit status 2.
 >>> scalars.integer(8.5, "window", minimum=2)
 Traceback (most recent call last):
 ...
-dejavu_lab.checks.InputError: window must be at least 2 (a whole number), got 8.5; pass e.g. window=8.
+dejavu_lab.errors.InputError: window must be at least 2 (a whole number), got 8.5; pass e.g. window=8.
 """
 
 from __future__ import annotations
 
+from ..errors import InputError
+
 __all__ = ["InputError"]
-
-
-class InputError(ValueError):
-    """A bad input that belongs to no module with its own error type (a device, a hook).
-
-    >>> from dejavu_lab.checks.models import device
-    >>> device("gpu")
-    Traceback (most recent call last):
-    ...
-    dejavu_lab.checks.InputError: device 'gpu' is not a torch device; use 'cpu', 'cuda', ...
-    """

@@ -7,6 +7,8 @@ of 8.5 failed deep inside ``torch.view``. Each field is refused here instead, na
 
 from __future__ import annotations
 
+from ..errors import CollectionError, PredictorError
+from ..vocab import CORPORA
 from .scalars import fraction, integer, positive
 
 __all__ = ["collect_config", "predictor_config"]
@@ -19,10 +21,8 @@ def predictor_config(cfg) -> None:
     >>> PredictorConfig(mlp_rank=0)
     Traceback (most recent call last):
     ...
-    dejavu_lab.predictors.PredictorError: mlp_rank must be at least 1 (a whole number), got 0; ...
+    dejavu_lab.errors.PredictorError: mlp_rank must be at least 1 (a whole number), got 0; ...
     """
-    from ..predictors import PredictorError
-
     e = PredictorError
     rank = "the predictor's inner width r; DejaVu used 1000 at d = 12288"
     integer(cfg.mlp_rank, "mlp_rank", minimum=1, error=e, hint=rank)
@@ -50,11 +50,8 @@ def collect_config(cfg) -> None:
     >>> CollectConfig(window=8.5)
     Traceback (most recent call last):
     ...
-    dejavu_lab.collect.CollectionError: window must be at least 2 (a whole number), got 8.5; ...
+    dejavu_lab.errors.CollectionError: window must be at least 2 (a whole number), got 8.5; ...
     """
-    from ..collect import CollectionError
-    from ..corpus import CORPORA
-
     e = CollectionError
     if not isinstance(cfg.corpus, str) or cfg.corpus not in CORPORA:
         raise e(f"Unknown corpus {cfg.corpus!r}; choose one of {', '.join(CORPORA)}.")

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import EngineError
 from .scalars import integer
 
 __all__ = ["max_seq_len", "prompt", "size"]
 
 
 def _engine_error():
-    from ..engine import EngineError
-
     return EngineError
 
 
@@ -28,7 +27,7 @@ def size(value, name: str, *, minimum: int = 0, maximum: int | None = None, hint
     >>> size(2.5, "kv_window", maximum=32)
     Traceback (most recent call last):
     ...
-    dejavu_lab.engine.config.EngineError: kv_window must be a whole number in [0, 32], got 2.5; pass e.g. ...
+    dejavu_lab.errors.EngineError: kv_window must be a whole number in [0, 32], got 2.5; pass e.g. ...
     """
     return integer(value, name, minimum=minimum, maximum=maximum, error=_engine_error(), hint=hint)
 
@@ -39,7 +38,7 @@ def max_seq_len(value, max_positions: int) -> int:
     >>> max_seq_len(4096, 2048)
     Traceback (most recent call last):
     ...
-    dejavu_lab.engine.config.EngineError: max_seq_len must be a whole number in [2, 2048], ...
+    dejavu_lab.errors.EngineError: max_seq_len must be a whole number in [2, 2048], ...
     """
     return size(
         value,
@@ -58,7 +57,7 @@ def prompt(ids, *, batch: int = 1, vocab: int | None = None) -> torch.Tensor:
     >>> prompt(torch.tensor([[5, 6, 7], [1, 2, 3]]))  # was flattened into 6 tokens
     Traceback (most recent call last):
     ...
-    dejavu_lab.engine.config.EngineError: the decoder runs a batch of 1 but the prompt has ...
+    dejavu_lab.errors.EngineError: the decoder runs a batch of 1 but the prompt has ...
     """
     error = _engine_error()
     if not isinstance(ids, torch.Tensor):

@@ -14,14 +14,14 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["finite", "manifest", "metadata_json", "read_manifest", "same_model", "state_matches"]
+from ..errors import CollectionError
+from ..vocab import COLLECTION_FORMAT as FORMAT
+from ..vocab import FINGERPRINT_KEYS, fingerprint_id
 
-FINGERPRINT_KEYS = ("model_type", "n_layers", "d_model", "n_heads", "d_mlp", "weights_sha256")
+__all__ = ["finite", "manifest", "metadata_json", "read_manifest", "same_model", "state_matches"]
 
 
 def _collection_error(msg: str):
-    from ..collect import CollectionError
-
     return CollectionError(msg)
 
 
@@ -32,7 +32,7 @@ def metadata_json(meta: dict, key: str, path, error: type[Exception], kind: type
     >>> metadata_json({"config": "{mlp_rank: 8}"}, "config", "p.safetensors", PredictorError)
     Traceback (most recent call last):
     ...
-    dejavu_lab.predictors.PredictorError: p.safetensors has non-JSON metadata 'config'; the ...
+    dejavu_lab.errors.PredictorError: p.safetensors has non-JSON metadata 'config'; the ...
     """
     again = "the file was edited or written by another tool: train the predictors again."
     if key not in meta:
@@ -56,7 +56,7 @@ def state_matches(expected: dict, tensors: dict, path, error: type[Exception]) -
     ...               PredictorError)
     Traceback (most recent call last):
     ...
-    dejavu_lab.predictors.PredictorError: p.safetensors: tensor w has shape (4, 64) but its ...
+    dejavu_lab.errors.PredictorError: p.safetensors: tensor w has shape (4, 64) but its ...
     """
     missing = sorted(set(expected) - set(tensors))
     extra = sorted(set(tensors) - set(expected))
@@ -83,7 +83,7 @@ def finite(tensors: dict, path, error: type[Exception]) -> None:
     >>> finite({"w": torch.tensor([1.0, float("nan")])}, "p.safetensors", PredictorError)
     Traceback (most recent call last):
     ...
-    dejavu_lab.predictors.PredictorError: p.safetensors: tensor w holds NaN or infinite ...
+    dejavu_lab.errors.PredictorError: p.safetensors: tensor w holds NaN or infinite ...
     """
     for k, t in tensors.items():
         if t.is_floating_point() and not torch.isfinite(t).all():
@@ -99,15 +99,13 @@ def manifest(obj, path) -> dict:
     >>> manifest([], "col/manifest.json")
     Traceback (most recent call last):
     ...
-    dejavu_lab.collect.CollectionError: col/manifest.json holds a list, not a collection ...
+    dejavu_lab.errors.CollectionError: col/manifest.json holds a list, not a collection ...
     """
     again = "delete the folder and collect again."
     if not isinstance(obj, dict):
         raise _collection_error(
             f"{path} holds a {type(obj).__name__}, not a collection manifest; {again}"
         )
-    from ..collect import FORMAT
-
     if obj.get("format") != FORMAT:
         raise _collection_error(
             f"{path} has format {obj.get('format')!r}, not {FORMAT} (another version of "
@@ -134,7 +132,7 @@ def read_manifest(path: str | Path) -> dict:
     >>> read_manifest(folder / "manifest.json")
     Traceback (most recent call last):
     ...
-    dejavu_lab.collect.CollectionError: /.../manifest.json is empty, not a collection manifest; ...
+    dejavu_lab.errors.CollectionError: /.../manifest.json is empty, not a collection manifest; ...
     """
     path = Path(path)
     try:
@@ -166,10 +164,8 @@ def same_model(man: dict, fp: dict, where) -> None:
     >>> same_model({"fingerprint": a}, b, "col")
     Traceback (most recent call last):
     ...
-    dejavu_lab.collect.CollectionError: col was collected from another model (llama-L2-d64-...
+    dejavu_lab.errors.CollectionError: col was collected from another model (llama-L2-d64-...
     """
-    from ..collect import fingerprint_id
-
     theirs = man["fingerprint"]
     if any(theirs.get(k) != fp.get(k) for k in FINGERPRINT_KEYS):
         raise _collection_error(

@@ -12,19 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from . import InputError
+from ..errors import HookError
+from ..vocab import HOOK_POINTS
 
 __all__ = ["HookError", "callback", "matched", "name_spec", "returned"]
-
-
-class HookError(InputError):
-    """A hook callback is not callable, or returned something the model cannot use.
-
-    >>> returned([1, 2], torch.zeros(2), "blocks.0.mlp.hook_post", True)
-    Traceback (most recent call last):
-    ...
-    dejavu_lab.checks.hooks.HookError: A hook at blocks.0.mlp.hook_post returned a list; return ...
-    """
 
 
 def callback(fn, pattern: str) -> None:
@@ -34,7 +25,7 @@ def callback(fn, pattern: str) -> None:
     >>> callback("print", "blocks.*.mlp.hook_post")
     Traceback (most recent call last):
     ...
-    dejavu_lab.checks.hooks.HookError: The hook for 'blocks.*.mlp.hook_post' is a str, not a ...
+    dejavu_lab.errors.HookError: The hook for 'blocks.*.mlp.hook_post' is a str, not a ...
     """
     if not callable(fn):
         raise HookError(
@@ -52,7 +43,7 @@ def returned(out, t: torch.Tensor, name: str, writable: bool) -> torch.Tensor:
     >>> returned(t.double(), t, "blocks.0.hook_resid_pre", True)
     Traceback (most recent call last):
     ...
-    dejavu_lab.checks.hooks.HookError: A hook at blocks.0.hook_resid_pre returned dtype ...
+    dejavu_lab.errors.HookError: A hook at blocks.0.hook_resid_pre returned dtype ...
     """
     if not writable:
         raise HookError(
@@ -118,8 +109,6 @@ def matched(selected: list[str], names, arch) -> list[str]:
     """
     if selected:
         return selected
-    from ..hooks import HOOK_POINTS
-
     what = "the predicate " + getattr(names, "__name__", "") if callable(names) else repr(names)
     raise KeyError(
         f"No hook point matches {what}; use names like 'blocks.0.mlp.hook_post' "

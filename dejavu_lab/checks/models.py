@@ -6,7 +6,7 @@ on a machine without CUDA loaded the whole model and then failed with
 ``model.safetensors`` ended in ``SafetensorError: incomplete metadata, file not fully covered``;
 a folder without tokenizer files loaded every weight and then printed a 6-line ``ValueError``
 about slow tokenizers. Each is one sentence here (``ModelNotFoundError`` for specs and folders,
-:class:`~dejavu_lab.checks.InputError` for devices).
+:class:`~dejavu_lab.errors.InputError` for devices).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from . import InputError
+from ..errors import InputError, ModelNotFoundError
 
 __all__ = ["device", "model_dir", "model_spec"]
 
@@ -34,8 +34,6 @@ TOKENIZER_FILES = (
 
 
 def _error(msg: str):
-    from ..models import ModelNotFoundError
-
     return ModelNotFoundError(msg)
 
 
@@ -47,7 +45,7 @@ def model_spec(spec) -> str:
     >>> model_spec(None)
     Traceback (most recent call last):
     ...
-    dejavu_lab.models.ModelNotFoundError: Model spec must be a non-empty string or path, got None; ...
+    dejavu_lab.errors.ModelNotFoundError: Model spec must be a non-empty string or path, got None; ...
     """
     if isinstance(spec, os.PathLike):
         spec = os.fspath(spec)
@@ -67,7 +65,7 @@ def device(value) -> torch.device:
     >>> device("cuda") if not torch.cuda.is_available() else None  # on this CPU machine
     Traceback (most recent call last):
     ...
-    dejavu_lab.checks.InputError: device='cuda' but this machine has no usable CUDA GPU (torch ...
+    dejavu_lab.errors.InputError: device='cuda' but this machine has no usable CUDA GPU (torch ...
     """
     try:
         dev = torch.device(value)
@@ -130,7 +128,7 @@ def model_dir(path: str | Path) -> str | Path:
     >>> model_dir(folder)
     Traceback (most recent call last):
     ...
-    dejavu_lab.models.ModelNotFoundError: /... holds config.json but no weights ...
+    dejavu_lab.errors.ModelNotFoundError: /... holds config.json but no weights ...
     """
     if isinstance(path, str) or path.is_file():
         return path  # a hub id, or a single file (a GGUF) that its own reader checks

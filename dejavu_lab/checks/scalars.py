@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import numbers
 
-from . import InputError
+from ..errors import InputError
 
 __all__ = ["fraction", "integer", "positive"]
 
@@ -50,7 +50,7 @@ def integer(
     >>> integer(0, "epochs", minimum=1, hint="train for at least one epoch")
     Traceback (most recent call last):
     ...
-    dejavu_lab.checks.InputError: epochs must be at least 1 (a whole number), got 0; pass e.g. ...
+    dejavu_lab.errors.InputError: epochs must be at least 1 (a whole number), got 0; pass e.g. ...
     """
     if maximum is None:
         want = f"at least {minimum} (a whole number)" if minimum is not None else "a whole number"
@@ -86,7 +86,7 @@ def positive(
     >>> positive(float("nan"), "lr", example=3e-3)
     Traceback (most recent call last):
     ...
-    dejavu_lab.checks.InputError: lr must be a finite number > 0, got nan; pass e.g. lr=0.003.
+    dejavu_lab.errors.InputError: lr must be a finite number > 0, got nan; pass e.g. lr=0.003.
     """
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         ok = False
@@ -115,7 +115,7 @@ def fraction(
     >>> fraction(1.0, "val_fraction", example=0.1)
     Traceback (most recent call last):
     ...
-    dejavu_lab.checks.InputError: val_fraction must be in (0, 1), got 1.0; pass e.g. val_fraction=0.1.
+    dejavu_lab.errors.InputError: val_fraction must be in (0, 1), got 1.0; pass e.g. val_fraction=0.1.
     """
     lo = "[" if closed in ("left", "both") else "("
     hi = "]" if closed in ("right", "both") else ")"

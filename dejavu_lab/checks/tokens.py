@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import CorpusError
+
 __all__ = ["model_limits", "text", "token_ids", "windows"]
 
 
 def _error(msg: str):
-    from ..corpus import CorpusError
-
     return CorpusError(msg)
 
 
@@ -61,7 +61,7 @@ def token_ids(
     >>> token_ids(torch.tensor([[1, 2, 300]]), vocab=128)
     Traceback (most recent call last):
     ...
-    dejavu_lab.corpus.CorpusError: input_ids hold ids up to 300 but the vocabulary has 128 ...
+    dejavu_lab.errors.CorpusError: input_ids hold ids up to 300 but the vocabulary has 128 ...
     """
     if not isinstance(ids, torch.Tensor):
         kind = type(ids).__name__
@@ -119,7 +119,7 @@ def windows(windows, model=None, *, min_len: int = 2, what: str = "windows") -> 
     >>> windows(torch.tensor([[5], [6]]))  # one token per window: perplexity would be NaN
     Traceback (most recent call last):
     ...
-    dejavu_lab.corpus.CorpusError: windows are 1 token(s) long, got shape (2, 1); a one-token window ...
+    dejavu_lab.errors.CorpusError: windows are 1 token(s) long, got shape (2, 1); a one-token window ...
     """
     return token_ids(
         windows,
@@ -137,7 +137,7 @@ def text(value, tokenizer) -> str:
     >>> text(["two", "documents"], tokenizer)
     Traceback (most recent call last):
     ...
-    dejavu_lab.corpus.CorpusError: text must be one string, got a list; join the documents ...
+    dejavu_lab.errors.CorpusError: text must be one string, got a list; join the documents ...
     """
     if tokenizer is None or not callable(tokenizer):
         raise _error(

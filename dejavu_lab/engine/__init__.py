@@ -37,7 +37,7 @@ and ``report`` stand alone):
 >>> dec.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4).shape
 torch.Size([1, 7])
 >>> METHODS  # what SparseConfig(method=...) runs
-('dejavu', 'teal', 'wina', 'cats', 'dense')
+('dense', 'dejavu', 'teal', 'wina', 'cats')
 """
 
 from __future__ import annotations

@@ -20,8 +20,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..kernels import kv_window_write, sparse_attention_core, sparse_mlp_down, sparse_mlp_up
-from ..kernels.rope import rope_
+from ..kernels import (
+    kv_window_write,
+    rope_,
+    sparse_attention_core,
+    sparse_mlp_down,
+    sparse_mlp_up,
+)
 
 __all__ = ["BatchBlocks"]
 

@@ -32,7 +32,7 @@ def batch_prompts(
     ...               max_batch=4, max_seq_len=8)
     Traceback (most recent call last):
     ...
-    dejavu_lab.engine.config.EngineError: sequence 1's prompt is empty; give each at least one token.
+    dejavu_lab.errors.EngineError: sequence 1's prompt is empty; give each at least one token.
     """
     if isinstance(prompts, torch.Tensor):
         ids = check_engine.prompt(prompts, batch=prompts.shape[0] if prompts.dim() == 2 else 1,

@@ -13,30 +13,16 @@ from dataclasses import dataclass, field
 import torch
 
 from ..budgets import budgets
+from ..errors import EngineError
+from ..vocab import METHODS as METHODS_TABLE
+from ..vocab import method_names
 
 __all__ = ["METHODS", "SITES", "EngineError", "SparseConfig"]
 
 
-class EngineError(ValueError):
-    """The engine cannot run this model or this request; the message says what to do.
-
-    >>> from dejavu_lab.engine import Decoder
-    >>> from dejavu_lab.models import random_model
-    >>> Decoder(random_model("tiny-opt").model, max_seq_len=4096)
-    Traceback (most recent call last):
-    ...
-    dejavu_lab.engine.config.EngineError: max_seq_len=4096 exceeds the model's 2048 positions.
-    """
-
-
-METHODS = ("dejavu", "teal", "wina", "cats", "dense")
-# input-sparsity sites per layer (the contracts' canonical names) and what each one's vector
-# is indexed by: attention input, o_proj input, MLP input, down_proj input; CATS: the neurons
-SITES = {
-    "teal": ("attn_in", "o_in", "mlp_in", "down_in"),
-    "wina": ("attn_in", "o_in", "mlp_in", "down_in"),
-    "cats": ("gate",),
-}
+METHODS = method_names(engine=True)  # what SparseConfig(method=...) runs
+# the input-sparsity sites each threshold method thresholds (vocab.SITES; CATS: the neurons)
+SITES = {m: METHODS_TABLE[m].sites for m in method_names(family="threshold", engine=True)}
 
 
 @dataclass(frozen=True)
@@ -65,7 +51,7 @@ class SparseConfig:
     >>> SparseConfig(method="teal", thresholds={(0, "gate"): torch.zeros(256)})
     Traceback (most recent call last):
     ...
-    dejavu_lab.engine.config.EngineError: thresholds has site 'gate', which method 'teal' does not use; its sites are attn_in, o_in, mlp_in, down_in.
+    dejavu_lab.errors.EngineError: thresholds has site 'gate', which method 'teal' does not use; its sites are attn_in, o_in, mlp_in, down_in.
     """
 
     mlp_sparsity: float = 0.0  # MLP neurons removed (OPT-175B in §5.1: 0.85); dejavu only

@@ -35,12 +35,12 @@ from ..checks import engine as check_engine
 from ..kernels import (
     fused_sparse_mlp,
     kv_window_write,
+    qkv_rope,
     row_norm,
     sparse_attention_core,
     sparse_mlp_down,
     sparse_mlp_up,
 )
-from ..kernels.qkv_rope import qkv_rope
 from .config import EngineError, SparseConfig
 from .fused_step import FusedStep
 from .greedy import argmax_rows

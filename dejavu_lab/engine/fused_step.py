@@ -28,12 +28,15 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import threshold_gemv
-from ..kernels._common import use_triton
-from ..kernels.cats_mlp import cats_hidden, cats_sums
-from ..kernels.epilogue import residual_norm
-from ..kernels.row_norm import row_norm
-from ..kernels.threshold_tile import threshold_sums
+from ..kernels import (
+    cats_hidden,
+    cats_sums,
+    residual_norm,
+    row_norm,
+    threshold_gemv,
+    threshold_sums,
+    use_triton,
+)
 
 __all__ = ["FusedStep"]
 

@@ -24,15 +24,15 @@ import torch.nn.functional as F
 from ..kernels import (
     cats_mlp,
     fused_sparse_mlp,
+    query_slots,
+    rope_,
+    rope_sums,
     sparse_attention_core,
     sparse_mlp_up,
     threshold_gemv,
     threshold_gemv_act,
+    threshold_sums,
 )
-from ..kernels.attention_core import query_slots
-from ..kernels.epilogue import rope_sums
-from ..kernels.rope import rope_
-from ..kernels.threshold_tile import threshold_sums
 from .config import EngineError
 
 __all__ = ["DENSE_OPS", "ThresholdBlocks", "default_ops", "dense_ops"]

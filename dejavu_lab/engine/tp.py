@@ -45,7 +45,7 @@ Without a process group the decoder refuses in one sentence:
 >>> TPDecoder(random_model("tiny-opt").model, max_seq_len=16)
 Traceback (most recent call last):
 ...
-dejavu_lab.engine.config.EngineError: torch.distributed is not initialised: launch this script with `torchrun --nproc-per-node N script.py` and run dejavu_lab.engine.init_tp() before building a TPDecoder.
+dejavu_lab.errors.EngineError: torch.distributed is not initialised: launch this script with `torchrun --nproc-per-node N script.py` and run dejavu_lab.engine.init_tp() before building a TPDecoder.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def init_tp(backend: str | None = None, *, timeout_s: float = 600) -> tuple[int,
     >>> "RANK" in os.environ or init_tp()
     Traceback (most recent call last):
     ...
-    dejavu_lab.engine.config.EngineError: this process was not started by torchrun (its environment has no RANK and WORLD_SIZE); launch it with torchrun: run `torchrun --nproc-per-node N script.py`.
+    dejavu_lab.errors.EngineError: this process was not started by torchrun (its environment has no RANK and WORLD_SIZE); launch it with torchrun: run `torchrun --nproc-per-node N script.py`.
     """
     os.environ.update(NVLS_OFF)  # NCCL reads them when its communicator starts
     if not dist.is_initialized():

@@ -87,7 +87,7 @@ def tp_shard(arch: Arch, rank: int, world_size: int, *, vocab: int) -> TPShard:
     >>> tp_shard(random_model("tiny-llama").arch, 0, 4, vocab=128)
     Traceback (most recent call last):
     ...
-    dejavu_lab.engine.config.EngineError: tensor parallelism over 4 ranks splits the heads and MLP neurons evenly, but 4 does not divide the 2 KV heads; run on 2 ranks.
+    dejavu_lab.errors.EngineError: tensor parallelism over 4 ranks splits the heads and MLP neurons evenly, but 4 does not divide the 2 KV heads; run on 2 ranks.
     """
     W = world_size
     if isinstance(W, bool) or not isinstance(W, int) or W < 1:
@@ -237,7 +237,7 @@ def random_shard(preset, rank: int, world_size: int, *, device: str | torch.devi
     >>> random_shard("opt-175b", 0, 5, device="meta")
     Traceback (most recent call last):
     ...
-    dejavu_lab.engine.config.EngineError: tensor parallelism over 5 ranks splits the heads and MLP neurons evenly, but 5 does not divide the 96 query heads, the 96 KV heads and the 49152 MLP neurons; run on 2, 3, 4, 6, 8, 12, 16, 24, 32 or 48 ranks.
+    dejavu_lab.errors.EngineError: tensor parallelism over 5 ranks splits the heads and MLP neurons evenly, but 5 does not divide the 96 query heads, the 96 KV heads and the 49152 MLP neurons; run on 2, 3, 4, 6, 8, 12, 16, 24, 32 or 48 ranks.
     """
     from ..models import PRESETS, ModelNotFoundError
 

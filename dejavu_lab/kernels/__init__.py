@@ -29,19 +29,34 @@ gives the dense MLP:
 True
 """
 
-from .attention_core import sparse_attention_core, sparse_attention_core_ref
-from .cats_mlp import cats_mlp, cats_mlp_ref
+from ._common import use_triton
+from .attention_core import query_slots, sparse_attention_core, sparse_attention_core_ref
+from .cats_mlp import cats_hidden, cats_mlp, cats_mlp_ref, cats_sums
 from .cats_up import cats_up, cats_up_ref
+from .epilogue import residual_norm, rope_sums
 from .fused_mlp import FUSED_ACTIVATIONS, fused_sparse_mlp, fused_sparse_mlp_ref
 from .kv_window import kv_window_write, kv_window_write_ref
+from .qkv_rope import qkv_rope, qkv_rope_ref
+from .rope import rope_, rope_ref
 from .row_norm import row_norm, row_norm_ref
 from .sparse_attention import sparse_attention, sparse_attention_ref
 from .sparse_mlp_down import sparse_mlp_down, sparse_mlp_down_ref
 from .sparse_mlp_up import ACTIVATIONS, sparse_mlp_up, sparse_mlp_up_ref
 from .threshold_gemv import threshold_gemv, threshold_gemv_ref
-from .threshold_tile import threshold_gemv_act
+from .threshold_tile import threshold_gemv_act, threshold_sums
 
 __all__ = [
+    "cats_hidden",
+    "cats_sums",
+    "query_slots",
+    "qkv_rope",
+    "qkv_rope_ref",
+    "residual_norm",
+    "rope_",
+    "rope_ref",
+    "rope_sums",
+    "threshold_sums",
+    "use_triton",
     "ACTIVATIONS",
     "FUSED_ACTIVATIONS",
     "cats_mlp",

@@ -42,6 +42,7 @@ from ..arch import Arch, get_arch
 from ..budgets import budgets
 from ..collect import fingerprint, fingerprint_id
 from ..hooks import hooks
+from ..vocab import CALIBRATION_FORMAT
 from .core import SITES, _check_windows, column_norms
 from .thresholds import (
     CalibrationError,
@@ -67,7 +68,7 @@ __all__ = [
 ]  # CalibrationError, Thresholds and load_thresholds live in dejavu_lab.sparsify.thresholds
 
 KINDS = {"teal": tuple(SITES), "wina": tuple(SITES), "cats": ("gate",)}  # method -> sites
-FORMAT = "dejavu-lab-calibration/1"
+FORMAT = CALIBRATION_FORMAT
 
 
 @dataclass(frozen=True)
@@ -335,7 +336,7 @@ def load_calibration(path: str | os.PathLike, model=None, arch: Arch | None = No
     >>> load_calibration(path, random_model("tiny-llama").model)
     Traceback (most recent call last):
     ...
-    dejavu_lab.sparsify.thresholds.CalibrationError: This calibration was made for another model ...
+    dejavu_lab.errors.CalibrationError: This calibration was made for another model ...
     """
     tensors, meta = _load(path, FORMAT, "calibration")
     cfg_dict = json.loads(meta["config"])

@@ -27,6 +27,7 @@ from ..arch import Arch, get_arch
 from ..budgets import budgets
 from ..corpus import CorpusError
 from ..hooks import hooks
+from ..vocab import ALIASES, SITES
 from .layer_bytes import Kept
 
 __all__ = [
@@ -43,16 +44,6 @@ __all__ = [
 ]
 
 MODES = ("oracle", "static", "predicted")  # the original names; "predicted" is method "dejavu"
-ALIASES = {"predicted": "dejavu"}
-
-# Input-sparsity sites of a layer (the contracts' canonical names) -> hook point and the
-# modules whose weight columns the site's entries select.
-SITES = {
-    "attn_in": "ln1.hook_normalized",  # shared input of q/k/v  [b, p, d]
-    "o_in": "attn.hook_z",  # input of o_proj / out_proj, per head  [b, p, h, dh]
-    "mlp_in": "ln2.hook_normalized",  # shared input of gate/up or fc1  [b, p, d]
-    "down_in": "mlp.hook_post",  # input of down_proj / fc2  [b, p, n]
-}
 
 Builder = Callable[["SparseContext"], list]
 METHODS: dict[str, Builder] = {}  # name -> builder; filled by the method modules

@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 
 from ..arch import Arch, get_arch
 from ..hooks import hooks
+from ..vocab import site_width
 from .core import SITES, column_norms
 from .layer_bytes import site_elements
 
@@ -171,7 +172,9 @@ def _layer_path(model, arch, cal, method, i, captured) -> list[list[float]]:
             news = [min(s[j] + step[j], _CAP) for j in cands]
             for j, site in enumerate(sites):  # candidate c moves site cands[c] only
                 vals = [thr(site, news[c] if cands[c] == j else s[j]) for c in range(len(cands))]
-                current[site] = torch.stack([v.expand(_width(arch, site)) for v in vals])[:, None]
+                current[site] = torch.stack([v.expand(site_width(arch, site)) for v in vals])[
+                    :, None
+                ]
             out = _run_layer(layer, args, kwargs, len(cands))[:, start:]
             err = (out - target).float().norm(dim=-1).mean(-1).to(device)  # [k]
             gain = [
@@ -183,12 +186,3 @@ def _layer_path(model, arch, cal, method, i, captured) -> list[list[float]]:
             err_now = float(err[best])
             rows.append([sum(a * b for a, b in zip(s, w, strict=True)) / total, *s])
     return rows
-
-
-def _width(arch: Arch, site: str) -> int:
-    return {
-        "attn_in": arch.d_model,
-        "o_in": arch.n_heads * arch.d_head,
-        "mlp_in": arch.d_model,
-        "down_in": arch.d_mlp,
-    }[site]

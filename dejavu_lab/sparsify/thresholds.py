@@ -22,21 +22,13 @@ from safetensors.torch import load_file, save_file
 
 from ..arch import Arch, get_arch
 from ..collect import fingerprint, fingerprint_id
+from ..errors import CalibrationError
+from ..vocab import site_width
 from .core import column_norms
 
 __all__ = ["CalibrationError", "Thresholds", "load_thresholds"]
 
 THRESHOLDS_FORMAT = "dejavu-lab-thresholds/1"
-
-
-class CalibrationError(ValueError):
-    """A calibration or thresholds file is damaged, belongs to another model, or lacks a part.
-
-    >>> load_thresholds("no-such-file.safetensors")
-    Traceback (most recent call last):
-    ...
-    dejavu_lab.sparsify.thresholds.CalibrationError: No thresholds file at no-such-file.safetensors.
-    """
 
 
 @dataclass
@@ -72,7 +64,7 @@ class Thresholds:
         arch = arch or get_arch(model)
         out = {}
         for (i, site), t in sorted(self.values.items()):
-            n = _site_width(arch, site)
+            n = site_width(arch, site)
             if self.method == "wina":
                 c = column_norms(model, arch, i, site).cpu()
                 out[(i, site)] = torch.where(c > 0, t / c, torch.full_like(c, float("inf")))
@@ -112,7 +104,7 @@ def load_thresholds(path: str | os.PathLike, model=None, arch: Arch | None = Non
     >>> load_thresholds(path, random_model("tiny-llama", seed=1).model)
     Traceback (most recent call last):
     ...
-    dejavu_lab.sparsify.thresholds.CalibrationError: These thresholds were calibrated for another ...
+    dejavu_lab.errors.CalibrationError: These thresholds were calibrated for another ...
     """
     tensors, meta = _load(path, THRESHOLDS_FORMAT, "thresholds")
     values, sparsity = {}, {}
@@ -133,16 +125,6 @@ def load_thresholds(path: str | os.PathLike, model=None, arch: Arch | None = Non
     if model is not None:
         thr.check_model(model, arch)
     return thr
-
-
-def _site_width(arch: Arch, site: str) -> int:
-    return {
-        "attn_in": arch.d_model,
-        "o_in": arch.n_heads * arch.d_head,
-        "mlp_in": arch.d_model,
-        "down_in": arch.d_mlp,
-        "gate": arch.d_mlp,
-    }[site]
 
 
 # ---------------------------------------------------------------------------------------------
