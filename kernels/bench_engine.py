@@ -61,6 +61,7 @@ import torch
 
 from dejavu_lab import results
 from dejavu_lab.engine import (
+    DENSE_ENGINES,
     SITES,
     Decoder,
     EngineError,
@@ -79,9 +80,6 @@ CATS_MLP = importlib.import_module("dejavu_lab.kernels.cats_mlp")
 
 MODELS = ["opt-30b", "llama-2-13b", "llama-3-8b", "opt-13b", "opt-6.7b"]  # most important first
 PROMPTS = [128, 256, 512, 1024]
-# our dense steps; dejavu_lab.engine.methods_report.DENSE_ENGINES reads the same rows (this
-# script runs on GPU images without plotly, so it cannot import that module)
-DENSE_ENGINES = ("dense", "dense_triton", "dense_columns", "dense_auto")
 ALL_METHODS = (*DENSE_ENGINES, "dejavu", "teal", "wina", "cats")
 SPARSITY = {"opt": (0.85, 0.5), "llama": (0.5, 0.5)}  # (MLP, heads) removed: §5.1; TEAL range
 ROWS: list[dict] = []

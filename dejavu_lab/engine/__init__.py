@@ -45,7 +45,7 @@ from __future__ import annotations
 import importlib
 
 from .batch import MAX_BATCH, BatchDecoder
-from .config import METHODS, SITES, EngineError, SparseConfig
+from .config import DENSE_ENGINES, METHODS, SITES, EngineError, SparseConfig
 from .decoder import Decoder
 from .nbytes import predictor_bytes, step_bytes
 from .sets import KeptSets
@@ -59,6 +59,7 @@ _REPORT = ("PAPER", "breakdown", "breakdown_figure", "latency_table", "load", "m
            "part_floors", "speedup_table", "summary")  # fmt: skip
 
 __all__ = [
+    "DENSE_ENGINES",
     "DENSE_OPS",
     "MAX_BATCH",
     "METHODS",

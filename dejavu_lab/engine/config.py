@@ -17,10 +17,14 @@ from ..errors import EngineError
 from ..vocab import METHODS as METHODS_TABLE
 from ..vocab import method_names
 
-__all__ = ["METHODS", "SITES", "EngineError", "SparseConfig"]
+__all__ = ["DENSE_ENGINES", "METHODS", "SITES", "EngineError", "SparseConfig"]
 
 
 METHODS = method_names(engine=True)  # what SparseConfig(method=...) runs
+# the dense steps the engine benchmark times (kernels/bench_engine.py): cuBLAS ops, every op
+# through the row-gather kernels, through the threshold kernels with every column kept, or
+# each op the faster of the two; "vs best dense" compares with the fastest of them
+DENSE_ENGINES = ("dense", "dense_triton", "dense_columns", "dense_auto")
 # the input-sparsity sites each threshold method thresholds (vocab.SITES; CATS: the neurons)
 SITES = {m: METHODS_TABLE[m].sites for m in method_names(family="threshold", engine=True)}
 

@@ -21,6 +21,7 @@ from plotly.subplots import make_subplots
 from .. import results
 from ..gated_report import COLORS
 from ..plots import wrap_caption
+from .config import DENSE_ENGINES
 
 __all__ = ["DENSE_ENGINES", "ENGINE_ARGS", "ENGINE_NAME", "KEEPALL_NAME", "LABELS", "REPEATS",
            "engine_figure", "engine_methods_table", "keepall_table", "load_engine_methods",
@@ -32,7 +33,6 @@ ENGINE_NAME = "engine_methods"  # results/engine_methods.json
 REPEATS = (ENGINE_NAME, ENGINE_NAME + "_2", ENGINE_NAME + "_3")
 # our dense steps: cuBLAS GEMVs, row-gather kernels, TEAL's threshold kernels with every column
 # read, the faster of torch and ours per op
-DENSE_ENGINES = ("dense", "dense_triton", "dense_columns", "dense_auto")
 KEEPALL_NAME = "engine_keepall"  # dense, and TEAL / CATS at 0% and 50%, in one run
 # the recorded run's arguments (its provenance "command"), for a live rerun on a GPU box
 ENGINE_ARGS = ["--models", "llama-2-13b,llama-3-8b", "--prompts", "512", "--methods",
