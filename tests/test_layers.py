@@ -101,6 +101,7 @@ RULES = [
      "the paper's observations run on any CPU"),
     ((P + m for m in ("engine", "kernels", "sparsify", "measure")), (P + "report", P + "cli"),
      "compute never draws or parses arguments"),
+    ((P + "report",), (P + "cli",), "the book's tables and figures never parse arguments"),
     ((P + "checks",), None, "checks read only errors and vocab"),
     ((P + "errors", P + "vocab"), (P,), "the base layer imports nothing of ours"),
 ]  # fmt: skip
