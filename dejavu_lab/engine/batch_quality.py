@@ -161,9 +161,8 @@ def union_rows(
     windows decoded together (teacher-forced, ``steps`` steps from one prefill), no cap.
 
     One row (dict) per (batch_size, block, layer), blocks and layers in sorted order: ``union``
-    (mean fraction of the layer's neurons or
-    heads the live sequences asked for) — the measured counterpart of
-    :func:`dejavu_lab.measure.union_sparsity`'s prediction from oracle sets.
+    (mean fraction of the layer's neurons or heads the live sequences asked for) — the measured
+    counterpart of :func:`dejavu_lab.measure.union_sparsity`'s prediction from oracle sets.
 
     >>> import os
     >>> from unittest import mock

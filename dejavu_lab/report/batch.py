@@ -260,10 +260,9 @@ def time_shares(frame: pd.DataFrame, model: str, prompt: int) -> pd.DataFrame:
 
 
 def union_figure(measured: pd.DataFrame, predicted: pd.DataFrame):
-    """The MLP union the engine realised with DejaVu's predictors
-    (:func:`batch_unions`) beside chapter 35's measurement on
-    oracle sets (:func:`dejavu_lab.measure.union_sparsity`) and uniform random sets, mean over
-    layers, as fractions of the layer's neurons.
+    """The MLP union the engine realised with DejaVu's predictors (:func:`batch_unions`) beside
+    chapter 35's measurement on oracle sets (:func:`dejavu_lab.measure.union_sparsity`) and
+    uniform random sets, mean over layers, as fractions of the layer's neurons.
 
     >>> m = pd.DataFrame({"batch_size": [1, 2], "block": "mlp", "layer": 0, "union": [0.5, 0.7]})
     >>> p = pd.DataFrame({"batch_size": [1, 2], "block": "mlp", "layer": 0,
