@@ -6,10 +6,11 @@ Modules, one idea each:
   tables), :mod:`corpus` (text, windows, perplexity);
 - observing: :mod:`hooks` (TransformerLens-style activation hooks), :mod:`measure` (§3);
 - sparsity: :mod:`budgets`, :mod:`sparsify` (every method), :mod:`collect`, :mod:`predictors`,
-  :mod:`deferred_kv`, :mod:`bytes_model`, :mod:`explorer` (§4.1–4.2);
+  :mod:`deferred_kv`, :mod:`bytes_model` (§4.1–4.2);
 - speed: :mod:`kernels` (Triton, §4.4), :mod:`engine` (§4.3, §5.1), :mod:`results` (recorded
   GPU runs with provenance);
-- the book: :mod:`book`, :mod:`plots`; the command line: :mod:`cli`.
+- the book: :mod:`report` (every table, figure and widget: ``report.book``, ``report.plots``,
+  ``report.explorer``, one module per chapter); the command line: :mod:`cli`.
 """
 
 __version__ = "0.1.0"

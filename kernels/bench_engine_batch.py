@@ -39,6 +39,7 @@ from bench_engine import build, copy_ceiling, cuda, graph_ms, relerr, timed
 
 from dejavu_lab import results
 from dejavu_lab.engine import BatchDecoder, Decoder, SparseConfig, decoder_weights
+from dejavu_lab.engine.batch_quality import union_means
 
 SPARSITY = {"opt": (0.85, 0.5), "llama": (0.5, 0.5)}  # per sequence (MLP, heads) removed
 UNION = {"opt": 0.3, "llama": 0.5}  # the union budget: fraction of MLP neurons a step reads
@@ -161,13 +162,12 @@ def time_variant(w, arch, engine, sparse, budget, prompt, batches, new, ceiling,
         row.update(ms_per_step=ms, tokens_per_s=B * 1e3 / ms, window=dec.W)
         kw = {}
         if sparse is not None:
-            t = dec.union_sizes()
-            frac = (t.union / t.total).groupby(t.block).mean()
-            read = (t.read / t.total).groupby(t.block).mean()
-            row.update(mlp_union=frac["mlp"], heads_union=frac["heads"], mlp_read=read["mlp"],
-                       heads_read=read["heads"])  # fmt: skip
-            kw = dict(mlp_read=read["mlp"], q_read=read["heads"], cache_kept=dec.k_heads / dec.H,
-                      kv_read=read["heads"] if dec.W else 1.0)  # fmt: skip
+            u = union_means(dec.union_sizes())
+            row.update(mlp_union=u["mlp_union"], heads_union=u["heads_union"],
+                       mlp_read=u["mlp_read"], heads_read=u["heads_read"])  # fmt: skip
+            kw = dict(mlp_read=u["mlp_read"], q_read=u["heads_read"],
+                      cache_kept=dec.k_heads / dec.H,
+                      kv_read=u["heads_read"] if dec.W else 1.0)  # fmt: skip
         b = batch_bytes(arch, vocab=vocab, d_embed=d_embed, B=B, context=prompt + new // 2, **kw)
         row.update({f"bytes_{k}": v for k, v in b.items()})
         row["tbps"] = b["total"] / (ms * 1e-3) / 1e12

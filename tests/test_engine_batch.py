@@ -27,6 +27,7 @@ from dejavu_lab.engine import (
 )
 from dejavu_lab.models import random_model
 from dejavu_lab.predictors import PredictorConfig, Predictors
+from dejavu_lab.report.batch import union_sizes_table
 
 DEVICE = os.environ.get("DEJAVU_TEST_DEVICE", "cpu")
 HALF = torch.float16 if DEVICE == "cuda" else torch.bfloat16
@@ -162,7 +163,7 @@ def test_deferred_kv_is_exact_per_sequence():
         logits[window] = forced(dec, prompts, cont)
         assert dec.W == window
     assert relerr(logits[3], logits[0]) < 1e-3
-    t = dec.union_sizes()
+    t = union_sizes_table(dec.union_sizes())
     assert t[t.block == "heads"].groupby("layer").union.max().tolist() == [2, 1]
 
 
@@ -187,7 +188,7 @@ def test_union_sizes_and_the_union_budget():
         dec.set_indices(0, mlp=torch.stack([a, b]), heads=[[0, 1], [0, 1]])
         dec.set_indices(1, mlp=a, heads=[2, 3])  # the same set for both sequences
         dec.generate(rand_ids([3, 4]), 4)
-        t = dec.union_sizes()
+        t = union_sizes_table(dec.union_sizes())
         assert len(t) == 3 * 2 * 2 and set(t.live) == {2}  # steps x layers x blocks
         got = t.groupby(["layer", "block"]).union.unique().map(list).to_dict()
         assert got == {(0, "mlp"): [96], (1, "mlp"): [64], (0, "heads"): [2], (1, "heads"): [2]}
@@ -217,7 +218,7 @@ def test_finished_sequences_stop_contributing():
     first = ref[0][4:].tolist().index(eos)
     assert out[0][: 4 + first + 1].tolist() == ref[0][: 4 + first + 1].tolist()
     assert set(out[0][4 + first :].tolist()) == {eos}  # padded with eos after it finished
-    t = dec.union_sizes()
+    t = union_sizes_table(dec.union_sizes())
     after = t[(t.step > first) & (t.block == "mlp")]
     assert set(after.live) <= {0, 1} and set(after.union) <= {0, 64}  # sequence 0 left the union
 
@@ -248,7 +249,7 @@ def test_lookahead_predictors_choose_each_sequences_heads():
     dec = BatchDecoder(lm.model, max_seq_len=16, max_batch=2, sparse=SparseConfig(0.75, 0.5),
                        predictors=pred)  # fmt: skip
     dec.generate(prompts, 3)
-    t = dec.union_sizes()
+    t = union_sizes_table(dec.union_sizes())
     assert (t[t.block == "mlp"].union >= 64).all() and (t.union <= t.read).all()
 
 

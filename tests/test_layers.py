@@ -101,6 +101,7 @@ RULES = [
      "the paper's observations run on any CPU"),
     ((P + m for m in ("engine", "kernels", "sparsify", "measure")), (P + "report", P + "cli"),
      "compute never draws or parses arguments"),
+    ((P + "report",), (P + "cli",), "the book's tables and figures never parse arguments"),
     ((P + "checks",), None, "checks read only errors and vocab"),
     ((P + "errors", P + "vocab"), (P,), "the base layer imports nothing of ours"),
 ]  # fmt: skip
@@ -130,6 +131,32 @@ def test_layer_rules(who, banned, why):
     assert wrong == [], f"{why}: {wrong}"
 
 
+DRAWING = ("pandas", "plotly", "seaborn", "matplotlib", "ipywidgets")
+
+
+def _third_party_imports(path: Path) -> set[str]:
+    """Top-level names of the absolute imports in a module, inside functions included."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names |= {a.name.partition(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.add(node.module.partition(".")[0])
+    return names
+
+
+def test_compute_imports_no_tables_or_figures():
+    """The engine and the kernels run on a bare GPU image: no pandas, plotly, seaborn,
+    matplotlib or ipywidgets, at module level or inside a function (those live in report/)."""
+    wrong = [
+        f"{path.relative_to(ROOT.parent)} imports {name}"
+        for package in ("engine", "kernels")
+        for path in sorted((ROOT / package).rglob("*.py"))
+        for name in sorted(_third_party_imports(path) & set(DRAWING))
+    ]
+    assert wrong == [], f"compute packages must not draw: {wrong}"
+
+
 def test_no_module_getattr_shims():
     shims = [
         str(p.relative_to(ROOT.parent))
@@ -154,3 +181,7 @@ def test_the_counter_sees_imports_inside_functions(tmp_path):
     assert graph["pkg.a"] == {"pkg.sub.b"} and graph["pkg.sub.b"] == {"pkg.a"}
     assert cycles(graph) == [["pkg.a", "pkg.sub.b"]]
     assert len(import_graph()) > 50, "the package was not parsed"
+    (pkg / "sub" / "c.py").write_text(
+        "def f():\n    import pandas.api\n    from plotly import io\n"
+    )
+    assert _third_party_imports(pkg / "sub" / "c.py") == {"pandas", "plotly"}

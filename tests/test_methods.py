@@ -203,7 +203,7 @@ def test_at_bytes_reads_a_curve_by_interpolation_or_a_local_fit():
     import numpy as np
     import pandas as pd
 
-    from dejavu_lab.gated_report import crossings
+    from dejavu_lab.report.gated import crossings
     from dejavu_lab.sparsify.frontier import at_bytes
 
     x = np.array([0.7, 0.62, 0.6, 0.58, 0.5])

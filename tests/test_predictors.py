@@ -220,7 +220,7 @@ def test_bytes_model():
 def test_grid_figure_slider_switches_traces():
     import pandas as pd
 
-    from dejavu_lab.explorer import grid_figure
+    from dejavu_lab.report.explorer import grid_figure
 
     grid = pd.DataFrame(
         [

@@ -3,7 +3,7 @@
 import pandas as pd
 import pytest
 
-from dejavu_lab.engine import profile_report
+from dejavu_lab.report import profile as profile_report
 
 
 def _table():

@@ -2,7 +2,8 @@
 
 One module per idea; the imports run one way (``config -> weights -> sets, threshold_blocks ->
 decoder -> thresholds``; ``weights -> tp_weights``, ``decoder, tp_weights -> tp``; ``nbytes``
-and ``report`` stand alone):
+stands alone). Its tables and figures live in :mod:`dejavu_lab.report` (the engine imports no
+pandas or plotly, so it runs on a bare GPU image):
 
 - :mod:`~dejavu_lab.engine.config`  — :class:`SparseConfig` (what a step keeps) and
   :class:`EngineError`;
@@ -22,13 +23,7 @@ and ``report`` stand alone):
 - :mod:`~dejavu_lab.engine.tp_weights` — :func:`shard_weights`, :func:`random_shard`: one
   tensor-parallel rank's share of the weights (Megatron layout);
 - :mod:`~dejavu_lab.engine.tp` — :class:`TPDecoder`: the decoder on one rank of
-  ``torch.distributed`` (``torchrun``), its block outputs all-reduced;
-- :mod:`~dejavu_lab.engine.report`  — tables and figures of the end-to-end chapter (imported on
-  first use: it needs pandas and plotly);
-- :mod:`~dejavu_lab.engine.profile_report` — the decode step's GPU time per kernel inside its
-  CUDA graph, grouped by part (``kernels/profile_engine.py``'s recording);
-- :mod:`~dejavu_lab.engine.methods_report` — GPU time per token of every sparsity method
-  (``results/engine_methods.json``), for the gated-MLP chapter.
+  ``torch.distributed`` (``torchrun``), its block outputs all-reduced.
 
 >>> import torch
 >>> from dejavu_lab.engine import METHODS, Decoder
@@ -42,8 +37,6 @@ torch.Size([1, 7])
 
 from __future__ import annotations
 
-import importlib
-
 from .batch import MAX_BATCH, BatchDecoder
 from .config import DENSE_ENGINES, METHODS, SITES, EngineError, SparseConfig
 from .decoder import Decoder
@@ -54,9 +47,6 @@ from .thresholds import calibrate_thresholds, column_norms, keep_all
 from .tp import NVLS_OFF, TPDecoder, init_tp, split_indices
 from .tp_weights import ShardedWeights, TPShard, random_shard, shard_weights, tp_shard
 from .weights import DecoderWeights, LayerWeights, decoder_weights
-
-_REPORT = ("PAPER", "breakdown", "breakdown_figure", "latency_table", "load", "method_table",
-           "part_floors", "speedup_table", "summary")  # fmt: skip
 
 __all__ = [
     "DENSE_ENGINES",
@@ -88,13 +78,4 @@ __all__ = [
     "shard_weights",
     "split_indices",
     "tp_shard",
-    *_REPORT,
 ]
-
-
-def __getattr__(name: str):
-    """The report helpers load pandas and plotly, so they are imported when first asked for."""
-    if name in _REPORT or name == "report":
-        report = importlib.import_module(".report", __name__)
-        return report if name == "report" else getattr(report, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -6,13 +6,17 @@ union) — unless ``union_budget`` caps the union below what the batch asks for,
 neurons with the most votes are kept and a sequence may lose some of its own. So uncapped, its
 perplexity should equal its batch-1 perplexity or be better; capped, it can be worse.
 
-:func:`batch_quality` measures that teacher-forced on held-out windows: each window's first
+:func:`quality_rows` measures that teacher-forced on held-out windows: each window's first
 ``prompt`` tokens are prefilled (dense, in both runs), then every following token is fed one
 decode step at a time — each window alone (a :class:`~dejavu_lab.engine.BatchDecoder` of one
 sequence: the batch-1 :class:`~dejavu_lab.engine.Decoder`'s sets, as ``tests/test_engine_batch.py``
 checks) and all windows in one batch — and the negative log-likelihood of each next token is
 summed per window. DejaVu's lookahead predictors choose each sequence's sets inside the step,
 as in serving. Every run starts from one dense prefill (:meth:`BatchDecoder.copy_prefill`).
+
+The measurements return plain rows (one dict each), so the engine needs no pandas; the chapter's
+tables are :func:`dejavu_lab.report.batch.batch_quality` and
+:func:`~dejavu_lab.report.batch.batch_unions`.
 """
 
 from __future__ import annotations
@@ -20,14 +24,13 @@ from __future__ import annotations
 import copy
 import math
 
-import pandas as pd
 import torch
 
 from .batch import BatchDecoder
 from .config import EngineError, SparseConfig
 from .weights import decoder_weights
 
-__all__ = ["batch_quality", "batch_unions"]
+__all__ = ["quality_rows", "union_means", "union_rows"]
 
 
 def _nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -36,14 +39,31 @@ def _nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return -logp.gather(1, targets[:, None].to(logp.device))[:, 0]
 
 
-def _union_means(dec: BatchDecoder) -> dict:
-    t = dec.union_sizes()
-    frac = (t.union / t.total).groupby(t.block).mean()
-    read = (t.read / t.total).groupby(t.block).mean()
-    return {"mlp_union": frac["mlp"], "mlp_read": read["mlp"], "heads_union": frac["heads"]}
+def _mean(values) -> float:
+    values = list(values)
+    return math.fsum(values) / len(values)
 
 
-def batch_quality(
+def union_means(rows: list[dict]) -> dict[str, float]:
+    """Mean realised union and fraction read per block over layers and steps, from
+    :meth:`BatchDecoder.union_sizes`'s rows: ``mlp_union``, ``mlp_read``, ``heads_union``,
+    ``heads_read`` (fractions of the layer's neurons or heads).
+
+    >>> rows = [{"block": "mlp", "union": 96, "read": 128, "total": 256},
+    ...         {"block": "mlp", "union": 64, "read": 128, "total": 256},
+    ...         {"block": "heads", "union": 3, "read": 4, "total": 4}]
+    >>> union_means(rows)
+    {'mlp_union': 0.3125, 'mlp_read': 0.5, 'heads_union': 0.75, 'heads_read': 1.0}
+    """
+    out = {}
+    for block in ("mlp", "heads"):
+        mine = [r for r in rows if r["block"] == block]
+        out[f"{block}_union"] = _mean(r["union"] / r["total"] for r in mine)
+        out[f"{block}_read"] = _mean(r["read"] / r["total"] for r in mine)
+    return out
+
+
+def quality_rows(
     model,
     predictors,
     windows: torch.Tensor,
@@ -53,7 +73,7 @@ def batch_quality(
     head_sparsity: float = 0.3,
     union_budgets=(None,),
     dtype: torch.dtype = torch.bfloat16,
-) -> pd.DataFrame:
+) -> list[dict]:
     """Teacher-forced perplexity of each window decoded alone and in one batch of all windows.
 
     ``model``: a Hugging Face model (copied to ``dtype``: the sparse kernels take fp16/bf16; the
@@ -61,7 +81,7 @@ def batch_quality(
     ``predictors``: lookahead :class:`~dejavu_lab.predictors.Predictors` of that model;
     ``windows``: [B, W] held-out token ids, B <= 32 (one sequence each); ``prompt``: tokens
     prefilled (default W // 2); ``union_budgets``: one batched run per budget (None: the whole
-    union; a fraction of the MLP: the cap). One row per (window, run): ``run`` ("dense",
+    union; a fraction of the MLP: the cap). One row (dict) per (window, run): ``run`` ("dense",
     "batch 1", "batch B" or "batch B, union <= x%"), ``tokens`` scored, ``nll``,
     ``perplexity``, and for batched runs the mean realised union (``mlp_union``,
     ``heads_union``) and the MLP fraction read (``mlp_read``), over layers and steps.
@@ -75,11 +95,11 @@ def batch_quality(
     >>> pred = Predictors(fingerprint(lm.model, lm.arch), PredictorConfig(mode="lookahead"))
     >>> windows = torch.randint(0, 128, (3, 12), generator=torch.Generator().manual_seed(0))
     >>> with mock.patch.dict(os.environ, TRITON_INTERPRET="0"):  # the kernels' references
-    ...     t = batch_quality(lm.model, pred, windows, union_budgets=(None, 0.5))
-    >>> sorted(t.run.unique())
+    ...     rows = quality_rows(lm.model, pred, windows, union_budgets=(None, 0.5))
+    >>> sorted({r["run"] for r in rows})
     ['batch 1', 'batch 3', 'batch 3, union <= 50%', 'dense']
-    >>> t.groupby("run").tokens.sum().tolist()  # 3 windows x 5 decode steps each
-    [15, 15, 15, 15]
+    >>> [r["tokens"] for r in rows if r["run"] == "batch 1"]  # 3 windows x 5 decode steps each
+    [5, 5, 5]
     """
     if not isinstance(windows, torch.Tensor) or windows.dim() != 2:
         raise EngineError("windows must be a [B, W] tensor of token ids (one window per row).")
@@ -119,11 +139,13 @@ def batch_quality(
                            predictors=predictors)  # fmt: skip
         nll = decode(dec, list(range(B)))
         run = f"batch {B}" if budget is None else f"batch {B}, union <= {budget:.0%}"
-        record(run, nll, union_budget=budget, **_union_means(dec))
-    return pd.DataFrame(rows)
+        means = union_means(dec.union_sizes())
+        means.pop("heads_read")  # the quality table reports the MLP's read fraction only
+        record(run, nll, union_budget=budget, **means)
+    return rows
 
 
-def batch_unions(
+def union_rows(
     model,
     predictors,
     windows: torch.Tensor,
@@ -134,13 +156,13 @@ def batch_unions(
     mlp_sparsity: float = 0.5,
     head_sparsity: float = 0.3,
     dtype: torch.dtype = torch.bfloat16,
-) -> pd.DataFrame:
+) -> list[dict]:
     """The union the engine realises with DejaVu's predictors, per batch size: the first B
     windows decoded together (teacher-forced, ``steps`` steps from one prefill), no cap.
 
-    One row per (batch_size, block, layer): ``union`` (mean fraction of the layer's neurons or
-    heads the live sequences asked for) — the measured counterpart of
-    :func:`dejavu_lab.measure.union_sparsity`'s prediction from oracle sets.
+    One row (dict) per (batch_size, block, layer), blocks and layers in sorted order: ``union``
+    (mean fraction of the layer's neurons or heads the live sequences asked for) — the measured
+    counterpart of :func:`dejavu_lab.measure.union_sparsity`'s prediction from oracle sets.
 
     >>> import os
     >>> from unittest import mock
@@ -151,9 +173,9 @@ def batch_unions(
     >>> pred = Predictors(fingerprint(lm.model, lm.arch), PredictorConfig(mode="lookahead"))
     >>> windows = torch.randint(0, 128, (4, 10), generator=torch.Generator().manual_seed(0))
     >>> with mock.patch.dict(os.environ, TRITON_INTERPRET="0"):  # the kernels' references
-    ...     u = batch_unions(lm.model, pred, windows, (1, 4), steps=2)
-    >>> u.groupby(["block", "batch_size"]).union.mean().round(2).tolist()  # heads (3 of 4 at B = 1), MLP
-    [0.75, ..., 0.5, ...]
+    ...     u = union_rows(lm.model, pred, windows, (1, 4), steps=2)
+    >>> [round(r["union"], 2) for r in u if r["batch_size"] == 1]  # heads: 3 of 4; MLP: a half
+    [0.75, 0.75, 0.5, 0.5]
     """
     B = max(batch_sizes)
     if not isinstance(windows, torch.Tensor) or windows.dim() != 2 or windows.shape[0] < B:
@@ -169,12 +191,14 @@ def batch_unions(
     first.prefill(list(windows[:, :prompt]))
     dec = BatchDecoder(w, max_seq_len=W, max_batch=B, predictors=predictors,
                        sparse=SparseConfig(mlp_sparsity, head_sparsity))  # fmt: skip
-    frames = []
+    out = []
     for b in batch_sizes:
         dec.copy_prefill(first, list(range(b)))
         for t in range(steps):
             dec.step(windows[:b, prompt + t])
-        u = dec.union_sizes()
-        u = (u.union / u.total).groupby([u.block, u.layer]).mean().rename("union").reset_index()
-        frames.append(u.assign(batch_size=b))
-    return pd.concat(frames, ignore_index=True)[["batch_size", "block", "layer", "union"]]
+        per: dict[tuple[str, int], list[float]] = {}
+        for r in dec.union_sizes():
+            per.setdefault((r["block"], r["layer"]), []).append(r["union"] / r["total"])
+        out += [{"batch_size": b, "block": block, "layer": layer, "union": _mean(v)}
+                for (block, layer), v in sorted(per.items())]  # fmt: skip
+    return out

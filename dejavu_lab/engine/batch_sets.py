@@ -17,7 +17,7 @@ from the sequence's own hidden state. The kernels then read:
 
 The realised union sizes (how many distinct neurons / heads the live sequences asked for) are
 written per layer and step into a device buffer, with no host synchronisation in the step;
-:meth:`BatchSets.union_sizes` reads them back as a table.
+:meth:`BatchSets.union_sizes` reads them back as rows (one dict each).
 """
 
 from __future__ import annotations
@@ -54,8 +54,9 @@ class BatchSets:
     ...                    sparse=SparseConfig(mlp_sparsity=0.75, head_sparsity=0.5))
     >>> dec.set_indices(0, mlp=[range(64), range(32, 96)], heads=[[0, 1], [1, 2]])  # per sequence
     >>> out = dec.generate([torch.tensor([5, 6, 7]), torch.tensor([8, 9])], max_new_tokens=2)
-    >>> t = dec.union_sizes()
-    >>> t[(t.layer == 0) & (t.step == 0)][["block", "union", "read", "total"]].values.tolist()
+    >>> rows = dec.union_sizes()
+    >>> [[r["block"], r["union"], r["read"], r["total"]] for r in rows
+    ...  if r["layer"] == 0 and r["step"] == 0]
     [['mlp', 96, 128, 256], ['heads', 3, 4, 4]]
     """
 
@@ -207,12 +208,12 @@ class BatchSets:
         """This step's union sizes into row ``step`` of the device log (no host sync)."""
         self._union_log.index_copy_(0, self.step_t, self._counts[None])
 
-    def union_sizes(self):
-        """The realised union per layer and decode step since the last prefill, as a table:
-        ``step, layer, block ("mlp"/"heads"), union`` (distinct units the live sequences kept),
-        ``read`` (the fixed buffer the kernels read), ``total``, ``batch``, ``live``."""
-        import pandas as pd
-
+    def union_sizes(self) -> list[dict]:
+        """The realised union per layer and decode step since the last prefill, one row (dict)
+        each: ``step, layer, block ("mlp"/"heads"), union`` (distinct units the live sequences
+        kept), ``read`` (the fixed buffer the kernels read), ``total``, ``batch``, ``live``.
+        Plain rows, so the engine needs no pandas: :func:`dejavu_lab.report.batch.union_table`
+        makes them a table."""
         if self.method != "dejavu":
             raise EngineError("union sizes are recorded for DejaVu's kept sets (method='dejavu').")
         if self.B == 0:
@@ -227,4 +228,4 @@ class BatchSets:
                 rows += [{"step": s, "layer": i, "block": block, "union": int(log[s, i, j]),
                           "read": read, "total": total, "batch": self.B, "live": int(live[s])}
                          for i in range(self.arch.n_layers)]  # fmt: skip
-        return pd.DataFrame(rows)
+        return rows

@@ -14,8 +14,9 @@ One kernel per module, each with a checking wrapper, a plain-PyTorch ``*_ref`` a
 - :func:`cats_up`  — CATS's thresholded up step: the up rows of the neurons the gate keeps.
 
 All take a union batch of 1-32 tokens that share one index set (Knowl 12). :mod:`.bench` is the
-timing harness of ``kernels/bench_*.py`` (recorded in ``results/``); :mod:`.report` draws those
-results for the chapter ``notebooks/60_sparse_kernels.md``.
+timing harness of ``kernels/bench_*.py`` (recorded in ``results/``);
+:mod:`dejavu_lab.report.kernels` draws those results for the chapter
+``notebooks/60_sparse_kernels.md``.
 
 A sparse MLP is the up kernel then the down kernel over one index set; keeping every neuron
 gives the dense MLP:

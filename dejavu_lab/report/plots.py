@@ -1,14 +1,29 @@
-"""Figure helpers shared by the chapters: captions that name model, text, tokens and hardware.
+"""Figure helpers shared by the chapters: one colour per method, and captions that name model,
+text, tokens and hardware.
 
-Every figure in the book says what produced it (STYLE.md); these put :func:`book.caption`'s
+Every figure in the book says what produced it; these put :func:`~dejavu_lab.report.book.caption`'s
 line under a plotly figure or a matplotlib/seaborn axes the same way in every chapter.
+:data:`COLORS` gives each sparsity method the same colour in the explorer, the gated-MLP
+chapter's frontier and the engine's per-method timings.
 """
 
 from __future__ import annotations
 
 import textwrap
 
-__all__ = ["caption_axes", "caption_figure", "wrap_caption"]
+__all__ = ["COLORS", "caption_axes", "caption_figure", "wrap_caption"]
+
+#: method -> its colour in every chapter ("predicted" is the explorer's name for DejaVu's sets)
+COLORS = {
+    "dense": "#444444",
+    "oracle": "#2ca02c",
+    "static": "#7f7f7f",
+    "dejavu": "#d62728",
+    "predicted": "#d62728",
+    "cats": "#9467bd",
+    "teal": "#1f77b4",
+    "wina": "#ff7f0e",
+}
 
 CAPTION_CHARS = 90  # characters per caption line that fit the book's text column at 10 pt
 

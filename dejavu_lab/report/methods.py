@@ -4,7 +4,7 @@
 ``kernels/bench_engine.py``) or measures live on a GPU box; :func:`engine_methods_table` puts
 each method beside our dense engine, compiled Hugging Face and the bytes' floor;
 :func:`engine_figure` draws it. Chapter 42 shows these; the quality side is
-:mod:`dejavu_lab.gated_report`.
+:mod:`dejavu_lab.report.gated`.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import torch
 from plotly.subplots import make_subplots
 
 from .. import results
-from ..gated_report import COLORS
-from ..plots import wrap_caption
-from .config import DENSE_ENGINES
+from ..engine.config import DENSE_ENGINES
+from .engine import method_table
+from .plots import COLORS, wrap_caption
 
 __all__ = ["DENSE_ENGINES", "ENGINE_ARGS", "ENGINE_NAME", "KEEPALL_NAME", "LABELS", "REPEATS",
            "engine_figure", "engine_methods_table", "keepall_table", "load_engine_methods",
@@ -106,8 +106,6 @@ def engine_methods_table(frame: pd.DataFrame, prompt: int = 512) -> pd.DataFrame
     >>> bool((t["vs best dense"] <= t["vs dense"] + 1e-12).all())  # the best is never slower
     True
     """
-    from .report import method_table
-
     e = _timed(frame)
     e = e[e.prompt == prompt].copy()
     e["sparsity"] = e["sparsity"].fillna(0.0) if "sparsity" in e else 0.0

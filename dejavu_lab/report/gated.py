@@ -11,8 +11,7 @@ draws around it:
   removed per layer and site;
 - :class:`TokenKept`, :func:`token_kept` and :func:`token_bytes` — what each token kept: a
   threshold keeps a different number of entries for every token, a top-k the same;
-- GPU time per token of every method in our engine: :mod:`dejavu_lab.engine.methods_report`
-  (its names stay importable from here).
+- GPU time per token of every method in our engine: :mod:`dejavu_lab.report.methods`.
 """
 
 from __future__ import annotations
@@ -30,14 +29,14 @@ import plotly.graph_objects as go
 import torch
 from plotly.subplots import make_subplots
 
-from .arch import Arch
-from .sparsify.calibration import KINDS, Thresholds
-from .sparsify.core import sparsified
-from .sparsify.frontier import at_bytes, frontier
-from .sparsify.layer_bytes import Kept, layer_elements, site_elements
+from ..arch import Arch
+from ..sparsify.calibration import KINDS, Thresholds
+from ..sparsify.core import sparsified
+from ..sparsify.frontier import at_bytes, frontier
+from ..sparsify.layer_bytes import Kept, layer_elements, site_elements
+from .plots import COLORS
 
 __all__ = [
-    "COLORS",
     "TARGETS",
     "TokenKept",
     "cached_frontier",
@@ -52,8 +51,6 @@ __all__ = [
 
 # Issue 11's quality targets: bytes per token fraction -> at most this perplexity ratio to dense.
 TARGETS = {0.75: 1.02, 0.6: 1.10, 0.5: 1.25}
-COLORS = {"dense": "#444444", "oracle": "#2ca02c", "static": "#7f7f7f", "dejavu": "#d62728",
-          "cats": "#9467bd", "teal": "#1f77b4", "wina": "#ff7f0e"}  # fmt: skip
 
 
 def color(variant: str) -> str:
@@ -79,7 +76,7 @@ def _wrap(caption: str, width: int = 120) -> str:
 
 def _source_hash() -> str:
     """Hash of the code a frontier point depends on: the sparsify package and its budgets."""
-    root = Path(__file__).resolve().parent
+    root = Path(__file__).resolve().parents[1]  # dejavu_lab/
     h = hashlib.sha256()
     for f in sorted((root / "sparsify").glob("*.py")) + [root / "budgets.py", root / "corpus.py"]:
         h.update(f.read_bytes())
@@ -105,9 +102,9 @@ def cached_frontier(
     >>> runs[0].attrs["cached"], runs[1].attrs["cached"], runs[1].equals(runs[0])
     (False, True, True)
     """
-    from .assets import cache_dir
-    from .atomic import write_text
-    from .collect import fingerprint, fingerprint_id
+    from ..assets import cache_dir
+    from ..atomic import write_text
+    from ..collect import fingerprint, fingerprint_id
 
     fp = fingerprint(model)
     pred_key = None
@@ -393,17 +390,3 @@ def token_bytes(kept: pd.DataFrame, arch: Arch) -> pd.DataFrame:
     total = arch.n_layers * layer_elements(arch)
     per = saved.groupby([kept.window, kept.position]).sum()
     return (1.0 - per / total).rename("bytes_per_token_fraction").reset_index()
-
-
-_MOVED = ("ENGINE_ARGS", "ENGINE_NAME", "LABELS", "engine_figure", "engine_methods_table",
-          "load_engine_methods")  # fmt: skip
-
-
-def __getattr__(name: str):
-    """The engine-time names, moved to :mod:`dejavu_lab.engine.methods_report`, still resolve
-    here (imported on first use: that module imports this one's colours)."""
-    if name in _MOVED:
-        from .engine import methods_report
-
-        return getattr(methods_report, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

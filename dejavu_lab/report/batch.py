@@ -3,8 +3,9 @@
 Reads what ``kernels/bench_engine.py --batch`` recorded (``results/engine_batch.json``) and
 shapes it: tokens/s against the batch size, dense vs sparse, beside issue 13's targets; the
 realised MLP and head unions beside what independent uniform sets predict; where a step's time
-goes as the batch grows; and the CPU quality table of :func:`~dejavu_lab.engine.batch_quality.
-batch_quality`.
+goes as the batch grows; and the CPU measurements of :mod:`dejavu_lab.engine.batch_quality`
+(:func:`batch_quality`, :func:`batch_unions`) and the engine's union log
+(:func:`union_sizes_table`) as tables.
 """
 
 from __future__ import annotations
@@ -13,10 +14,13 @@ import pandas as pd
 import plotly.express as px
 
 from .. import results
+from ..engine.batch_quality import quality_rows, union_rows
 
 __all__ = [
     "PAPER",
     "TARGETS",
+    "batch_quality",
+    "batch_unions",
     "breakdown_figure",
     "load",
     "quality_table",
@@ -25,6 +29,7 @@ __all__ = [
     "throughput_table",
     "time_shares",
     "union_figure",
+    "union_sizes_table",
     "union_table",
 ]
 
@@ -161,9 +166,68 @@ def breakdown_figure(frame: pd.DataFrame, model: str, prompt: int):
     return fig
 
 
+def union_sizes_table(rows: list[dict]) -> pd.DataFrame:
+    """:meth:`BatchDecoder.union_sizes <dejavu_lab.engine.BatchDecoder.union_sizes>`'s rows as
+    a table: ``step, layer, block, union, read, total, batch, live``.
+
+    >>> t = union_sizes_table([{"step": 0, "layer": 0, "block": "mlp", "union": 96, "read": 128,
+    ...                         "total": 256, "batch": 2, "live": 2}])
+    >>> t[["block", "union", "read", "total"]].values.tolist()
+    [['mlp', 96, 128, 256]]
+    """
+    return pd.DataFrame(rows)
+
+
+def batch_quality(model, predictors, windows, **kwargs) -> pd.DataFrame:
+    """Teacher-forced perplexity of each window decoded alone and in one batch of all windows,
+    one row per (window, run): :func:`~dejavu_lab.engine.batch_quality.quality_rows` (same
+    arguments) as a table.
+
+    >>> import os
+    >>> from unittest import mock
+    >>> import torch
+    >>> from dejavu_lab.collect import fingerprint
+    >>> from dejavu_lab.models import random_model
+    >>> from dejavu_lab.predictors import PredictorConfig, Predictors
+    >>> lm = random_model("tiny-llama", seed=0)
+    >>> pred = Predictors(fingerprint(lm.model, lm.arch), PredictorConfig(mode="lookahead"))
+    >>> windows = torch.randint(0, 128, (3, 12), generator=torch.Generator().manual_seed(0))
+    >>> with mock.patch.dict(os.environ, TRITON_INTERPRET="0"):  # the kernels' references
+    ...     t = batch_quality(lm.model, pred, windows, union_budgets=(None, 0.5))
+    >>> sorted(t.run.unique())
+    ['batch 1', 'batch 3', 'batch 3, union <= 50%', 'dense']
+    >>> t.groupby("run").tokens.sum().tolist()  # 3 windows x 5 decode steps each
+    [15, 15, 15, 15]
+    """
+    return pd.DataFrame(quality_rows(model, predictors, windows, **kwargs))
+
+
+def batch_unions(model, predictors, windows, batch_sizes=(1, 2, 4, 8), **kwargs) -> pd.DataFrame:
+    """The union the engine realises with DejaVu's predictors per batch size, one row per
+    (batch_size, block, layer): :func:`~dejavu_lab.engine.batch_quality.union_rows` (same
+    arguments) as a table.
+
+    >>> import os
+    >>> from unittest import mock
+    >>> import torch
+    >>> from dejavu_lab.collect import fingerprint
+    >>> from dejavu_lab.models import random_model
+    >>> from dejavu_lab.predictors import PredictorConfig, Predictors
+    >>> lm = random_model("tiny-llama", seed=0)
+    >>> pred = Predictors(fingerprint(lm.model, lm.arch), PredictorConfig(mode="lookahead"))
+    >>> windows = torch.randint(0, 128, (4, 10), generator=torch.Generator().manual_seed(0))
+    >>> with mock.patch.dict(os.environ, TRITON_INTERPRET="0"):  # the kernels' references
+    ...     u = batch_unions(lm.model, pred, windows, (1, 4), steps=2)
+    >>> u.groupby(["block", "batch_size"]).union.mean().round(2).tolist()  # heads (3 of 4 at B = 1), MLP
+    [0.75, ..., 0.5, ...]
+    """
+    rows = union_rows(model, predictors, windows, batch_sizes, **kwargs)
+    return pd.DataFrame(rows, columns=["batch_size", "block", "layer", "union"])
+
+
 def quality_table(quality: pd.DataFrame) -> pd.DataFrame:
     """Perplexity per window (rows) and run (columns), with the mean over windows; from
-    :func:`~dejavu_lab.engine.batch_quality.batch_quality`.
+    :func:`batch_quality`.
 
     >>> q = pd.DataFrame({"window": [0, 0, 1, 1], "run": ["batch 1", "batch 2"] * 2,
     ...                   "perplexity": [30.0, 28.0, 40.0, 41.0]})
@@ -196,10 +260,9 @@ def time_shares(frame: pd.DataFrame, model: str, prompt: int) -> pd.DataFrame:
 
 
 def union_figure(measured: pd.DataFrame, predicted: pd.DataFrame):
-    """The MLP union the engine realised with DejaVu's predictors
-    (:func:`~dejavu_lab.engine.batch_quality.batch_unions`) beside chapter 35's measurement on
-    oracle sets (:func:`dejavu_lab.measure.union_sparsity`) and uniform random sets, mean over
-    layers, as fractions of the layer's neurons.
+    """The MLP union the engine realised with DejaVu's predictors (:func:`batch_unions`) beside
+    chapter 35's measurement on oracle sets (:func:`dejavu_lab.measure.union_sparsity`) and
+    uniform random sets, mean over layers, as fractions of the layer's neurons.
 
     >>> m = pd.DataFrame({"batch_size": [1, 2], "block": "mlp", "layer": 0, "union": [0.5, 0.7]})
     >>> p = pd.DataFrame({"batch_size": [1, 2], "block": "mlp", "layer": 0,

@@ -28,10 +28,11 @@ import torch
 from plotly.subplots import make_subplots
 from tqdm.auto import tqdm
 
-from .bytes_model import bytes_per_token
-from .sparsify import sparse_eval, sparsified
-from .vocab import ALIASES, method_names
-from .vocab import METHODS as VOCAB_METHODS
+from ..bytes_model import bytes_per_token
+from ..sparsify import sparse_eval, sparsified
+from ..vocab import ALIASES, method_names
+from ..vocab import METHODS as VOCAB_METHODS
+from .plots import COLORS
 
 __all__ = [
     "METHODS",
@@ -47,8 +48,6 @@ __all__ = [
 UNIT_METHODS = method_names(family="unit")  # an MLP budget and a head budget
 THRESHOLD_METHODS = method_names(family="threshold")  # one budget, calibrated thresholds
 METHODS = tuple(VOCAB_METHODS)
-COLORS = {"dense": "#444444", "oracle": "#2ca02c", "static": "#7f7f7f", "dejavu": "#d62728",
-          "predicted": "#d62728", "cats": "#9467bd", "teal": "#1f77b4", "wina": "#ff7f0e"}  # fmt: skip
 X_TITLES = {
     "unit": "MLP sparsity (fraction of neurons removed)",
     "cats": "CATS sparsity (share of MLP neurons below the gate threshold)",
@@ -312,7 +311,7 @@ def sample(model, tokenizer, prompt: str, n_tokens: int = 20, *, method=None, **
     enc = tokenizer(prompt, return_tensors="pt")
     ids = enc.input_ids
     if method is None or ALIASES.get(method, method) in ("dejavu", "static"):
-        from .deferred_kv import generate
+        from ..deferred_kv import generate
 
         gen = generate(model, ids, n_tokens, **budget).tokens
     else:
