@@ -97,7 +97,12 @@ def site_width(arch, site: str) -> int:
 
 @dataclass(frozen=True)
 class Method:
-    """One contextual-sparsity method: what it keeps, what it needs, who runs it."""
+    """One contextual-sparsity method: what it keeps, what it needs, who runs it.
+
+    >>> cats = METHODS["cats"]
+    >>> cats.family, cats.sites, cats.needs, cats.engine
+    ('threshold', ('gate',), 'calibration', True)
+    """
 
     name: str
     family: str  # "dense"; "unit": top-k neurons and heads; "threshold": |x| > t per site
@@ -133,7 +138,15 @@ ALIASES = {a: m.name for m in METHODS.values() for a in m.aliases}
 
 
 def method(name: str) -> Method:
-    """The :class:`Method` called ``name`` (or one of its older names); ``KeyError`` else."""
+    """The :class:`Method` called ``name`` (or one of its older names); ``KeyError`` else.
+
+    >>> method("teal").allocation, method("predicted").needs
+    ('greedy', 'predictors')
+    >>> method("relu")
+    Traceback (most recent call last):
+    ...
+    KeyError: "unknown method 'relu'; methods are dense, oracle, static, dejavu, teal, wina, cats"
+    """
     name = ALIASES.get(name, name)
     if name not in METHODS:
         raise KeyError(f"unknown method {name!r}; methods are {', '.join(METHODS)}")
