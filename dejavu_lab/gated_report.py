@@ -34,7 +34,8 @@ from .arch import Arch
 from .sparsify.calibration import KINDS, Thresholds
 from .sparsify.core import sparsified
 from .sparsify.frontier import at_bytes, frontier
-from .sparsify.layer_bytes import Kept, layer_elements, site_elements
+from .sparsify.kept import Kept
+from .step_bytes import layer_elements, site_elements
 
 __all__ = [
     "COLORS",

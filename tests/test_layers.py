@@ -102,6 +102,8 @@ RULES = [
     ((P + m for m in ("engine", "kernels", "sparsify", "measure")), (P + "report", P + "cli"),
      "compute never draws or parses arguments"),
     ((P + "checks",), None, "checks read only errors and vocab"),
+    ((P + "step_bytes",), None, "the byte model is arithmetic on the vocabulary's sites"),
+    ((P + "engine",), (P + "sparsify",), "the engine counts its bytes without the quality path"),
     ((P + "errors", P + "vocab"), (P,), "the base layer imports nothing of ours"),
 ]  # fmt: skip
 
