@@ -197,17 +197,20 @@ def step_bytes(
     else:
         mha = arch.n_heads == arch.n_kv_heads
         items += [("mlp", mlp_kept), ("heads", head_kept), ("kv", head_kept if mha else 1.0)]
-    # the cache stays an exact integer count unless a site skips some of it
-    saved = {"attention": 0.0, "mlp": 0.0, "kv_cache": 0}
+    # Each part: its elements no site names, read in full (an exact integer), plus each named
+    # site's elements times its kept fraction. Summing what is read rather than subtracting
+    # what is skipped keeps small kept fractions accurate to the last digit.
+    whole = {"attention": L * (e["attn_in"] + e["o_in"]), "mlp": L * e["mlp"]}
+    whole["kv_cache"] = L * e["kv_cache"]
+    kept_read = {"attention": 0.0, "mlp": 0.0, "kv_cache": 0}  # a full cache: an int, as recorded
     for key, f in items:
         layers, site = (1, key[1]) if isinstance(key, tuple) else (L, key)
         if site not in _PART:
             raise KeyError(f"unknown site {site!r}; sites are {', '.join(_PART)}")
-        saved[_PART[site]] += e[site] * (1.0 - f) * layers
-    parts = {
-        "attention": (L * (e["attn_in"] + e["o_in"]) - saved["attention"]) * esize,
-        "mlp": (L * e["mlp"] - saved["mlp"]) * esize,
-        "kv_cache": (L * e["kv_cache"] - saved["kv_cache"]) * esize,
+        whole[_PART[site]] -= e[site] * layers
+        kept_read[_PART[site]] += e[site] * f * layers
+    parts = {p: (whole[p] + kept_read[p]) * esize for p in ("attention", "mlp", "kv_cache")}
+    parts |= {
         "lm_head": vocab * (d_embed or arch.d_model) * esize,
         "predictors": float(predictors),
     }
