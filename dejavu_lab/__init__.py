@@ -7,8 +7,8 @@ Modules, one idea each:
 - observing: :mod:`hooks` (TransformerLens-style activation hooks), :mod:`measure` (§3);
 - sparsity: :mod:`budgets`, :mod:`sparsify` (every method), :mod:`collect`, :mod:`predictors`,
   :mod:`deferred_kv`, :mod:`bytes_model`, :mod:`explorer` (§4.1–4.2);
-- speed: :mod:`kernels` (Triton, §4.4), :mod:`engine` (§4.3, §5.1), :mod:`results` (recorded
-  GPU runs with provenance);
+- speed: :mod:`step_bytes` (the bytes a decode step reads), :mod:`kernels` (Triton, §4.4),
+  :mod:`engine` (§4.3, §5.1), :mod:`results` (recorded GPU runs with provenance);
 - the book: :mod:`book`, :mod:`plots`; the command line: :mod:`cli`.
 """
 

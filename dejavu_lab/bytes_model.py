@@ -103,15 +103,13 @@ def bytes_per_token(
     hs = budgets(head_sparsity, arch.n_layers, "head_sparsity")
     dense = {i % arch.n_layers for i in dense_layers}
     h, n = arch.n_heads, arch.d_mlp
-    kept: dict[tuple[int, str], float] = {}
-    for i in range(arch.n_layers):
-        if i in dense:
-            continue
-        k_h = n_keep(hs[i], h)
-        kv_f = kv_heads_needed(h, arch.n_kv_heads, k_h) / arch.n_kv_heads
-        kept |= {(i, "heads"): k_h / h, (i, "kv"): kv_f, (i, "kv_cache"): kv_f}
-        kept[(i, "mlp")] = n_keep(ms[i], n) / n
     sparse = [i for i in range(arch.n_layers) if i not in dense]
+    kept: dict[tuple[int, str], float] = {}
+    for i in sparse:
+        k_h = n_keep(hs[i], h)
+        kv = kv_heads_needed(h, arch.n_kv_heads, k_h) / arch.n_kv_heads  # weights and cache
+        kept |= {(i, "mlp"): n_keep(ms[i], n) / n, (i, "heads"): k_h / h}
+        kept |= {(i, "kv"): kv, (i, "kv_cache"): kv}
     pred = predictor_bytes(arch, mlp_rank, head_rank, dtype_bytes, biases=False,
                            mlp_layers=sum(ms[i] > 0 for i in sparse),
                            head_layers=sum(hs[i] > 0 for i in sparse))  # fmt: skip

@@ -36,10 +36,12 @@ Three readings of a sparse step use this one count:
 - the paper's ideal (:mod:`dejavu_lab.bytes_model`): a skipped head saves its share of the KV
   cache too, under GQA a K/V head is skipped when no query head of its group is kept (in
   expectation over random choices), predictors count at the weights' width without biases.
-  A little below the engine's: OPT-6.7B at 85% MLP and 50% head sparsity, context 512, reads
-  4.30 GB per token in the engine and 4.07 GB in the paper's reading;
+  A little below the engine's: OPT-6.7B at 85% MLP and 50% head sparsity, context 512,
+  predictors of rank 64 and 32, reads 4.30 GB per token in the engine's reading and 4.07 GB in
+  the paper's;
 - quality at equal bytes (:func:`dejavu_lab.sparsify.sparse_eval`): the decoder-layer weights
-  only, against dense, from the kept fractions each site realised (:func:`bytes_per_token_fraction`).
+  only, against dense, from the kept fractions each site realised
+  (:func:`bytes_per_token_fraction`).
 
 ``arch`` is anything with ``n_layers``, ``d_model``, ``n_heads``, ``n_kv_heads``, ``d_head``,
 ``d_mlp`` and ``gated`` (:class:`dejavu_lab.arch.Arch`, the engine weights' ``arch``).
