@@ -189,6 +189,11 @@ def step_bytes(
     [0.5, 0.667]
     >>> step_bytes(arch, {(0, "mlp"): 0.5}, vocab=0, context=0)["mlp"] / dense["mlp"]
     0.984375
+    >>> from types import SimpleNamespace  # any object with the shape's fields
+    >>> shape = SimpleNamespace(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_head=16,
+    ...                         d_mlp=192, gated=True)
+    >>> step_bytes(shape, vocab=128, context=8).values()  # parts in the order of the first line
+    dict_values([49152.0, 147456.0, 2048, 16384, 0.0, 215040.0])
     """
     L = arch.n_layers
     e = site_elements(arch)
