@@ -1,27 +1,27 @@
-"""Predicted decoding speedup from bytes moved per token (Deja Vu §2.2, §4.4, Knowl 3, 8).
+"""The paper's ideal bytes per token for a sparsity budget and its speedup (Deja Vu §2.2, §4.4).
 
-Generating one token at batch size 1 is bound by memory bandwidth: the time is, to first order,
-the bytes read divided by the bandwidth. Contextual sparsity cuts those bytes — a skipped MLP
-neuron saves its row of W1 (and of the gate, for SwiGLU) and its column of W2; a skipped head
-saves its slices of W_Q and W_O, and its key/value head's W_K, W_V and KV-cache entries when no
-query head of its group is selected. The embedding row is negligible; the unembedding
-(``vocab × d``) and the predictors are always read. So the ideal speedup is
+Generating one token at batch size 1 is bound by memory bandwidth, so the ideal speedup of a
+sparse step is
 
     dense bytes / sparse bytes,
 
 an upper bound that real kernels approach but do not reach (the DESIGN notes measured a naive
 Triton gather-GEMV at 2.9× over dense at 90% sparsity where this model says 10×; DejaVu reports
-~2× end to end on OPT-175B at 75% overall sparsity, Knowl 8).
+~2× end to end on OPT-175B at 75% overall sparsity).
+
+The bytes are counted by :func:`dejavu_lab.step_bytes.step_bytes`; this module reads a budget
+as the paper reasons about it: the kept counts :func:`~dejavu_lab.budgets.n_keep` gives, per
+layer; a skipped head saves its slices of W_Q and W_O, and its key/value head's W_K, W_V and
+KV-cache entries when no query head of its group is selected; the predictors at the weights'
+width, without biases, in the layers where they select something.
 
 Which key/value heads are needed under grouped-query attention: with ``k`` of ``h`` query heads
 kept and ``g = h / kv`` query heads per KV head, a KV head is skipped only when none of its group
 is kept; for a uniformly random choice that happens with probability C(h−g, k) / C(h, k).
 
-This module counts the ideal bytes a sparse step must read, as the paper does;
-:mod:`dejavu_lab.engine.nbytes` counts what our engine (:class:`dejavu_lab.engine.Decoder`)
-actually reads, predictors included — the same for a dense step, more for a sparse one: its
-attention core reads every head's KV cache, under GQA it reads every K/V head's weights, and
-it reads the predictors in fp32 with their biases.
+Our engine (:class:`dejavu_lab.engine.Decoder`) reads a little more — every head's KV cache,
+every K/V head under GQA, fp32 predictors with their biases: :func:`~dejavu_lab.step_bytes.
+step_bytes`'s ``mlp_kept``/``head_kept`` count that.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from math import comb
 
 from .arch import Arch
 from .budgets import budgets, n_keep
+from .step_bytes import predictor_bytes, step_bytes
 
 __all__ = ["ByteCount", "bytes_per_token", "predicted_speedup", "kv_heads_needed"]
 
@@ -101,22 +102,19 @@ def bytes_per_token(
     ms = budgets(mlp_sparsity, arch.n_layers, "mlp_sparsity")
     hs = budgets(head_sparsity, arch.n_layers, "head_sparsity")
     dense = {i % arch.n_layers for i in dense_layers}
-    d, dh, n = arch.d_model, arch.d_head, arch.d_mlp
-    n_in = 2 if arch.gated else 1  # W1, or gate and up
-    attn = kv = mlp = pred = 0.0
-    for i in range(arch.n_layers):
-        s_m = 0.0 if i in dense else ms[i]
-        s_h = 0.0 if i in dense else hs[i]
-        k_h = n_keep(s_h, arch.n_heads)
-        kv_h = kv_heads_needed(arch.n_heads, arch.n_kv_heads, k_h)
-        attn += (2 * d * dh * k_h + 2 * d * dh * kv_h) * dtype_bytes
-        kv += 2 * context * kv_h * dh * dtype_bytes
-        mlp += (n_in + 1) * d * n_keep(s_m, n) * dtype_bytes
-        if s_m > 0 and mlp_rank:
-            pred += (d * mlp_rank + mlp_rank * n) * dtype_bytes
-        if s_h > 0 and head_rank:
-            pred += (d * head_rank + head_rank * arch.n_heads) * dtype_bytes
-    return ByteCount(attn, kv, mlp, pred, vocab * d * dtype_bytes)
+    h, n = arch.n_heads, arch.d_mlp
+    sparse = [i for i in range(arch.n_layers) if i not in dense]
+    kept: dict[tuple[int, str], float] = {}
+    for i in sparse:
+        k_h = n_keep(hs[i], h)
+        kv = kv_heads_needed(h, arch.n_kv_heads, k_h) / arch.n_kv_heads  # weights and cache
+        kept |= {(i, "mlp"): n_keep(ms[i], n) / n, (i, "heads"): k_h / h}
+        kept |= {(i, "kv"): kv, (i, "kv_cache"): kv}
+    pred = predictor_bytes(arch, mlp_rank, head_rank, dtype_bytes, biases=False,
+                           mlp_layers=sum(ms[i] > 0 for i in sparse),
+                           head_layers=sum(hs[i] > 0 for i in sparse))  # fmt: skip
+    b = step_bytes(arch, kept, vocab=vocab, context=context, predictors=pred, esize=dtype_bytes)
+    return ByteCount(b["attention"], float(b["kv_cache"]), b["mlp"], b["predictors"], b["lm_head"])
 
 
 def predicted_speedup(arch: Arch, vocab: int, **budget) -> float:

@@ -24,7 +24,7 @@ from dejavu_lab.sparsify.calibration import (
 )
 from dejavu_lab.sparsify.core import column_norms
 from dejavu_lab.sparsify.greedy import _run_layer, greedy_path, layer_inputs
-from dejavu_lab.sparsify.layer_bytes import site_elements
+from dejavu_lab.step_bytes import site_elements
 
 
 def _ids(b=2, p=32, seed=0):

@@ -103,6 +103,8 @@ RULES = [
      "compute never draws or parses arguments"),
     ((P + "report",), (P + "cli",), "the book's tables and figures never parse arguments"),
     ((P + "checks",), None, "checks read only errors and vocab"),
+    ((P + "step_bytes",), None, "the byte model is arithmetic on the vocabulary's sites"),
+    ((P + "engine",), (P + "sparsify",), "the engine counts its bytes without the quality path"),
     ((P + "errors", P + "vocab"), (P,), "the base layer imports nothing of ours"),
 ]  # fmt: skip
 

@@ -21,7 +21,7 @@ from dejavu_lab.sparsify import (
     static_sets,
 )
 from dejavu_lab.sparsify.core import column_norms
-from dejavu_lab.sparsify.layer_bytes import layer_elements, site_elements
+from dejavu_lab.step_bytes import layer_elements, site_elements
 
 
 def _ids(b=2, p=16, seed=0):

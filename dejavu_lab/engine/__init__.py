@@ -1,9 +1,10 @@
 """A static-KV-cache decoder built from Hugging Face weights, dense or contextually sparse (§5.1).
 
 One module per idea; the imports run one way (``config -> weights -> sets, threshold_blocks ->
-decoder -> thresholds``; ``weights -> tp_weights``, ``decoder, tp_weights -> tp``; ``nbytes``
-stands alone). Its tables and figures live in :mod:`dejavu_lab.report` (the engine imports no
-pandas or plotly, so it runs on a bare GPU image):
+decoder -> thresholds``; ``weights -> tp_weights``, ``decoder, tp_weights -> tp``). The bytes a
+step reads come from :mod:`dejavu_lab.step_bytes`; its tables and figures live in
+:mod:`dejavu_lab.report` (the engine imports no pandas or plotly, so it runs on a bare GPU
+image):
 
 - :mod:`~dejavu_lab.engine.config`  — :class:`SparseConfig` (what a step keeps) and
   :class:`EngineError`;
@@ -19,7 +20,7 @@ pandas or plotly, so it runs on a bare GPU image):
   batch_sets`, :mod:`~dejavu_lab.engine.batch_blocks`);
 - :mod:`~dejavu_lab.engine.thresholds` — :func:`calibrate_thresholds` for a target sparsity from
   a dense prefill (speed benchmarks on random weights);
-- :mod:`~dejavu_lab.engine.nbytes`  — :func:`step_bytes`: the bytes a step reads (its floor);
+- :func:`step_bytes` (:mod:`dejavu_lab.step_bytes`): the bytes a step reads (its floor);
 - :mod:`~dejavu_lab.engine.tp_weights` — :func:`shard_weights`, :func:`random_shard`: one
   tensor-parallel rank's share of the weights (Megatron layout);
 - :mod:`~dejavu_lab.engine.tp` — :class:`TPDecoder`: the decoder on one rank of
@@ -37,10 +38,10 @@ torch.Size([1, 7])
 
 from __future__ import annotations
 
+from ..step_bytes import predictor_bytes, step_bytes
 from .batch import MAX_BATCH, BatchDecoder
 from .config import DENSE_ENGINES, METHODS, SITES, EngineError, SparseConfig
 from .decoder import Decoder
-from .nbytes import predictor_bytes, step_bytes
 from .sets import KeptSets
 from .threshold_blocks import DENSE_OPS, ThresholdBlocks, dense_ops
 from .thresholds import calibrate_thresholds, column_norms, keep_all

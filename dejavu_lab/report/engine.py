@@ -3,7 +3,7 @@
 Reads what ``kernels/bench_engine.py`` recorded (``results/engine_e2e.json``) — or runs it live
 on a GPU box — and shapes it: the latency table beside the paper's ratios, where a token's time
 goes (attention, MLP, predictors, lm_head, overhead), and the bytes-per-token prediction
-(:mod:`dejavu_lab.engine.nbytes`) beside the measured speedup.
+(:mod:`dejavu_lab.step_bytes`) beside the measured speedup.
 """
 
 from __future__ import annotations

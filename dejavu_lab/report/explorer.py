@@ -12,7 +12,7 @@ The unit methods (oracle, static, DejaVu) take an MLP budget and a head budget; 
 methods one budget of their own (TEAL/WINA: the share of a layer's input entries zeroed,
 bytes-weighted over its sites; CATS: the share of MLP neurons). Every point's speed comes from
 the same count: the decoder-layer weight bytes the method really read on the text
-(:mod:`dejavu_lab.sparsify.layer_bytes`, DejaVu's predictors included), plus the unembedding
+(:mod:`dejavu_lab.step_bytes`, DejaVu's predictors included), plus the unembedding
 and the KV cache read in full (:mod:`dejavu_lab.bytes_model`) — :func:`step_speedup`.
 """
 

@@ -33,7 +33,8 @@ from ..arch import Arch
 from ..sparsify.calibration import KINDS, Thresholds
 from ..sparsify.core import sparsified
 from ..sparsify.frontier import at_bytes, frontier
-from ..sparsify.layer_bytes import Kept, layer_elements, site_elements
+from ..sparsify.kept import Kept
+from ..step_bytes import layer_elements, site_elements
 from .plots import COLORS
 
 __all__ = [
@@ -318,7 +319,7 @@ def threshold_heatmap(table: pd.DataFrame, caption: str) -> go.Figure:
 
 
 class TokenKept(Kept):
-    """A :class:`~dejavu_lab.sparsify.layer_bytes.Kept` that also keeps each token's kept
+    """A :class:`~dejavu_lab.sparsify.kept.Kept` that also keeps each token's kept
     fraction per (layer, site), as the sparsity hooks report them.
 
     >>> k = TokenKept()
@@ -375,7 +376,7 @@ def token_kept(model, windows: torch.Tensor, **sparsified_kwargs) -> pd.DataFram
 def token_bytes(kept: pd.DataFrame, arch: Arch) -> pd.DataFrame:
     """Decoder-layer weight bytes each token reads against dense, from :func:`token_kept`.
 
-    The per-token form of :func:`~dejavu_lab.sparsify.layer_bytes.bytes_per_token_fraction`
+    The per-token form of :func:`~dejavu_lab.step_bytes.bytes_per_token_fraction`
     (its mean over tokens is that function's value); predictors are not counted.
 
     >>> from dejavu_lab.models import random_model

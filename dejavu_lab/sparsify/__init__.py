@@ -19,15 +19,17 @@ Sparsity is always the fraction REMOVED (the paper's "85% MLP sparsity" keeps 15
 a float or a per-layer list in [0, 1) (:mod:`dejavu_lab.budgets`). Masks are applied through
 the writable hook points of :mod:`dejavu_lab.hooks`, so the model's own forward runs unchanged.
 This measures *quality*: the dense work still happens on CPU; what a sparse step would read is
-counted by :mod:`~dejavu_lab.sparsify.layer_bytes` (perplexity and bytes together:
+counted by :mod:`dejavu_lab.step_bytes` (perplexity and bytes together:
 :mod:`~dejavu_lab.sparsify.evaluate`) (:mod:`~dejavu_lab.sparsify.frontier` puts
 every method on that axis), the speed side lives in
-:mod:`dejavu_lab.bytes_model`, the kernels and the engine.
+:mod:`dejavu_lab.bytes_model`, the kernels and the engine; :mod:`~dejavu_lab.sparsify.kept`
+collects the kept fractions.
 
 Deferred KV (Knowl 5) for token-by-token generation is in :mod:`dejavu_lab.deferred_kv`.
 """
 
 from ..budgets import budgets, head_gram, head_output_norms, n_keep, topk_mask
+from ..step_bytes import bytes_per_token_fraction
 from . import cats, dejavu, oracle, static, teal, wina  # noqa: F401  (each registers its method)
 from .calibration import (
     Calibration,
@@ -40,7 +42,7 @@ from .calibration import (
 )
 from .core import METHODS, MODES, SITES, register, sparsified
 from .evaluate import SparseResult, sparse_eval, sparse_perplexity
-from .layer_bytes import Kept, bytes_per_token_fraction
+from .kept import Kept
 from .paper import PAPER_KNOWL9, PAPER_TASKS
 from .static import StaticSets, static_sets
 

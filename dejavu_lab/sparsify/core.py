@@ -11,7 +11,7 @@ model's own forward runs unchanged. Two kinds of builders share helpers here:
   per-column threshold at one of the :data:`SITES` — :func:`threshold_hooks`.
 
 This measures *quality*: the dense work still happens on CPU; what a sparse step reads is
-counted by :mod:`dejavu_lab.sparsify.layer_bytes`.
+counted by :mod:`dejavu_lab.step_bytes`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from ..budgets import budgets
 from ..corpus import CorpusError
 from ..hooks import hooks
 from ..vocab import ALIASES, SITES
-from .layer_bytes import Kept
+from .kept import Kept
 
 __all__ = [
     "METHODS",
@@ -138,7 +138,7 @@ def sparsified(
     ``allocation`` are taken from it) or ready
     :class:`~dejavu_lab.sparsify.calibration.Thresholds`. ``record``: a dict receiving the unit
     masks, ``record["mlp"][layer]`` [b, p, n] and ``record["heads"][layer]`` [b, p, h].
-    ``kept``: a :class:`~dejavu_lab.sparsify.layer_bytes.Kept` counting what each site kept.
+    ``kept``: a :class:`~dejavu_lab.sparsify.kept.Kept` counting what each site kept.
 
     >>> from dejavu_lab.models import random_model
     >>> model, _, arch = random_model("tiny-opt")

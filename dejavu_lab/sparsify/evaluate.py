@@ -2,7 +2,7 @@
 
 :func:`sparse_perplexity` is the perplexity of ``windows`` with :func:`~.core.sparsified`
 applied; :func:`sparse_eval` adds the realised kept fractions and the decoder-layer weight bytes
-per token against dense (:mod:`~dejavu_lab.sparsify.layer_bytes`), as a :class:`SparseResult`.
+per token against dense (:func:`~dejavu_lab.step_bytes.bytes_per_token_fraction`), as a :class:`SparseResult`.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from torch import nn
 
 from ..arch import Arch, get_arch
 from ..corpus import perplexity
+from ..step_bytes import bytes_per_token_fraction
 from .core import _check_windows, _method_name, sparsified
-from .layer_bytes import Kept, bytes_per_token_fraction
+from .kept import Kept
 
 __all__ = ["SparseResult", "sparse_eval", "sparse_perplexity"]
 
@@ -74,8 +75,8 @@ def sparse_eval(
     """Perplexity over ``windows`` plus the realised bytes per token against dense.
 
     Threshold methods keep a varying number of entries per token; the bytes are counted from
-    the kept fraction each site realised on these windows (:mod:`dejavu_lab.sparsify.layer_bytes`).
-    ``kept``: a :class:`~dejavu_lab.sparsify.layer_bytes.Kept` to fill (e.g. with
+    the kept fraction each site realised on these windows (:mod:`dejavu_lab.step_bytes`).
+    ``kept``: a :class:`~dejavu_lab.sparsify.kept.Kept` to fill (e.g. with
     ``per_token=True`` for the distribution of kept counts); a fresh one by default.
 
     >>> from dejavu_lab.models import random_model

@@ -2,7 +2,7 @@
 
 Methods sparsify different matrices (neurons and heads; every linear input; the MLP behind a
 dense gate), so a sparsity of 50% buys different savings; this study puts them on one axis,
-the decoder-layer weight bytes a decoding step reads (:mod:`~dejavu_lab.sparsify.layer_bytes`).
+the decoder-layer weight bytes a decoding step reads (:mod:`dejavu_lab.step_bytes`).
 The text follows chapter 40: the corpus's first ``train_tokens`` (8192) tokens are training
 text — calibration reads its first ``calibration_tokens``, DejaVu's predictors train on all of
 it — and perplexity is measured on the ``eval_windows`` windows right after it.

@@ -13,7 +13,7 @@ text (``greedy_tokens`` tokens of the first window), starting from all sites den
    ``greedy_max``.
 
 The layer sparsity is bytes-weighted: ``Σ_sites share · elements / layer elements`` with the
-elements of :func:`~dejavu_lab.sparsify.layer_bytes.site_elements`. TEAL steps every matrix by
+elements of :func:`~dejavu_lab.step_bytes.site_elements`. TEAL steps every matrix by
 an amount inversely proportional to its size, so each step removes the same bytes and the
 least error wins; we do the same (``greedy_step`` of the layer's bytes per step) but cap one
 site's step at ``greedy_max_site_step`` so the small attention sites are not moved in coarse
@@ -33,9 +33,9 @@ from tqdm.auto import tqdm
 
 from ..arch import Arch, get_arch
 from ..hooks import hooks
+from ..step_bytes import site_elements
 from ..vocab import site_width
 from .core import SITES, column_norms
-from .layer_bytes import site_elements
 
 __all__ = ["greedy_path", "layer_inputs"]
 
