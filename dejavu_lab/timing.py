@@ -1,4 +1,5 @@
-"""Timing harness for the sparse kernels (used by ``kernels/bench_*.py`` and the chapter).
+"""The one GPU timing harness: clocks, the copy ceiling, relative errors, and the sparse kernels'
+timed cases (used by every ``kernels/*.py`` script, :mod:`dejavu_lab.engine_bench` and the chapter).
 
 Deja Vu Appendix E measures sparse MLP and attention against dense at batch 1; we report, for
 each case, the dense cuBLAS layer, a PyTorch ``index_select`` + matmul baseline and our Triton
@@ -11,6 +12,10 @@ Repeated calls over one weight would measure the L2 cache (60 MB on an H200) onc
 rows fit in it, so each case keeps several weight copies stacked in one tensor and every call
 rotates to the next copy (and its own random index set): every timed call reads cold weights,
 as a real model does when it walks through its layers.
+
+Every bandwidth figure is divided by one ceiling, :func:`copy_ceiling`: the median time of a
+2 GiB device-to-device copy by ``triton.testing.do_bench`` (25 warm-up copies, 200 ms of
+repeats), bytes read plus bytes written over that time.
 
 On a machine without a GPU everything runs through the CPU path with wall-clock timing, which
 is only good for checking the plumbing (tiny shapes).
@@ -27,30 +32,84 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from .sparse_attention import sparse_attention, sparse_attention_ref
-from .sparse_mlp_down import sparse_mlp_down, sparse_mlp_down_ref
-from .sparse_mlp_up import sparse_mlp_up, sparse_mlp_up_ref
+from .kernels import (
+    sparse_attention,
+    sparse_attention_ref,
+    sparse_mlp_down,
+    sparse_mlp_down_ref,
+    sparse_mlp_up,
+    sparse_mlp_up_ref,
+)
 
 __all__ = [
     "AttentionCase",
     "MlpCase",
     "attention_row",
     "copy_ceiling",
+    "cuda",
+    "graph_ms",
     "graph_us",
     "mlp_row",
     "print_rows",
     "relerr",
     "rotation_copies",
     "sweep",
+    "sync",
     "time_both",
+    "timed",
 ]
 
 L2_FLUSH_BYTES = 4 * 60e6  # rotate over >= 4x the H200's L2 (60 MB) per case
 MAX_COPIES_BYTES = 6e9  # but keep a case's stacked weights under 6 GB
 
 
-def _cuda() -> bool:
+def cuda() -> bool:
+    """Whether a CUDA GPU is here (else every clock is the CPU's wall clock)."""
     return torch.cuda.is_available()
+
+
+def sync() -> None:
+    """Wait for the GPU's queued work (nothing on the CPU)."""
+    if cuda():
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], object]) -> float:
+    """Milliseconds of one call of fn (CUDA events on a GPU, wall clock on the CPU).
+
+    >>> timed(lambda: sum(range(1000))) > 0
+    True
+    """
+    if not cuda():
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    sync()
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def graph_ms(fn: Callable[[], object]) -> float:
+    """Median ms of fn captured in a CUDA graph and replayed 7 times, after two eager calls
+    (warm-up); the wall clock of one eager call on the CPU.
+
+    >>> x = torch.randn(16, 16)
+    >>> graph_ms(lambda: x @ x) > 0
+    True
+    """
+    with torch.no_grad():
+        fn()
+        fn()
+        if not cuda():
+            return timed(fn)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        return sorted(timed(g.replay) for _ in range(7))[3]
 
 
 def time_both(fn: Callable[[], object], *, rep_ms: int = 60) -> tuple[float, float]:
@@ -61,7 +120,7 @@ def time_both(fn: Callable[[], object], *, rep_ms: int = 60) -> tuple[float, flo
     >>> event_ms > 0 and graph_ms > 0
     True
     """
-    if not _cuda():
+    if not cuda():
         fn()
         times = []
         for _ in range(3):
@@ -89,7 +148,7 @@ def graph_us(calls: list[Callable[[], object]], *, n_calls: int = 120, reps: int
     True
     """
     order = [calls[i % len(calls)] for i in range(max(n_calls, len(calls)))]
-    if not _cuda():
+    if not cuda():
         t0 = time.perf_counter()
         for fn in order:
             fn()
@@ -128,7 +187,7 @@ def copy_ceiling(nbytes: int = 2**31) -> float:
     >>> tbps > 1 if torch.cuda.is_available() else math.isnan(tbps)
     True
     """
-    if not _cuda():
+    if not cuda():
         return float("nan")
     from triton.testing import do_bench
 
@@ -229,7 +288,7 @@ class MlpCase:
 
     def __init__(self, d: int, *, hidden: int | None = None, min_kept: float = 0.05,
                  dtype=torch.float16, device=None):  # fmt: skip
-        device = device or ("cuda" if _cuda() else "cpu")
+        device = device or ("cuda" if cuda() else "cpu")
         self.d, self.n, self.dtype, self.device = d, hidden or 4 * d, dtype, torch.device(device)
         esize = torch.finfo(dtype).bits // 8
         self.copies = rotation_copies(min_kept * self.n * d * esize, self.n * d * esize)
@@ -337,7 +396,7 @@ class AttentionCase:
 
     def __init__(self, n_heads=96, d_head=128, context=1024, batch=1, dtype=torch.float16,
                  device=None):  # fmt: skip
-        device = device or ("cuda" if _cuda() else "cpu")
+        device = device or ("cuda" if cuda() else "cpu")
         self.h, self.dh, self.ctx, self.batch = n_heads, d_head, context, batch
         self.d = d = n_heads * d_head
         self.dtype, self.device = dtype, torch.device(device)
@@ -444,7 +503,7 @@ def mlp_row(case: MlpCase, op: str, kept: float, batch: int, provider: str, *,
     key = (op, case.d, case.n, batch)
 
     def timer(p):
-        if fast and _cuda():
+        if fast and cuda():
             return float("nan"), graph_us(calls["lists"][p]) * 1e-3
         return time_both(calls[p])
 
@@ -452,7 +511,7 @@ def mlp_row(case: MlpCase, op: str, kept: float, batch: int, provider: str, *,
         dense_cache[key] = timer("dense")
     if provider == "dense":
         timed = dense_cache[key]
-    elif graph_only and _cuda() and not fast:
+    elif graph_only and cuda() and not fast:
         from triton.testing import do_bench_cudagraph
 
         timed = (float("nan"), do_bench_cudagraph(calls[provider], rep=20, return_mode="median"))
