@@ -1,6 +1,6 @@
-"""Sparse decoding in batches end to end: tokens/s of B = 1..32 sequences, dense vs sparse (issue 13).
+"""Sparse decoding in batches end to end: tokens/s of B = 1..32 sequences, dense vs sparse.
 
-``python kernels/bench_engine.py --batch 1,4,8,16,32`` runs this file. Random-weight fp16 models
+The reusable half of ``python kernels/bench_engine.py --batch 1,4,8,16,32``. Random-weight fp16 models
 at real shapes (OPT-30B, Llama-3-8B), one CUDA graph per batch size, per model and prompt:
 
 - ``dense``  — :class:`dejavu_lab.engine.BatchDecoder` with every neuron and head;
@@ -23,7 +23,7 @@ reason (a ``skip`` row). The timed steps start from the prompt length with the c
 correctness check at each model's real shape comes first: batched vs batch-1 logits (dense, and
 per-sequence heads), graph replay vs eager steps. Results: ``results/engine_batch.json``.
 
-    python kernels/bench_engine.py --batch 1,4,8,16,32 --models llama-3-8b,opt-30b \\
+    python kernels/bench_engine.py --batch 1,4,8,16,32 --models llama-3-8b,opt-30b \
         --prompts 512,2048 --name engine_batch
     python kernels/bench_engine.py --batch 1,4 --quick          # CPU plumbing check, tiny shapes
 """
@@ -32,18 +32,31 @@ from __future__ import annotations
 
 import functools
 import gc
-import time
 
 import torch
-from bench_engine import build, copy_ceiling, cuda, graph_ms, relerr, timed
 
-from dejavu_lab import results
-from dejavu_lab.engine import BatchDecoder, Decoder, SparseConfig, decoder_weights
+from .engine import BatchDecoder, Decoder, SparseConfig, decoder_weights
+from .engine_bench import build
+from .timing import cuda, graph_ms, relerr, timed
+
+__all__ = [
+    "SPARSITY",
+    "TARGET_PROMPT",
+    "UNION",
+    "batch_bytes",
+    "bench_model",
+    "check",
+    "fits",
+    "kept_sets",
+    "print_table",
+    "time_variant",
+]
 
 SPARSITY = {"opt": (0.85, 0.5), "llama": (0.5, 0.5)}  # per sequence (MLP, heads) removed
+
 UNION = {"opt": 0.3, "llama": 0.5}  # the union budget: fraction of MLP neurons a step reads
-TARGET_PROMPT = {"opt": 512, "llama": 2048}  # issue 13's targets (sparse_uncapped runs there)
-ROWS: list[dict] = []
+
+TARGET_PROMPT = {"opt": 512, "llama": 2048}  # the target prompts (sparse_uncapped runs there)
 
 
 def kept_sets(dec: BatchDecoder, B: int, seed: int = 0) -> None:
@@ -97,7 +110,7 @@ def forced_alone(dec, prompt, cont) -> torch.Tensor:
     return torch.cat([dec.prefill(prompt[None])] + [dec.step(int(t)).clone() for t in cont]).float()
 
 
-def check(w, arch, base: dict, vocab: int, device: str) -> None:
+def check(w, arch, base: dict, vocab: int, device: str, rows: list[dict]) -> None:
     """At the model's real shape: batched vs batch-1 logits (dense; sparse heads per sequence,
     MLP whole), and graph replays vs eager steps (sparse with the union), relative errors."""
     g = torch.Generator().manual_seed(1)
@@ -131,12 +144,12 @@ def check(w, arch, base: dict, vocab: int, device: str) -> None:
         row["graph_vs_eager"] = relerr(torch.stack(replay, 1).float(), eager[:, 1:])
     row["check_ok"] = all(v < 3e-2 for k, v in row.items() if k.endswith(("_vs_batch1", "_vs_alone",
                                                                           "_vs_eager")))  # fmt: skip
-    ROWS.append(row)
+    rows.append(row)
     print("check", {k: (f"{v:.1e}" if isinstance(v, float) else v) for k, v in row.items()})
 
 
 def time_variant(w, arch, engine, sparse, budget, prompt, batches, new, ceiling, base, vocab,
-                 d_embed, dense_ops) -> None:  # fmt: skip
+                 d_embed, dense_ops, rows: list[dict]) -> None:  # fmt: skip
     """One decoder of the largest batch; each batch size rewound, captured and timed."""
     dec = BatchDecoder(w, max_seq_len=prompt + new + 2, max_batch=max(batches), sparse=sparse,
                        union_budget=budget, dense_ops=None if sparse else dense_ops)  # fmt: skip
@@ -156,7 +169,7 @@ def time_variant(w, arch, engine, sparse, budget, prompt, batches, new, ceiling,
             ms = timed(functools.partial(dec.decode, new)) / new
         except Exception as exc:  # record and go on: one failure must not lose the run
             print(f"{base['model']} {engine} prompt {prompt} B={B} failed: {exc!r}")
-            ROWS.append({**row, "error": repr(exc)[:300]})
+            rows.append({**row, "error": repr(exc)[:300]})
             continue
         row.update(ms_per_step=ms, tokens_per_s=B * 1e3 / ms, window=dec.W)
         kw = {}
@@ -174,7 +187,7 @@ def time_variant(w, arch, engine, sparse, budget, prompt, batches, new, ceiling,
         row["of_ceiling"] = row["tbps"] / ceiling if ceiling == ceiling else None
         for part, fn in dec.parts().items():
             row[f"part_{part}_ms"] = graph_ms(fn)
-        ROWS.append(row)
+        rows.append(row)
         print(f"{base['model']:>11} {engine:>15} prompt {prompt:5d} B={B:2d}: {ms:7.3f} ms/step "
               f"{row['tokens_per_s']:9.0f} tok/s {row['tbps']:.2f} TB/s"
               + (f" union mlp {row['mlp_union']:.0%} (read {row['mlp_read']:.0%}), heads "
@@ -186,7 +199,8 @@ def time_variant(w, arch, engine, sparse, budget, prompt, batches, new, ceiling,
 
 
 def bench_model(preset, prompts, batches, new, ceiling, device, *, union_budget=None,
-                uncapped_at=None, dense_ops=None, reserve=6e9, do_check=True) -> None:  # fmt: skip
+                uncapped_at=None, dense_ops=None, reserve=6e9, do_check=True, sparsity=None,
+                rows: list[dict]) -> None:  # fmt: skip
     model, arch = build(preset, device)
     vocab, d_embed = model.get_output_embeddings().weight.shape
     w = decoder_weights(model, arch)
@@ -194,16 +208,16 @@ def bench_model(preset, prompts, batches, new, ceiling, device, *, union_budget=
     gc.collect()
     if cuda():
         torch.cuda.empty_cache()
-    ms_, hs_ = SPARSITY[arch.family]
+    ms_, hs_ = sparsity or SPARSITY[arch.family]
     budget = union_budget if union_budget is not None else UNION[arch.family]
     base = {"model": preset, "family": arch.family, "mlp_sparsity": ms_, "head_sparsity": hs_,
             "union_budget": budget, "new_tokens": new}  # fmt: skip
     if do_check:
         try:
-            check(w, arch, base, vocab, device)
+            check(w, arch, base, vocab, device, rows)
         except Exception as exc:
             print(f"{preset} check failed: {exc!r}")
-            ROWS.append({**base, "kind": "check", "error": repr(exc)[:300]})
+            rows.append({**base, "kind": "check", "error": repr(exc)[:300]})
     target = TARGET_PROMPT.get(arch.family) if uncapped_at is None else uncapped_at
     for prompt in prompts:
         if prompt + new + 2 > w.max_positions:  # e.g. OPT's 2048 positions at prompt 2048
@@ -211,7 +225,7 @@ def bench_model(preset, prompts, batches, new, ceiling, device, *, union_budget=
                 f"prompt {prompt} + {new} new tokens pass the model's {w.max_positions} positions"
             )
             print(f"{preset} prompt {prompt}: skipped: {reason}")
-            ROWS.append({**base, "kind": "skip", "prompt": prompt, "reason": reason})
+            rows.append({**base, "kind": "skip", "prompt": prompt, "reason": reason})
             continue
         window = SparseConfig().kv_window
         n_fit = fits(arch, prompt, new, window, reserve)
@@ -220,7 +234,7 @@ def bench_model(preset, prompts, batches, new, ceiling, device, *, union_budget=
             reason = (f"the KV cache of {b} sequences of {prompt + new} tokens does not fit in "
                       f"the GPU memory left ({n_fit} would)")  # fmt: skip
             print(f"{preset} prompt {prompt} B={b}: skipped: {reason}")
-            ROWS.append({**base, "kind": "skip", "prompt": prompt, "batch": b, "reason": reason})
+            rows.append({**base, "kind": "skip", "prompt": prompt, "batch": b, "reason": reason})
         if not run:
             continue
         variants = [("dense", None, None), ("sparse", SparseConfig(ms_, hs_), budget)]
@@ -228,18 +242,17 @@ def bench_model(preset, prompts, batches, new, ceiling, device, *, union_budget=
             variants.append(("sparse_uncapped", SparseConfig(ms_, hs_), None))
         for engine, sparse, b in variants:
             time_variant(w, arch, engine, sparse, b, prompt, run, new, ceiling, base, vocab,
-                         d_embed, dense_ops)  # fmt: skip
+                         d_embed, dense_ops, rows)  # fmt: skip
     del w
     gc.collect()
     if cuda():
         torch.cuda.empty_cache()
 
 
-def print_table() -> None:
+def print_table(rows: list[dict]) -> None:
     """Tokens/s per (model, prompt, batch): dense, sparse and the ratio; the issue's targets."""
-    rows = [r for r in ROWS if r.get("kind") == "batch" and "error" not in r]
     by = {}
-    for r in rows:
+    for r in (r for r in rows if r.get("kind") == "batch" and "error" not in r):
         by.setdefault((r["model"], r["prompt"], r["batch"]), {})[r["engine"]] = r
     print(f"\n{'model':>11} {'prompt':>6} {'B':>3} {'dense tok/s':>11} {'sparse tok/s':>12} "
           f"{'x':>5} {'uncapped x':>10} {'GB/step':>8} {'attn share':>10} {'mlp union':>9}")  # fmt: skip
@@ -253,39 +266,6 @@ def print_table() -> None:
         print(f"{m:>11} {p:6d} {b:3d} {d['tokens_per_s']:11.0f} {s['tokens_per_s']:12.0f} "
               f"{x:5.2f} {ux} {s['bytes_total'] / 1e9:8.2f} {share:10.0%} "
               f"{s['mlp_union']:9.0%}")  # fmt: skip
-    for r in ROWS:
+    for r in rows:
         if "error" in r:
             print(f"error: {r.get('model')} {r.get('engine', r.get('kind'))}: {r['error'][:160]}")
-
-
-def run(args, command: str) -> None:
-    """The ``--batch`` run of ``bench_engine.py`` (its parsed arguments)."""
-    device = "cuda" if cuda() else "cpu"
-    batches = sorted({int(b) for b in args.batch.split(",")})
-    if not all(1 <= b <= 32 for b in batches):
-        raise SystemExit("--batch takes batch sizes in 1..32, e.g. 1,4,8,16,32.")
-    models = args.models.split(",") if not args.quick else ["tiny-opt", "tiny-llama"]
-    prompts = [int(p) for p in (args.prompts or "512,2048").split(",")]
-    if args.quick:
-        prompts = [int(p) for p in args.prompts.split(",")] if args.prompts else [8, 16]
-        SPARSITY.update({"opt": (0.5, 0.5), "llama": (0.5, 0.5)})
-        UNION.update({"opt": 0.5, "llama": 0.5})
-        TARGET_PROMPT.update({"opt": prompts[-1], "llama": prompts[-1]})
-    new = args.new_tokens if not args.quick else 4
-    ceiling = copy_ceiling()
-    print(f"copy ceiling: {ceiling:.2f} TB/s")
-    for preset in models:
-        t0 = time.perf_counter()
-        try:
-            bench_model(preset, prompts, batches, new, ceiling, device,
-                        union_budget=args.union_budget, dense_ops=args.dense_ops,
-                        do_check=not args.no_check)  # fmt: skip
-        except Exception as exc:
-            print(f"{preset} failed: {exc!r}")
-            ROWS.append({"kind": "batch", "model": preset, "error": repr(exc)[:300]})
-            gc.collect()
-            torch.cuda.empty_cache() if cuda() else None
-        print(f"{preset}: {time.perf_counter() - t0:.0f} s")
-        results.save(args.name, ROWS, command=command, extra={"copy_tbps": ceiling})
-    print_table()
-    print(f"wrote {results.save(args.name, ROWS, command=command, extra={'copy_tbps': ceiling})}")
