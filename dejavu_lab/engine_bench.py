@@ -39,16 +39,8 @@ __all__ = [
     "Variant",
     "bench_model",
     "build",
-    "check",
-    "decode_logits",
-    "engine_row",
-    "graph_check",
-    "hf_row",
-    "keep_all_check",
     "make_decoder",
     "make_predictors",
-    "parts_rows",
-    "pick_dense_ops",
     "print_table",
     "variants",
 ]
@@ -59,7 +51,12 @@ CHECK = (32, 8)  # the keep-all check: prompt tokens, then tokens decoded and co
 
 def build(preset: str, device: str, dtype=torch.float16):
     """A random-weight model at a preset shape, materialised on ``device`` without a CPU copy;
-    a Hugging Face id or a local folder (``facebook/opt-6.7b``) loads the real checkpoint."""
+    a Hugging Face id or a local folder (``facebook/opt-6.7b``) loads the real checkpoint.
+
+    >>> model, arch = build("tiny-opt", "cpu")
+    >>> arch.family, next(model.parameters()).dtype
+    ('opt', torch.float16)
+    """
     if preset not in PRESETS:
         m = load_model(preset, dtype=dtype, device=device)
         m.model.generation_config.pad_token_id = m.tokenizer.pad_token_id or 0
@@ -81,7 +78,12 @@ def build(preset: str, device: str, dtype=torch.float16):
 
 
 def make_predictors(model, arch, device):
-    """DejaVu's predictors at their default rank (random weights: only their cost matters)."""
+    """DejaVu's predictors at their default rank (random weights: only their cost matters).
+
+    >>> model, arch = build("tiny-opt", "cpu")
+    >>> type(make_predictors(model, arch, "cpu")).__name__
+    'Predictors'
+    """
     try:
         from dejavu_lab.collect import fingerprint
         from dejavu_lab.predictors import PredictorConfig, Predictors
@@ -92,44 +94,7 @@ def make_predictors(model, arch, device):
     return Predictors(fingerprint(model, arch), cfg).to(device).eval()
 
 
-def check(device: str, rows: list[dict]) -> None:
-    """Small models: dense vs HF logits, sparse (all kept) vs dense, graph vs eager."""
-    dtype = torch.float16 if cuda() else torch.bfloat16
-    for preset in ("opt-125m", "smollm2-135m", "tiny-opt-postln"):
-        model, arch = build(preset, device, dtype)
-        ids = torch.randint(0, 100, (1, 40), device=device)
-        w = decoder_weights(model, arch)
-        dense = Decoder(w, max_seq_len=64)
-        sparse_all = Decoder(w, max_seq_len=64, sparse=SparseConfig(0.0, 0.0))
-        sparse = Decoder(w, max_seq_len=64, sparse=SparseConfig(0.5, 0.5, kv_window=4))
-        eager_kv = Decoder(w, max_seq_len=64, sparse=SparseConfig(0.5, 0.5, kv_window=0))
-        with torch.no_grad():
-            ref = model(ids[:, :39]).logits[0, 31:39].float()  # the positions decoded below
-        logits = {}
-        for name, dec in (("dense", dense), ("all", sparse_all), ("deferred", sparse),
-                          ("eager_kv", eager_kv)):  # fmt: skip
-            out = [dec.prefill(ids[:, :32])]
-            out += [dec.step(int(ids[0, t])) for t in range(32, 39)]
-            logits[name] = torch.cat(out).float()
-        row = {"kind": "check", "model": preset, "dense_vs_hf": relerr(logits["dense"], ref)}
-        row["sparse_all_vs_dense"] = relerr(logits["all"], logits["dense"])
-        row["deferred_vs_eager_kv"] = relerr(logits["deferred"], logits["eager_kv"])
-        if cuda():  # graph replay vs eager step on the same state
-            for dec in (dense, sparse):
-                dec.prefill(ids[:, :32])
-                eager = [dec.step().clone() for _ in range(6)]
-                dec.prefill(ids[:, :32])
-                dec.capture()
-                graph = [dec.step().clone() for _ in range(6)]
-                key = "graph_vs_eager_" + ("sparse" if dec.sparse else "dense")
-                row[key] = relerr(torch.cat(graph).float(), torch.cat(eager).float())
-        rows.append(row)
-        print("check", {k: (f"{v:.1e}" if isinstance(v, float) else v) for k, v in row.items()})
-        del model, w, dense, sparse_all, sparse, eager_kv
-        gc.collect()
-
-
-def hf_row(model, ids, new_tokens: int, compiled: bool = False) -> dict:
+def _hf_row(model, ids, new_tokens: int, compiled: bool = False) -> dict:
     """HF ``generate``: eager (dynamic cache) or ``cache_implementation="static"``, which
     torch.compiles the decode step on a GPU; per token from (T(n) - T(1)) / (n - 1).
 
@@ -158,7 +123,7 @@ def hf_row(model, ids, new_tokens: int, compiled: bool = False) -> dict:
     return {"ms_per_token": (tn - t1) / (new_tokens - 1), "prefill_ms": t1, **out}
 
 
-def engine_row(dec: Decoder, ids, new_tokens: int) -> dict:
+def _engine_row(dec: Decoder, ids, new_tokens: int) -> dict:
     with torch.no_grad():
         dec.prefill(ids)  # warm-up (cuBLAS, allocator)
         prefill = timed(lambda: dec.prefill(ids))
@@ -168,13 +133,13 @@ def engine_row(dec: Decoder, ids, new_tokens: int) -> dict:
     return {"ms_per_token": ms / (new_tokens - 1), "prefill_ms": prefill}
 
 
-def parts_rows(dec: Decoder, base: dict) -> list[dict]:
+def _parts_rows(dec: Decoder, base: dict) -> list[dict]:
     """Time each part of the step alone (all layers), captured in a CUDA graph when on a GPU."""
     return [{**base, "kind": "part", "part": part, "ms": graph_ms(fn)}
             for part, fn in dec.parts().items()]  # fmt: skip
 
 
-def pick_dense_ops(w, arch, ids, base: dict, rows: list[dict]) -> str:
+def _pick_dense_ops(w, arch, ids, base: dict, rows: list[dict]) -> str:
     """Time each dense op alone over every layer (CUDA graph) through torch and through our
     kernels at 100% kept; the ``--dense-ops`` spec of the faster ones. The attention core is
     timed as the attention block with only the core switched (qkv and o through torch)."""
@@ -212,7 +177,12 @@ def pick_dense_ops(w, arch, ids, base: dict, rows: list[dict]) -> str:
 
 @dataclass
 class Variant:
-    """One engine configuration timed per prompt: a row ``engine`` of the results."""
+    """One engine configuration timed per prompt: a row ``engine`` of the results.
+
+    >>> v = Variant("teal", "teal", sparsity=0.5, columns=True)
+    >>> v.engine, v.sparse, v.ops
+    ('teal', None, None)
+    """
 
     engine: str  # dense, dense_triton, sparse, sparse_fixed_sets, sparse_inline_predictors,
     #              teal, wina, cats
@@ -226,7 +196,11 @@ class Variant:
 
 
 def variants(methods, sparsities, dejavu_budget, preds) -> list[Variant]:
-    """The variants of --methods; rows-layout methods first (TEAL/WINA convert the weights)."""
+    """The variants of --methods; rows-layout methods first (TEAL/WINA convert the weights).
+
+    >>> [v.engine for v in variants(["teal", "dense"], [0.5], (0.5, 0.5), None)]
+    ['dense', 'teal']
+    """
     out, ms_, hs_ = [], *dejavu_budget
     for m in methods:
         if m == "dense":
@@ -251,7 +225,7 @@ def variants(methods, sparsities, dejavu_budget, preds) -> list[Variant]:
     return sorted(out, key=lambda v: v.columns)  # stable: rows layout first
 
 
-def decode_logits(dec: Decoder, ids, n_prompt: int) -> torch.Tensor:
+def _decode_logits(dec: Decoder, ids, n_prompt: int) -> torch.Tensor:
     """Logits of the last prompt position and of each following token fed one by one."""
     with torch.no_grad():
         out = [dec.prefill(ids[:, :n_prompt])]
@@ -260,6 +234,15 @@ def decode_logits(dec: Decoder, ids, n_prompt: int) -> torch.Tensor:
 
 
 def make_decoder(v: Variant, w, arch, max_len, preds, dense_ops, thresholds=None):
+    """The :class:`~dejavu_lab.engine.Decoder` of variant ``v`` (DejaVu without predictors:
+    fixed random kept sets, one per layer; TEAL/WINA/CATS: with ``thresholds``).
+
+    >>> model, arch = build("tiny-llama", "cpu", torch.bfloat16)
+    >>> v = Variant("sparse_fixed_sets", "dejavu", sparse=SparseConfig(0.5, 0.5))
+    >>> dec = make_decoder(v, decoder_weights(model, arch), arch, 32, None, None)
+    >>> dec.k_mlp, arch.d_mlp
+    (96, 192)
+    """
     if v.method in ("teal", "wina", "cats"):
         sp = SparseConfig(method=v.method, thresholds=thresholds)
     else:
@@ -274,7 +257,7 @@ def make_decoder(v: Variant, w, arch, max_len, preds, dense_ops, thresholds=None
     return dec
 
 
-def keep_all_check(v: Variant, w, arch, ids, ref, preds, dense_ops,
+def _keep_all_check(v: Variant, w, arch, ids, ref, preds, dense_ops,
                    n_prompt: int = CHECK[0]) -> float:  # fmt: skip
     """relerr of this variant with everything kept against the dense decoder's logits."""
     if v.method == "dejavu":
@@ -283,10 +266,10 @@ def keep_all_check(v: Variant, w, arch, ids, ref, preds, dense_ops,
         kv = v
     thr = keep_all(w, v.method) if v.method in ("teal", "wina", "cats") else None
     dec = make_decoder(kv, w, arch, ids.shape[1] + 1, preds, dense_ops, thr)
-    return relerr(decode_logits(dec, ids, n_prompt), ref)
+    return relerr(_decode_logits(dec, ids, n_prompt), ref)
 
 
-def graph_check(dec: Decoder, ids) -> tuple[float, float]:
+def _graph_check(dec: Decoder, ids) -> tuple[float, float]:
     """(graph vs eager, eager vs eager): relerr of 4 graph replays against 4 eager steps from
     the same prefill, fed the same tokens, and of a second eager run against the first (GPU
     only). Fixed tokens, not greedy ones: the threshold GEMVs' fp32 atomics round in arrival
@@ -311,6 +294,20 @@ def bench_model(preset, prompts, new_tokens, hf_new, hf_prompts, device, ceiling
                 baselines=("hf", "hf_compiled"), methods=("dense", "dejavu"), sparsities=(0.5,),
                 dejavu_budget=None, dense_ops=None, plain=False, check_tokens=CHECK,
                 rows: list[dict]) -> None:  # fmt: skip
+    """Time every variant of ``methods`` (and the HF ``baselines``) on ``preset`` at each prompt,
+    appending one row per (variant, prompt) to ``rows``: ms per token, prefill, the bytes a step
+    reads and the bandwidth against ``ceiling`` (TB/s), the keep-all and graph checks, and at
+    ``parts_at`` the time of each part of the step. A failure is recorded as a row with its
+    ``error`` and the run goes on.
+
+    >>> import contextlib, io
+    >>> rows = []
+    >>> with contextlib.redirect_stdout(io.StringIO()):  # CPU: wall clock, plumbing only
+    ...     bench_model("tiny-opt", [8], 4, 3, [8], "cpu", float("nan"), 8, baselines=(),
+    ...                 methods=("dense",), check_tokens=(8, 3), rows=rows)
+    >>> sorted({r["kind"] for r in rows}), [r["check_ok"] for r in rows if r["kind"] == "e2e"]
+    (['e2e', 'part'], [True])
+    """
     model, arch = build(preset, device)
     vocab = model.get_output_embeddings().weight.shape[0]
     d_embed = model.get_output_embeddings().weight.shape[1]
@@ -325,7 +322,7 @@ def bench_model(preset, prompts, new_tokens, hf_new, hf_prompts, device, ceiling
         for name in baselines:
             row = {**base, "kind": "e2e", "engine": name, "prompt": p}
             try:
-                row.update(hf_row(model, ids, hf_new, compiled=name == "hf_compiled"))
+                row.update(_hf_row(model, ids, hf_new, compiled=name == "hf_compiled"))
             except Exception as exc:  # e.g. a torch.compile failure: record it, go on
                 print(f"{preset} {name} prompt {p} failed: {exc!r}")
                 rows.append({**row, "error": repr(exc)[:300]})
@@ -337,7 +334,7 @@ def bench_model(preset, prompts, new_tokens, hf_new, hf_prompts, device, ceiling
     torch.cuda.empty_cache() if cuda() else None
     w = decoder_weights(model, arch)
     check_ids = torch.randint(0, vocab, (1, sum(check_tokens)), device=device)
-    ref = decode_logits(Decoder(w, max_seq_len=sum(check_tokens) + 1, dense_ops=dense_ops),
+    ref = _decode_logits(Decoder(w, max_seq_len=sum(check_tokens) + 1, dense_ops=dense_ops),
                         check_ids, check_tokens[0])  # fmt: skip
     for v in variants(methods, sparsities, (ms_, hs_), preds):
         if v.columns and w.layout == "rows":
@@ -346,9 +343,9 @@ def bench_model(preset, prompts, new_tokens, hf_new, hf_prompts, device, ceiling
         if v.ops == "auto":
             p = parts_at if parts_at in prompts else prompts[-1]
             ids = torch.randint(0, vocab, (1, p), device=device)
-            v.ops = pick_dense_ops(w, arch, ids, base, rows)
+            v.ops = _pick_dense_ops(w, arch, ids, base, rows)
         try:
-            keep_err = keep_all_check(v, w, arch, check_ids, ref, preds, dense_ops,
+            keep_err = _keep_all_check(v, w, arch, check_ids, ref, preds, dense_ops,
                                       check_tokens[0])  # fmt: skip
         except Exception as exc:
             print(f"{preset} {v.engine} keep-all check failed: {exc!r}")
@@ -369,26 +366,26 @@ def bench_model(preset, prompts, new_tokens, hf_new, hf_prompts, device, ceiling
                 if v.method in ("teal", "wina", "cats"):
                     thr = calibrate_thresholds(w, ids, v.sparsity, method=v.method)
                 dec = make_decoder(v, w, arch, p + new_tokens, preds, dense_ops, thr)
-                row.update(engine_row(dec, ids, new_tokens))
+                row.update(_engine_row(dec, ids, new_tokens))
                 if plain and dec.fuse_epilogues and v.method != "dejavu":  # the unfused step
                     dec.fuse_epilogues = False
-                    row["plain_ms_per_token"] = engine_row(dec, ids, new_tokens)["ms_per_token"]
+                    row["plain_ms_per_token"] = _engine_row(dec, ids, new_tokens)["ms_per_token"]
                     dec.fuse_epilogues = True
                     on, pdl.PDL = pdl.PDL, False  # each kernel launched after the last ends
-                    row["no_pdl_ms_per_token"] = engine_row(dec, ids, new_tokens)["ms_per_token"]
+                    row["no_pdl_ms_per_token"] = _engine_row(dec, ids, new_tokens)["ms_per_token"]
                     pdl.PDL = on
                     if v.method == "cats":  # the gate through cuBLAS, as before the split
                         cats_mlp_module.SPLIT_GATE = False
-                        ms = engine_row(dec, ids, new_tokens)["ms_per_token"]
+                        ms = _engine_row(dec, ids, new_tokens)["ms_per_token"]
                         row["cublas_gate_ms_per_token"] = ms
                         cats_mlp_module.SPLIT_GATE = True
                     if dec.fuse_hidden and v.method in ("teal", "wina", "cats"):  # its own saving
                         dec.fuse_hidden = False
-                        ms = engine_row(dec, ids, new_tokens)["ms_per_token"]
+                        ms = _engine_row(dec, ids, new_tokens)["ms_per_token"]
                         row["hidden_unfused_ms_per_token"] = ms
                         dec.fuse_hidden = True
                 if cuda():
-                    row["graph_vs_eager"], row["eager_vs_eager"] = graph_check(dec, ids)
+                    row["graph_vs_eager"], row["eager_vs_eager"] = _graph_check(dec, ids)
             except Exception as exc:  # record and go on: one failure must not lose the run
                 print(f"{preset} {v.engine} prompt {p} failed: {exc!r}")
                 rows.append({**row, "error": repr(exc)[:300]})
@@ -402,7 +399,7 @@ def bench_model(preset, prompts, new_tokens, hf_new, hf_prompts, device, ceiling
             rows.append(_bw(row, prompt=p, **kept, **bw))
             print(_fmt(row))
             if p == parts_at and v.engine in (*DENSE_ENGINES, "sparse", "teal", "cats"):
-                rows.extend(parts_rows(dec, {**base, "engine": v.engine, "prompt": p,
+                rows.extend(_parts_rows(dec, {**base, "engine": v.engine, "prompt": p,
                                              "sparsity": v.sparsity}))  # fmt: skip
             del dec
             gc.collect()
@@ -435,7 +432,12 @@ def _fmt(row) -> str:
 
 
 def print_table(rows: list[dict], ceiling: float) -> None:
-    """One line per (model, prompt, variant): ms/token, ratios, GB/step, floor, checks."""
+    """One line per (model, prompt, variant): ms/token, ratios, GB/step, floor, checks.
+
+    >>> print_table([], 4.0)  # doctest: +ELLIPSIS
+    <BLANKLINE>
+    copy ceiling 4.00 TB/s; x = ratio of ms per token (higher: this variant is faster); ...
+    """
     e2e = [r for r in rows if r.get("kind") == "e2e" and "error" not in r]
     print(f"\ncopy ceiling {ceiling:.2f} TB/s; x = ratio of ms per token (higher: this variant "
           "is faster); floor = bytes / ceiling")  # fmt: skip

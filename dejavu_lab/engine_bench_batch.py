@@ -45,11 +45,7 @@ __all__ = [
     "UNION",
     "batch_bytes",
     "bench_model",
-    "check",
-    "fits",
-    "kept_sets",
     "print_table",
-    "time_variant",
 ]
 
 SPARSITY = {"opt": (0.85, 0.5), "llama": (0.5, 0.5)}  # per sequence (MLP, heads) removed
@@ -59,7 +55,7 @@ UNION = {"opt": 0.3, "llama": 0.5}  # the union budget: fraction of MLP neurons 
 TARGET_PROMPT = {"opt": 512, "llama": 2048}  # the target prompts (sparse_uncapped runs there)
 
 
-def kept_sets(dec: BatchDecoder, B: int, seed: int = 0) -> None:
+def _kept_sets(dec: BatchDecoder, B: int, seed: int = 0) -> None:
     """Random per-sequence sets for every layer; on GQA models whole KV groups of heads."""
     a, g = dec.arch, torch.Generator().manual_seed(seed)
     group = a.n_heads // a.n_kv_heads
@@ -79,7 +75,14 @@ def batch_bytes(arch, *, vocab, d_embed, B, context, mlp_read=1.0, q_read=1.0, k
                 cache_kept=1.0, esize=2) -> dict:  # fmt: skip
     """Bytes one batched step reads: the union's weight rows once for the batch (``q_read``:
     W_Q/W_O rows, ``kv_read``: W_K/W_V rows, ``mlp_read``: neurons), each sequence's kept share
-    of its own KV cache (``cache_kept``), and ``lm_head``."""
+    of its own KV cache (``cache_kept``), and ``lm_head``.
+
+    >>> from types import SimpleNamespace
+    >>> arch = SimpleNamespace(n_layers=2, d_model=8, d_mlp=32, d_head=4, n_heads=2, n_kv_heads=2,
+    ...                        gated=False)
+    >>> batch_bytes(arch, vocab=100, d_embed=8, B=1, context=10)
+    {'attention': 1024.0, 'mlp': 2048.0, 'kv_cache': 640.0, 'lm_head': 1600, 'total': 5312.0}
+    """
     L, d, n, dh = arch.n_layers, arch.d_model, arch.d_mlp, arch.d_head
     q_rows, kv_rows = arch.n_heads * dh, arch.n_kv_heads * dh
     parts = {
@@ -92,7 +95,7 @@ def batch_bytes(arch, *, vocab, d_embed, B, context, mlp_read=1.0, q_read=1.0, k
     return parts
 
 
-def fits(arch, prompt: int, new: int, window: int, reserve: float) -> int:
+def _fits(arch, prompt: int, new: int, window: int, reserve: float) -> int:
     """How many sequences' KV caches fit in the free GPU memory (every batch size on CPU)."""
     if not cuda():
         return 32
@@ -101,16 +104,16 @@ def fits(arch, prompt: int, new: int, window: int, reserve: float) -> int:
     return max(0, int((free - reserve) // per_seq))
 
 
-def forced(dec, prompts, cont) -> torch.Tensor:
+def _forced(dec, prompts, cont) -> torch.Tensor:
     out = [dec.prefill(prompts)] + [dec.step(cont[:, t]).clone() for t in range(cont.shape[1])]
     return torch.stack(out, 1).float()
 
 
-def forced_alone(dec, prompt, cont) -> torch.Tensor:
+def _forced_alone(dec, prompt, cont) -> torch.Tensor:
     return torch.cat([dec.prefill(prompt[None])] + [dec.step(int(t)).clone() for t in cont]).float()
 
 
-def check(w, arch, base: dict, vocab: int, device: str, rows: list[dict]) -> None:
+def _check(w, arch, base: dict, vocab: int, device: str, rows: list[dict]) -> None:
     """At the model's real shape: batched vs batch-1 logits (dense; sparse heads per sequence,
     MLP whole), and graph replays vs eager steps (sparse with the union), relative errors."""
     g = torch.Generator().manual_seed(1)
@@ -119,24 +122,24 @@ def check(w, arch, base: dict, vocab: int, device: str, rows: list[dict]) -> Non
     cont = torch.randint(0, vocab, (len(lengths), 6), generator=g).to(device)
     ms_, hs_ = base["mlp_sparsity"], base["head_sparsity"]
     row = {**base, "kind": "check"}
-    dense = forced(BatchDecoder(w, max_seq_len=80, max_batch=4), prompts, cont)
-    alone = [forced_alone(Decoder(w, max_seq_len=80), p, cont[b]) for b, p in enumerate(prompts)]
+    dense = _forced(BatchDecoder(w, max_seq_len=80, max_batch=4), prompts, cont)
+    alone = [_forced_alone(Decoder(w, max_seq_len=80), p, cont[b]) for b, p in enumerate(prompts)]
     row["dense_batch_vs_batch1"] = max(relerr(dense[b], a) for b, a in enumerate(alone))
     sp = SparseConfig(0.0, hs_)
     heads = BatchDecoder(w, max_seq_len=80, max_batch=4, sparse=sp)
-    kept_sets(heads, 4)
-    got = forced(heads, prompts, cont)
+    _kept_sets(heads, 4)
+    got = _forced(heads, prompts, cont)
     errs = []
     for b, p in enumerate(prompts):
         one = Decoder(w, max_seq_len=80, sparse=sp)
         for i in range(arch.n_layers):
             one.set_indices(i, heads=heads.seq_heads[i, b])
-        errs.append(relerr(got[b], forced_alone(one, p, cont[b])))
+        errs.append(relerr(got[b], _forced_alone(one, p, cont[b])))
     row["heads_batch_vs_alone"] = max(errs)
     full = BatchDecoder(w, max_seq_len=80, max_batch=4, sparse=SparseConfig(ms_, hs_),
                         union_budget=base["union_budget"])  # fmt: skip
-    kept_sets(full, 4)
-    eager = forced(full, prompts, cont)
+    _kept_sets(full, 4)
+    eager = _forced(full, prompts, cont)
     if cuda():
         full.prefill(prompts)
         full.capture()
@@ -148,13 +151,13 @@ def check(w, arch, base: dict, vocab: int, device: str, rows: list[dict]) -> Non
     print("check", {k: (f"{v:.1e}" if isinstance(v, float) else v) for k, v in row.items()})
 
 
-def time_variant(w, arch, engine, sparse, budget, prompt, batches, new, ceiling, base, vocab,
+def _time_variant(w, arch, engine, sparse, budget, prompt, batches, new, ceiling, base, vocab,
                  d_embed, dense_ops, rows: list[dict]) -> None:  # fmt: skip
     """One decoder of the largest batch; each batch size rewound, captured and timed."""
     dec = BatchDecoder(w, max_seq_len=prompt + new + 2, max_batch=max(batches), sparse=sparse,
                        union_budget=budget, dense_ops=None if sparse else dense_ops)  # fmt: skip
     if sparse is not None:
-        kept_sets(dec, max(batches))
+        _kept_sets(dec, max(batches))
     for B in batches:
         row = {**base, "kind": "batch", "engine": engine, "prompt": prompt, "batch": B,
                "union_budget": budget if sparse else None}  # fmt: skip
@@ -201,6 +204,18 @@ def time_variant(w, arch, engine, sparse, budget, prompt, batches, new, ceiling,
 def bench_model(preset, prompts, batches, new, ceiling, device, *, union_budget=None,
                 uncapped_at=None, dense_ops=None, reserve=6e9, do_check=True, sparsity=None,
                 rows: list[dict]) -> None:  # fmt: skip
+    """Time ``dense``, ``sparse`` (and at the target prompt ``sparse_uncapped``) on ``preset`` at
+    each prompt and batch size, appending one row per (variant, prompt, batch) to ``rows``; the
+    correctness check first (``do_check``); batch sizes whose KV cache does not fit, and prompts
+    past the model's positions, are recorded as ``skip`` rows. ``sparsity``: the (MLP, heads)
+    fractions removed (default: the family's, :data:`SPARSITY`).
+
+    >>> rows = []
+    >>> bench_model("tiny-opt", [4096], [1], 4, float("nan"), "cpu", do_check=False, rows=rows)
+    tiny-opt prompt 4096: skipped: prompt 4096 + 4 new tokens pass the model's 2048 positions
+    >>> [r["kind"] for r in rows]
+    ['skip']
+    """
     model, arch = build(preset, device)
     vocab, d_embed = model.get_output_embeddings().weight.shape
     w = decoder_weights(model, arch)
@@ -214,7 +229,7 @@ def bench_model(preset, prompts, batches, new, ceiling, device, *, union_budget=
             "union_budget": budget, "new_tokens": new}  # fmt: skip
     if do_check:
         try:
-            check(w, arch, base, vocab, device, rows)
+            _check(w, arch, base, vocab, device, rows)
         except Exception as exc:
             print(f"{preset} check failed: {exc!r}")
             rows.append({**base, "kind": "check", "error": repr(exc)[:300]})
@@ -228,7 +243,7 @@ def bench_model(preset, prompts, batches, new, ceiling, device, *, union_budget=
             rows.append({**base, "kind": "skip", "prompt": prompt, "reason": reason})
             continue
         window = SparseConfig().kv_window
-        n_fit = fits(arch, prompt, new, window, reserve)
+        n_fit = _fits(arch, prompt, new, window, reserve)
         run = [b for b in batches if b <= n_fit]
         for b in sorted(set(batches) - set(run)):
             reason = (f"the KV cache of {b} sequences of {prompt + new} tokens does not fit in "
@@ -241,7 +256,7 @@ def bench_model(preset, prompts, batches, new, ceiling, device, *, union_budget=
         if prompt == target:
             variants.append(("sparse_uncapped", SparseConfig(ms_, hs_), None))
         for engine, sparse, b in variants:
-            time_variant(w, arch, engine, sparse, b, prompt, run, new, ceiling, base, vocab,
+            _time_variant(w, arch, engine, sparse, b, prompt, run, new, ceiling, base, vocab,
                          d_embed, dense_ops, rows)  # fmt: skip
     del w
     gc.collect()
@@ -250,7 +265,13 @@ def bench_model(preset, prompts, batches, new, ceiling, device, *, union_budget=
 
 
 def print_table(rows: list[dict]) -> None:
-    """Tokens/s per (model, prompt, batch): dense, sparse and the ratio; the issue's targets."""
+    """Tokens/s per (model, prompt, batch): dense, sparse and the ratio, the bytes of a step, the
+    attention's share of the parts and the MLP union.
+
+    >>> print_table([])  # doctest: +NORMALIZE_WHITESPACE
+    <BLANKLINE>
+    model prompt B dense tok/s sparse tok/s x uncapped x GB/step attn share mlp union
+    """
     by = {}
     for r in (r for r in rows if r.get("kind") == "batch" and "error" not in r):
         by.setdefault((r["model"], r["prompt"], r["batch"]), {})[r["engine"]] = r

@@ -64,12 +64,19 @@ MAX_COPIES_BYTES = 6e9  # but keep a case's stacked weights under 6 GB
 
 
 def cuda() -> bool:
-    """Whether a CUDA GPU is here (else every clock is the CPU's wall clock)."""
+    """Whether a CUDA GPU is here (else every clock is the CPU's wall clock).
+
+    >>> cuda() == torch.cuda.is_available()
+    True
+    """
     return torch.cuda.is_available()
 
 
 def sync() -> None:
-    """Wait for the GPU's queued work (nothing on the CPU)."""
+    """Wait for the GPU's queued work (nothing on the CPU).
+
+    >>> sync()
+    """
     if cuda():
         torch.cuda.synchronize()
 

@@ -60,14 +60,59 @@ import torch
 
 from dejavu_lab import engine_bench, results
 from dejavu_lab import engine_bench_batch as batch_bench
-from dejavu_lab.engine import DENSE_ENGINES, Decoder, EngineError, dense_ops
-from dejavu_lab.timing import copy_ceiling, cuda
+from dejavu_lab.engine import (
+    DENSE_ENGINES,
+    Decoder,
+    EngineError,
+    SparseConfig,
+    decoder_weights,
+    dense_ops,
+)
+from dejavu_lab.engine_bench import build
+from dejavu_lab.timing import copy_ceiling, cuda, relerr
 
 MODELS = ["opt-30b", "llama-2-13b", "llama-3-8b", "opt-13b", "opt-6.7b"]  # most important first
 
 PROMPTS = [128, 256, 512, 1024]
 
 ALL_METHODS = (*DENSE_ENGINES, "dejavu", "teal", "wina", "cats")
+
+
+def check(device: str, rows: list[dict]) -> None:
+    """Small models: dense vs HF logits, sparse (all kept) vs dense, graph vs eager."""
+    dtype = torch.float16 if cuda() else torch.bfloat16
+    for preset in ("opt-125m", "smollm2-135m", "tiny-opt-postln"):
+        model, arch = build(preset, device, dtype)
+        ids = torch.randint(0, 100, (1, 40), device=device)
+        w = decoder_weights(model, arch)
+        dense = Decoder(w, max_seq_len=64)
+        sparse_all = Decoder(w, max_seq_len=64, sparse=SparseConfig(0.0, 0.0))
+        sparse = Decoder(w, max_seq_len=64, sparse=SparseConfig(0.5, 0.5, kv_window=4))
+        eager_kv = Decoder(w, max_seq_len=64, sparse=SparseConfig(0.5, 0.5, kv_window=0))
+        with torch.no_grad():
+            ref = model(ids[:, :39]).logits[0, 31:39].float()  # the positions decoded below
+        logits = {}
+        for name, dec in (("dense", dense), ("all", sparse_all), ("deferred", sparse),
+                          ("eager_kv", eager_kv)):  # fmt: skip
+            out = [dec.prefill(ids[:, :32])]
+            out += [dec.step(int(ids[0, t])) for t in range(32, 39)]
+            logits[name] = torch.cat(out).float()
+        row = {"kind": "check", "model": preset, "dense_vs_hf": relerr(logits["dense"], ref)}
+        row["sparse_all_vs_dense"] = relerr(logits["all"], logits["dense"])
+        row["deferred_vs_eager_kv"] = relerr(logits["deferred"], logits["eager_kv"])
+        if cuda():  # graph replay vs eager step on the same state
+            for dec in (dense, sparse):
+                dec.prefill(ids[:, :32])
+                eager = [dec.step().clone() for _ in range(6)]
+                dec.prefill(ids[:, :32])
+                dec.capture()
+                graph = [dec.step().clone() for _ in range(6)]
+                key = "graph_vs_eager_" + ("sparse" if dec.sparse else "dense")
+                row[key] = relerr(torch.cat(graph).float(), torch.cat(eager).float())
+        rows.append(row)
+        print("check", {k: (f"{v:.1e}" if isinstance(v, float) else v) for k, v in row.items()})
+        del model, w, dense, sparse_all, sparse, eager_kv
+        gc.collect()
 
 
 def _run_tp(args) -> int:
@@ -159,7 +204,7 @@ def main(argv=None):
     ap.add_argument(
         "--batch",
         default=None,
-        help="batch sizes, e.g. 1,4,8,16,32: time BatchDecoder (kernels/bench_engine_batch.py)",
+        help="batch sizes, e.g. 1,4,8,16,32: time BatchDecoder (dejavu_lab/engine_bench_batch.py)",
     )
     ap.add_argument(
         "--union-budget",
@@ -231,7 +276,7 @@ def main(argv=None):
     print(f"copy ceiling: {ceiling:.2f} TB/s")
     if not args.no_check:
         try:
-            engine_bench.check(device, rows)
+            check(device, rows)
         except Exception as exc:
             print(f"correctness check failed: {exc!r}")
             rows.append({"kind": "check", "error": repr(exc)[:300]})

@@ -206,7 +206,11 @@ def _programs(device: torch.device) -> int:
 
 def needed_kv_heads(heads, n_heads, n_kv, kv_heads):
     """The needed KV heads; None when each selected query head is its own KV head (multi-head
-    attention, unless the caller names them): then program s serves query head heads[s]."""
+    attention, unless the caller names them): then program s serves query head heads[s].
+
+    >>> needed_kv_heads(torch.tensor([0, 1, 5]), 8, 2, None)  # 4 query heads per KV head
+    tensor([0, 1])
+    """
     if kv_heads is not None:
         return kv_heads.to(heads.dtype)
     if n_heads == n_kv:
