@@ -18,8 +18,8 @@ helpers they share live in ``_common`` (checks), ``_neurons`` (activations, row 
 - :func:`cats_up`  — CATS's thresholded up step: the up rows of the neurons the gate keeps.
 
 All take a union batch of 1-32 tokens that share one index set (Knowl 12).
-:mod:`dejavu_lab.timing` is the timing harness of ``kernels/bench_*.py`` (recorded in
-``results/``); :mod:`.report` draws those results for the chapter
+:mod:`dejavu_lab.kernel_bench` times them for ``kernels/bench_*.py`` (with the clocks of
+:mod:`dejavu_lab.timing`; recorded in ``results/``); :mod:`.report` draws those results for the chapter
 ``notebooks/60_sparse_kernels.md``.
 
 A sparse MLP is the up kernel then the down kernel over one index set; keeping every neuron
