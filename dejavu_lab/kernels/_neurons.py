@@ -19,6 +19,7 @@ FUSED_ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "none")
 
 @triton.jit
 def act(h, ACT: tl.constexpr):
+    """``h`` (fp32) through the activation ``ACT``, one of :data:`FUSED_ACTIVATIONS`."""
     if ACT == "relu":
         h = tl.maximum(h, 0.0)
     elif ACT == "gelu":
