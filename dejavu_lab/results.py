@@ -155,11 +155,13 @@ def _path(name_or_path: str | os.PathLike) -> Path:
     return results_dir() / f"{text}.json"
 
 
-def save(name: str, rows: list[dict], *, command: str, extra: dict | None = None) -> Path:
+def save(name: str, rows: list[dict], *, command: str, extra: dict | None = None,
+         folder: str | os.PathLike | None = None) -> Path:  # fmt: skip
     """Write ``rows`` with provenance to ``results_dir()/{name}.json`` atomically; return the path.
 
     ``extra`` adds keys to the provenance (e.g. the measured copy ceiling); it may not replace
-    the required keys.
+    the required keys. ``folder`` writes there instead of ``results_dir()`` (the tuned launch
+    tables, which the kernels read as package data: ``dejavu_lab.kernels.tuning.TUNED_DIR``).
 
     >>> import tempfile
     >>> from unittest import mock
@@ -181,7 +183,8 @@ def save(name: str, rows: list[dict], *, command: str, extra: dict | None = None
         {"provenance": _clean(prov), "rows": _clean(rows)}, indent=1, allow_nan=False
     )
     hint = f"set {ENV_DIR} to a writable folder with free space"
-    return write_text(results_dir() / f"{name}.json", payload + "\n", hint=hint)
+    where = Path(folder).expanduser() if folder is not None else results_dir()
+    return write_text(where / f"{name}.json", payload + "\n", hint=hint)
 
 
 def load(name_or_path: str | os.PathLike):

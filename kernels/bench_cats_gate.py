@@ -1,6 +1,6 @@
-"""CATS's dense gate at batch 1: cuBLAS against the split-K tiles of ``kernels.rows_sums``.
+"""CATS's dense gate at batch 1: cuBLAS against the split-K tiles of ``kernels.cats.sums``.
 
-CATS (``dejavu_lab.kernels.cats_mlp``) computes the gate of every neuron densely, then reads the
+CATS (``dejavu_lab.kernels.cats.mlp``) computes the gate of every neuron densely, then reads the
 up and down rows of the neurons it keeps. On an H200 the gate alone (13824 x 5120 at Llama-2-13B's
 shape) ran at about 3.8 TB/s through cuBLAS, under the 4.2 TB/s that the threshold tile grid
 reaches on the same bytes. This bench times, at the Llama shapes, batch 1, fp16, in CUDA-graph
@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 
 from dejavu_lab import results
-from dejavu_lab.kernels.bench import copy_ceiling, graph_us, print_rows, relerr, rotation_copies
-from dejavu_lab.kernels.cats_mlp import cats_hidden, cats_mlp, cats_mlp_ref
-from dejavu_lab.kernels.rows_sums import rows_sums
+from dejavu_lab.kernels.cats.mlp import cats_hidden, cats_mlp, cats_mlp_ref
+from dejavu_lab.kernels.cats.sums import rows_sums
+from dejavu_lab.timing import copy_ceiling, graph_us, print_rows, relerr, rotation_copies
 
 SHAPES = [("llama-2-13b", 5120, 13824), ("llama-3-8b", 4096, 14336), ("llama-2-7b", 4096, 11008)]
 TILES = [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w}

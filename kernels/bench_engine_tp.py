@@ -66,8 +66,8 @@ from dejavu_lab.engine import (  # noqa: E402
     random_shard,
     step_bytes,
 )
-from dejavu_lab.kernels.bench import copy_ceiling, relerr  # noqa: E402
 from dejavu_lab.models import random_model  # noqa: E402
+from dejavu_lab.timing import copy_ceiling, relerr  # noqa: E402
 
 AUTO = ("opt-175b", "opt-66b", "opt-30b", "opt-13b")  # largest first
 ROWS: list[dict] = []

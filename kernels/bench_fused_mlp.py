@@ -4,7 +4,7 @@ Deja Vu §4.4 runs a sparse MLP as an up gather then a down gather:
 :func:`dejavu_lab.kernels.fused_sparse_mlp` reads the kept neurons' gate and up rows in one pass
 and applies the activation in one launch, then reduces their down rows in a second (the
 one-launch atomic variant was removed: slower, and wrong with tensor-core tiles, see
-:mod:`dejavu_lab.kernels.fused_mlp`). :func:`~dejavu_lab.kernels.cats_mlp`
+:mod:`dejavu_lab.kernels.mlp.fused`). :func:`~dejavu_lab.kernels.cats_mlp`
 is CATS (cuBLAS dense gate, then the up and down rows of the kept neurons only). For Llama SwiGLU
 shapes (d, n) = (4096, 11008), (5120, 13824), (4096, 14336) plus d = 2048, 8192 and OPT-175B's
 ReLU MLP (12288, 49152), at 50 / 20 / 10% kept, batch 1 and a union batch of 16, in CUDA-graph
@@ -17,7 +17,7 @@ replay on weights rotated through more than 4x the L2:
   ``cats_fg``: CATS's earlier path (gate and masked up rows in one Triton kernel).
 
 Targets (issue 12): at 10% kept the fused MLP within 1.3x of (bytes / copy ceiling) + 3 µs.
-``--tune`` sweeps tilings first (``results/tuning_fused_mlp.json``, read at run time; CATS's
+``--tune`` sweeps tilings first (``dejavu_lab/kernels/tuned/tuning_fused_mlp.json``, read at run time; CATS's
 rows are the up kernel's and its down GEMV's, op ``cats_up``).
 Writes ``results/sparse_mlp_fused.json``.
 
@@ -43,7 +43,7 @@ from dejavu_lab.kernels import (
     sparse_mlp_up,
     tuning,
 )
-from dejavu_lab.kernels.bench import (
+from dejavu_lab.timing import (
     copy_ceiling,
     graph_us,
     print_rows,
@@ -80,7 +80,7 @@ CANDIDATES = {  # (op, batch 1?) -> configs swept by --tune (each checked first)
         _cfg(16, 128, 128, 4, num_stages=3),
         _cfg(32, 128, 128, 4, num_stages=3),
     ],
-    ("cats", True): [  # the up kernel's tiles and the down GEMV's (dejavu_lab.kernels.cats_up)
+    ("cats", True): [  # the up kernel's tiles and the down GEMV's (dejavu_lab.kernels.cats.up)
         {
             "BLOCK_N": 64,
             "BLOCK_K": 128,
@@ -257,7 +257,7 @@ def tune(command):
                           f" best {best:7.1f} us", flush=True)  # fmt: skip
         del m
         torch.cuda.empty_cache()
-    path = results.save("tuning_fused_mlp", rows, command=command)
+    path = results.save("tuning_fused_mlp", rows, command=command, folder=tuning.TUNED_DIR)
     tuning.reload()
     print(f"wrote {path}")
 
@@ -299,7 +299,9 @@ COLUMNS = [("shape", "shape", "12s"), ("B", "batch", "2d"), ("kept", "kept", "4.
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
-        "--tune", action="store_true", help="sweep tilings first (results/tuning_*.json)"
+        "--tune",
+        action="store_true",
+        help="sweep tilings first (dejavu_lab/kernels/tuned/tuning_*.json)",
     )
     ap.add_argument("--quick", action="store_true", help="tiny shapes (plumbing check, CPU)")
     args = ap.parse_args(argv)

@@ -20,7 +20,8 @@ import triton
 import triton.testing
 
 from dejavu_lab import results
-from dejavu_lab.kernels.bench import AttentionCase, attention_row, copy_ceiling
+from dejavu_lab.kernel_bench import AttentionCase, attention_row
+from dejavu_lab.timing import copy_ceiling
 
 SHAPE = {"n_heads": 96, "d_head": 128, "context": 1024}  # OPT-175B, the context
 KEPT = [0.5, 0.25]

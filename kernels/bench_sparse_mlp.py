@@ -10,7 +10,7 @@ contiguous (``contig``: the gather-free reference our gather must match), torch
 ``do_bench_cudagraph`` (graph replay; ``--fast``: graph replay only). Reports achieved
 bandwidth over the bytes that must move and speedup over dense against the ideal 1 / kept.
 Writes ``results/sparse_mlp.json`` (``--tune``: also ``results/sparse_mlp_tuning.json``;
-``--tune-llama``: ``results/tuning_sparse_mlp.json``, read at run time).
+``--tune-llama``: ``dejavu_lab/kernels/tuned/tuning_sparse_mlp.json``, read at run time).
 
     PYTHONPATH=. python kernels/bench_sparse_mlp.py [--shapes all|opt|llama] [--tune] [--quick]
 """
@@ -25,8 +25,9 @@ import triton
 import triton.testing
 
 from dejavu_lab import results
+from dejavu_lab.kernel_bench import MlpCase, mlp_row
 from dejavu_lab.kernels import tuning
-from dejavu_lab.kernels.bench import MlpCase, copy_ceiling, mlp_row
+from dejavu_lab.timing import copy_ceiling
 
 OPT_SHAPES = [(4096, 16384), (8192, 32768), (12288, 49152)]  # (d, hidden)
 LLAMA_SHAPES = [(4096, 11008), (5120, 13824), (4096, 14336)]
@@ -279,7 +280,7 @@ def tune_llama(command, batches=(1, 16)):
                         best = max(best or 0.0, r["frac_ideal_graph"])
                     print(f"tune {op:4s} {d}x{n} B={batch:2d} kept={kept:.2f}: best {best:.2f} "
                           "of ideal", flush=True)  # fmt: skip
-    path = results.save("tuning_sparse_mlp", rows, command=command)
+    path = results.save("tuning_sparse_mlp", rows, command=command, folder=tuning.TUNED_DIR)
     tuning.reload()
     print(f"wrote {path}")
 

@@ -13,7 +13,7 @@ set), this times in CUDA-graph replay, on weights rotated through more than 4x t
 - ``compact``: the compacting kernel (batch 1 only; union batches always run it);
 - ``tile``: the tile kernel's union-batch form (batches above 1; opt-in, ``mode="tile"``);
 - ``ours``: the threshold GEMV as the wrapper runs it: at batch 1 the tile kernel
-  (:mod:`dejavu_lab.kernels.threshold_tile`, TEAL's grid of one masked tile per program with
+  (:mod:`dejavu_lab.kernels.threshold.tile`, TEAL's grid of one masked tile per program with
   fp32 atomics), for union batches the compacting kernel's tuned config.
 
 TEAL's own split-K kernel, measured on this H200 for issue 11 (fp16, batch 1, graph replay,
@@ -21,7 +21,7 @@ TEAL's own split-K kernel, measured on this H200 for issue 11 (fp16, batch 1, gr
 in this harness, weights rotated, on 2026-12-01: 17.7 / 15.3 / 14.7 µs; a scratch script that
 imported TEAL's file, which is not part of this project).
 ``--tune`` first sweeps candidate tilings for d in {2048, 4096, 5120, 8192, 12288} and records
-them in ``results/tuning_threshold_gemv.json`` (read at run time by
+them in ``dejavu_lab/kernels/tuned/tuning_threshold_gemv.json`` (read at run time by
 :mod:`dejavu_lab.kernels.tuning`). Writes ``results/threshold_gemv.json``.
 
     PYTHONPATH=. python kernels/bench_threshold_gemv.py [--tune] [--quick]
@@ -37,8 +37,8 @@ import torch
 
 from dejavu_lab import results
 from dejavu_lab.kernels import threshold_gemv, threshold_gemv_ref, tuning
-from dejavu_lab.kernels.bench import copy_ceiling, graph_us, relerr
-from dejavu_lab.kernels.threshold_gemv import default_config
+from dejavu_lab.kernels.threshold.gemv import default_config
+from dejavu_lab.timing import copy_ceiling, graph_us, relerr
 
 SHAPES = [  # (name, d_in, d_out): the weight is w_t [d_in, d_out]
     ("llama2-7b down", 11008, 4096),
@@ -211,7 +211,7 @@ def tune(shapes, command, *, name="tuning_threshold_gemv", batches=None, kepts=N
                       f"best {best or math.nan:7.1f} us = {dense * kept / (best or math.nan):.2f} of ideal", flush=True)  # fmt: skip
         del case
         torch.cuda.empty_cache()
-    path = results.save(name, rows, command=command)
+    path = results.save(name, rows, command=command, folder=tuning.TUNED_DIR)
     tuning.reload()
     print(f"wrote {path}")
     return rows
@@ -283,11 +283,13 @@ def print_table(rows):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
-        "--tune", action="store_true", help="sweep tilings first (results/tuning_*.json)"
+        "--tune",
+        action="store_true",
+        help="sweep tilings first (dejavu_lab/kernels/tuned/tuning_*.json)",
     )
     ap.add_argument("--tune-engine", action="store_true",
                     help="sweep a wider batch-1 grid at the engine's TEAL shapes only "
-                    "(results/tuning_threshold_gemv_engine.json), then stop")  # fmt: skip
+                    "(dejavu_lab/kernels/tuned/tuning_threshold_gemv_engine.json), then stop")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="tiny shapes (plumbing check, CPU)")
     args = ap.parse_args(argv)
     command = "python kernels/bench_threshold_gemv.py " + " ".join(argv or sys.argv[1:])

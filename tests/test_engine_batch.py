@@ -256,7 +256,7 @@ def test_lookahead_predictors_choose_each_sequences_heads():
 @pytest.mark.skipif(not CPU, reason="the interpreter runs on CPU")
 def test_triton_kernels_through_the_interpreter(monkeypatch):
     """The engine's Triton path (head masks, window writes, RoPE) matches its references."""
-    from dejavu_lab.kernels.sparse_attention import sparse_attention_kernel
+    from dejavu_lab.kernels.attention.core import sparse_attention_kernel
 
     if type(sparse_attention_kernel).__name__ != "InterpretedFunction":
         pytest.skip("kernels were decorated without TRITON_INTERPRET=1")

@@ -23,7 +23,7 @@ from dejavu_lab.engine import (  # noqa: E402
     decoder_weights,
     keep_all,
 )
-from dejavu_lab.kernels.threshold_gemv import threshold_gemv_kernel  # noqa: E402
+from dejavu_lab.kernels.threshold.gemv import threshold_gemv_kernel  # noqa: E402
 from dejavu_lab.models import random_model  # noqa: E402
 
 TINY = ["tiny-opt", "tiny-llama"]

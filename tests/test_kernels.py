@@ -36,7 +36,7 @@ from dejavu_lab.kernels import (
     sparse_mlp_up,
     sparse_mlp_up_ref,
 )
-from dejavu_lab.kernels.sparse_mlp_up import sparse_mlp_up_kernel
+from dejavu_lab.kernels.mlp.up import sparse_mlp_up_kernel
 
 FIXTURES = (on_device, seed)  # pytest finds fixtures by name in this module
 KEPT = [0.0, 0.1, 0.5, 1.0]

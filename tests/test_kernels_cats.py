@@ -1,4 +1,4 @@
-"""CATS's thresholded up kernel (:mod:`dejavu_lab.kernels.cats_up`) against its reference, and
+"""CATS's thresholded up kernel (:mod:`dejavu_lab.kernels.cats.up`) against its reference, and
 the CATS MLP's earlier fused-gate path (TRITON_INTERPRET=1; tiny shapes, masked tails).
 
     DEJAVU_TEST_DEVICE=cuda TRITON_INTERPRET=0 pytest tests/test_kernels_cats.py
@@ -82,7 +82,7 @@ def test_cats_up_rejects_bad_inputs():
                                  {"BLOCK_N": 64, "BLOCK_K": 16, "num_warps": 2}])  # fmt: skip
 def test_rows_sums_is_the_dense_gemv(dtype, cfg, seed):
     """Split-K tiles over a row-major weight (tails in both dimensions) sum to ``W x``."""
-    from dejavu_lab.kernels.rows_sums import rows_sums
+    from dejavu_lab.kernels.cats.sums import rows_sums
 
     x, w, _, _, _ = inputs(dtype, 1, True)
     ws = rows_sums(x, w[:N], kind="test_rows", config=cfg)
@@ -94,7 +94,7 @@ def test_rows_sums_is_the_dense_gemv(dtype, cfg, seed):
 def test_cats_one_token_gate_sums_match_cublas_gate_call_after_call(gated, biased, seed):
     """Batch 1 runs the gate as split-K sums that the up kernel reads, biases and zeroes: the
     same h as the dense gate, and the same again on the next call (nothing left behind)."""
-    from dejavu_lab.kernels.cats_mlp import cats_hidden
+    from dejavu_lab.kernels.cats.mlp import cats_hidden
 
     x, w, b, gate, thr = inputs(torch.float16, 1, gated, biased=biased)
     ref = cats_up_ref(x, w, gate, thr, activation="silu", b_in=b)
@@ -111,8 +111,8 @@ def test_cats_one_token_gate_sums_match_cublas_gate_call_after_call(gated, biase
 def test_cats_sums_finished_by_the_down_gemv(gated, biased, seed):
     """The gate's sums, the kept up rows' sums and a down GEMV that applies CATS's rule to
     them as it loads them (keep_gate) give CATS's MLP; the workspace is zeroed by the caller."""
-    from dejavu_lab.kernels.cats_mlp import cats_sums
-    from dejavu_lab.kernels.threshold_tile import threshold_sums
+    from dejavu_lab.kernels.cats.mlp import cats_sums
+    from dejavu_lab.kernels.threshold.fused import threshold_sums
 
     x, w, b, gate, thr = inputs(torch.float16, 1, gated, biased=biased)
     w_down_t = (torch.randn(N, D) / N**0.5).half()

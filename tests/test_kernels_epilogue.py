@@ -8,9 +8,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from dejavu_lab.kernels import row_norm_ref, threshold_gemv_ref  # noqa: E402
-from dejavu_lab.kernels.epilogue import residual_norm, rope_sums  # noqa: E402
-from dejavu_lab.kernels.rope import rope_ref  # noqa: E402
-from dejavu_lab.kernels.threshold_tile import threshold_sums  # noqa: E402
+from dejavu_lab.kernels.rope.epilogue import residual_norm, rope_sums  # noqa: E402
+from dejavu_lab.kernels.rope.rotate import rope_ref  # noqa: E402
+from dejavu_lab.kernels.threshold.fused import threshold_sums  # noqa: E402
 
 DEVICE = os.environ.get("DEJAVU_TEST_DEVICE", "cpu")
 DTYPES = [torch.float16, torch.bfloat16]
@@ -108,7 +108,7 @@ def test_threshold_sums_leaves_union_batches_to_the_gemv():
 def test_threshold_sums_finishes_the_previous_sums_in_its_loads(act, gated):
     """The down GEMV reading the gate/up GEMV's sums: act(gate + b) * (up + b) (or act(a + b)),
     rounded to the weights' dtype, thresholded — as the finalize and the plain GEMV would."""
-    from dejavu_lab.kernels.fused_mlp import act_ref
+    from dejavu_lab.kernels._neurons import act_ref
 
     g = torch.Generator().manual_seed(6)
     d, n = 64, 48

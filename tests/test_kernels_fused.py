@@ -17,7 +17,7 @@ from dejavu_lab.kernels import (
     fused_sparse_mlp,
     fused_sparse_mlp_ref,
 )
-from dejavu_lab.kernels.fused_mlp import default_config, fused_mlp_kernel
+from dejavu_lab.kernels.mlp.fused import default_config, fused_mlp_kernel
 
 FIXTURES = (on_device, seed)  # pytest finds fixtures by name in this module
 N, D = 96, 80  # neurons, model width (not multiples of the tiles: masked tails)

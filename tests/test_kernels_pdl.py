@@ -16,9 +16,9 @@ SRC = pathlib.Path(K.__file__).parent
 
 
 def pdl_launches():
-    """(module file, kernel name) of every launch that passes ``**pdl_args(...)``."""
+    """(module, kernel name) of every launch that passes ``**pdl_args(...)``."""
     found = []
-    for path in sorted(SRC.glob("*.py")):
+    for path in sorted(SRC.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Subscript):
                 continue
@@ -26,7 +26,8 @@ def pdl_launches():
             if any(
                 isinstance(v, ast.Call) and getattr(v.func, "id", "") == "pdl_args" for v in star
             ):
-                found.append((path.stem, node.func.value.id))
+                module = ".".join(path.relative_to(SRC).with_suffix("").parts)
+                found.append((module, node.func.value.id))
     return found
 
 

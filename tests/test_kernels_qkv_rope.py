@@ -9,8 +9,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are decorat
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from dejavu_lab.kernels.qkv_rope import qkv_rope, qkv_rope_kernel, qkv_rope_ref  # noqa: E402
-from dejavu_lab.kernels.rope import rope_, rope_ref  # noqa: E402
+from dejavu_lab.kernels.rope.qkv import qkv_rope, qkv_rope_kernel, qkv_rope_ref  # noqa: E402
+from dejavu_lab.kernels.rope.rotate import rope_, rope_ref  # noqa: E402
 
 DEVICE = os.environ.get("DEJAVU_TEST_DEVICE", "cpu")
 

@@ -13,7 +13,7 @@ import torch
 from kernel_helpers import DEVICE, DTYPES, assert_close, on_device, seed
 
 from dejavu_lab.kernels import threshold_gemv, threshold_gemv_ref
-from dejavu_lab.kernels.threshold_gemv import default_config, threshold_gemv_kernel
+from dejavu_lab.kernels.threshold.gemv import default_config, threshold_gemv_kernel
 
 FIXTURES = (on_device, seed)  # pytest finds fixtures by name in this module
 D_IN, D_OUT = 200, 80  # neither a multiple of the tiles: masked tails

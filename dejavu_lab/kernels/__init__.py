@@ -1,21 +1,26 @@
 """Triton kernels for contextual sparsity at decode time (Deja Vu §4.4, Appendix E).
 
 One kernel per module, each with a checking wrapper, a plain-PyTorch ``*_ref`` and a CPU path
-(the reference, or the Triton kernel itself under ``TRITON_INTERPRET=1``):
+(the reference, or the Triton kernel itself under ``TRITON_INTERPRET=1``), grouped by family:
+``mlp/`` (up, down, fused), ``threshold/`` (gemv, tile, fused), ``cats/`` (mlp, up, sums),
+``attention/`` (sparse, core, kv_window), ``rope/`` (rotate, qkv, epilogue) and ``norm``. The
+helpers they share live in ``_common`` (checks), ``_neurons`` (activations, row dots),
+``_reduce``, ``_workspace`` and ``pdl``; ``tuning`` reads the tuned launch tables of ``tuned/``:
 
 - :func:`sparse_mlp_up`   — selected rows of W1 (or gate/up), fused bias and activation.
 - :func:`sparse_mlp_down` — selected rows of W2 stored transposed (coalesced), reduced.
 - :func:`sparse_attention` — QKV for the selected heads, attention over their KV cache, W_O.
 - :func:`threshold_gemv` — TEAL/WINA input-sparse GEMV, the mask ``|x| > thr`` computed inside
-  (one token: :mod:`.threshold_tile`, one masked tile per program; :func:`threshold_gemv_act`
+  (one token: :mod:`.threshold.tile`, one masked tile per program; :func:`threshold_gemv_act`
   fuses the MLP's activation into it).
 - :func:`fused_sparse_mlp` — up (or gate/up), activation and down of the kept neurons, one launch.
 - :func:`cats_mlp` — CATS: dense gate (cuBLAS), then up/down of the kept neurons only.
 - :func:`cats_up`  — CATS's thresholded up step: the up rows of the neurons the gate keeps.
 
-All take a union batch of 1-32 tokens that share one index set (Knowl 12). :mod:`.bench` is the
-timing harness of ``kernels/bench_*.py`` (recorded in ``results/``);
-:mod:`dejavu_lab.report.kernels` draws those results for the chapter
+All take a union batch of 1-32 tokens that share one index set (Knowl 12).
+:mod:`dejavu_lab.kernel_bench` times them for ``kernels/bench_*.py`` (with the clocks of
+:mod:`dejavu_lab.timing`; recorded in ``results/``); :mod:`dejavu_lab.report.kernels` draws
+those results for the chapter
 ``notebooks/60_sparse_kernels.md``.
 
 A sparse MLP is the up kernel then the down kernel over one index set; keeping every neuron
@@ -31,20 +36,20 @@ True
 """
 
 from ._common import use_triton
-from .attention_core import query_slots, sparse_attention_core, sparse_attention_core_ref
-from .cats_mlp import cats_hidden, cats_mlp, cats_mlp_ref, cats_sums
-from .cats_up import cats_up, cats_up_ref
-from .epilogue import residual_norm, rope_sums
-from .fused_mlp import FUSED_ACTIVATIONS, fused_sparse_mlp, fused_sparse_mlp_ref
-from .kv_window import kv_window_write, kv_window_write_ref
-from .qkv_rope import qkv_rope, qkv_rope_ref
-from .rope import rope_, rope_ref
-from .row_norm import row_norm, row_norm_ref
-from .sparse_attention import sparse_attention, sparse_attention_ref
-from .sparse_mlp_down import sparse_mlp_down, sparse_mlp_down_ref
-from .sparse_mlp_up import ACTIVATIONS, sparse_mlp_up, sparse_mlp_up_ref
-from .threshold_gemv import threshold_gemv, threshold_gemv_ref
-from .threshold_tile import threshold_gemv_act, threshold_sums
+from .attention.core import query_slots, sparse_attention_core, sparse_attention_core_ref
+from .attention.kv_window import kv_window_write, kv_window_write_ref
+from .attention.sparse import sparse_attention, sparse_attention_ref
+from .cats.mlp import cats_hidden, cats_mlp, cats_mlp_ref, cats_sums
+from .cats.up import cats_up, cats_up_ref
+from .mlp.down import sparse_mlp_down, sparse_mlp_down_ref
+from .mlp.fused import FUSED_ACTIVATIONS, fused_sparse_mlp, fused_sparse_mlp_ref
+from .mlp.up import ACTIVATIONS, sparse_mlp_up, sparse_mlp_up_ref
+from .norm import row_norm, row_norm_ref
+from .rope.epilogue import residual_norm, rope_sums
+from .rope.qkv import qkv_rope, qkv_rope_ref
+from .rope.rotate import rope_, rope_ref
+from .threshold.fused import threshold_gemv_act, threshold_sums
+from .threshold.gemv import threshold_gemv, threshold_gemv_ref
 
 __all__ = [
     "cats_hidden",

@@ -1,16 +1,17 @@
-"""Tuned launch configurations, recorded on a GPU and read at run time (issue 12).
+"""Tuned launch configurations, recorded on a GPU and read at run time.
 
 ``kernels/bench_threshold_gemv.py --tune`` and ``kernels/bench_fused_mlp.py --tune`` time a few
 candidate tilings per (op, shape, kept fraction, batch) — d in {2048, 4096, 5120, 8192, 12288}
-— and record every timing in ``results/tuning_*.json`` with the usual provenance
-(:mod:`dejavu_lab.results`). At run time :func:`lookup` returns the fastest recorded config
+— and record every timing in ``dejavu_lab/kernels/tuned/tuning_*.json`` with the usual
+provenance (:mod:`dejavu_lab.results`). The tables are package data, inputs to the kernels
+rather than measurements, so an installed package reads the same ones as the repository. At run time :func:`lookup` returns the fastest recorded config
 for the nearest tuned point *on the same GPU model*; anything else (another GPU, an untuned
 shape, the CPU interpreter) gets ``None`` and the kernel's own heuristic. Any valid config
 computes the same function: tuning only decides the speed.
 
 Configs that reduce with atomics are skipped (see ``_safe``). ``DEJAVU_LAB_TUNING=off``
 disables the tables; ``DEJAVU_LAB_TUNING=/path/a.json:/path/b.json``
-reads those files instead of ``results/tuning_*.json``.
+reads those files instead of ``tuned/tuning_*.json``.
 """
 
 from __future__ import annotations
@@ -23,15 +24,16 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["best_table", "lookup", "reload", "tuning_files"]
+__all__ = ["TUNED_DIR", "best_table", "lookup", "reload", "tuning_files"]
 
 ENV = "DEJAVU_LAB_TUNING"
 ENV_ATOMIC = "DEJAVU_LAB_TUNING_ATOMIC"  # "1": also use recorded configs that reduce by atomics
 MAX_SHAPE_DISTANCE = 0.75  # |log d_in ratio| + |log d_out ratio| to borrow a nearby shape's config
+TUNED_DIR = Path(__file__).resolve().parent / "tuned"  # the tables, shipped as package data
 
 
 def tuning_files() -> list[Path]:
-    """The tuning tables read at run time (``results/tuning_*.json`` unless overridden).
+    """The tuning tables read at run time (``TUNED_DIR/tuning_*.json`` unless overridden).
 
     >>> all(p.name.startswith("tuning_") for p in tuning_files())
     True
@@ -41,16 +43,14 @@ def tuning_files() -> list[Path]:
         return []
     if env:
         return [Path(p).expanduser() for p in env.split(os.pathsep) if p]
-    from ..results import results_dir
-
-    return sorted(results_dir().glob("tuning_*.json"))
+    return sorted(TUNED_DIR.glob("tuning_*.json"))
 
 
 def _safe(cfg: dict) -> bool:
     """Atomic-reduction configs are never chosen at run time: on the H200 with Triton 3.6 they
     failed the benchmarks' correctness checks at some shapes and layouts (the tensor-core
     tiles of every kernel, all the fused MLP's one-launch tiles), while the serial and
-    two-launch reductions passed everywhere (``results/tuning_*.json`` keeps only
+    two-launch reductions passed everywhere (the tables keep only
     configs that passed their check at that point; ``DEJAVU_LAB_TUNING_ATOMIC=1`` allows them).
     """
     return cfg.get("reduce") != "atomic" and cfg.get("mode") != "atomic"

@@ -46,7 +46,8 @@ def load(*, live: bool | None = None, dims=(12288,), kept=(0.5, 0.2, 0.1, 0.05),
         if "tuning" in attn:  # the tile sweep's rows; the table rows have no flag
             attn = attn[attn["tuning"].isna()]
         return mlp, attn, prov, False
-    from ..kernels.bench import AttentionCase, MlpCase, attention_row, copy_ceiling, mlp_row
+    from ..kernel_bench import AttentionCase, MlpCase, attention_row, mlp_row
+    from ..timing import copy_ceiling
 
     prov = results.provenance("notebooks/60_sparse_kernels.md (live)")
     prov["copy_tbps"] = copy_ceiling()
@@ -197,7 +198,7 @@ def threshold_table(name: str = "threshold_gemv") -> tuple[pd.DataFrame, dict]:
     """The recorded threshold GEMV (TEAL/WINA's input-sparse layer) against dense cuBLAS, the
     compacting kernel and TEAL's published kernel, one row per (shape, batch, kept), and the
     run's provenance. ``ours`` is what the wrapper runs: the tile kernel for one token
-    (:mod:`dejavu_lab.kernels.threshold_tile`), the compacting kernel for a union batch.
+    (:mod:`dejavu_lab.kernels.threshold.tile`), the compacting kernel for a union batch.
 
     >>> t, prov = threshold_table()
     >>> list(t.columns[:4]), "gpu" in prov

@@ -5,7 +5,7 @@ TEAL's grid (Liu et al. 2024, ``liu2024teal``): program (j, i) owns output colum
 ``w_t = W.T``. It loads its slice of x (and of the thresholds), and then its weight tile with
 the rows of dropped entries masked off: a masked row costs no memory traffic. There is no
 loop and no row list, only thousands of short programs. That keeps far more loads in flight
-than :mod:`.threshold_gemv`'s compacting programs, which must scan their chunk of x before
+than :mod:`~dejavu_lab.kernels.threshold.gemv`'s compacting programs, which must scan their chunk of x before
 their first weight byte moves. The programs add their fp32 partial column sums into a
 per-device workspace with relaxed atomics. A second, small launch converts the sums to the
 output dtype (plus the bias) and zeroes the workspace for the next call.
@@ -15,9 +15,9 @@ Measured on an H200 (CUDA-graph replay, fp16, weights rotated through 4x the L2;
 against TEAL's own kernel at 17.7 / 15.4 / 14.8 (fp16 atomics into a zeroed output) and the
 compacting kernel at 24.0 / 14.7 / 11.8. At the engine's sites of Llama-2-13B and Llama-3-8B
 the best tiles run at 0.77-1.00 of the ideal at 50-60% kept
-(``results/tuning_threshold_gemv_engine.json``). Few rows kept favour the compacting kernel
+(``kernels/tuned/tuning_threshold_gemv_engine.json``). Few rows kept favour the compacting kernel
 (10% at 13824->5120: 17.4 against 13.7 µs), where thousands of nearly empty programs cost more
-than one scan: :func:`~.threshold_gemv.default_config` picks it for a ``kept`` hint of 0.2 or
+than one scan: :func:`~dejavu_lab.kernels.threshold.gemv.default_config` picks it for a ``kept`` hint of 0.2 or
 less.
 
 A union batch (2-32 tokens) has the same grid in :func:`threshold_tile_batch_kernel`: a row is
@@ -30,7 +30,7 @@ which union batches run by default
 The threshold may be one number (TEAL's rule: a Python float, passed as a kernel argument,
 which saves the threshold loads) or one per input column (WINA, a float32 tensor). The sums
 are order-dependent in fp32 (one rounding to fp16/bf16 at the end), so ``deterministic=True``
-callers of :func:`~.threshold_gemv.threshold_gemv` get the compacting kernel instead.
+callers of :func:`~dejavu_lab.kernels.threshold_gemv` get the compacting kernel instead.
 """
 
 from __future__ import annotations
@@ -39,18 +39,18 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _workspace
-from ._common import batch_block, check_rowmajor, dot_acc, upcast_dot, use_triton
-from ._reduce import take_zero
-from .fused_mlp import FUSED_ACTIVATIONS, _act, act_ref
-from .pdl import await_inputs, pdl_args
+from .. import _workspace
+from .._common import batch_block, dot_acc, upcast_dot
+from .._neurons import act
+from .._reduce import take_zero
+from ..pdl import await_inputs, pdl_args
 
-__all__ = ["fits", "launch", "threshold_finalize_kernel", "threshold_gemv_act", "threshold_sums",
-           "threshold_tile_batch_kernel", "threshold_tile_kernel"]  # fmt: skip
+__all__ = ["TILE_B1", "fits", "launch", "threshold_finalize_kernel", "threshold_tile_batch_kernel",
+           "threshold_tile_kernel"]  # fmt: skip
 
 INT32_MAX = 2**31 - 1
 # the batch-1 config: within a few percent of the best tile at every engine site of
-# Llama-2-13B and Llama-3-8B in the H200 sweep (``results/tuning_threshold_gemv_engine.json``)
+# Llama-2-13B and Llama-3-8B in the H200 sweep (``kernels/tuned/tuning_threshold_gemv_engine.json``)
 TILE_B1 = {"mode": "tile", "BLOCK_R": 128, "BLOCK_D": 64, "num_warps": 2}
 
 
@@ -86,7 +86,7 @@ def threshold_tile_kernel(
         a = tl.load(x_ptr + offs_r, mask=mask_r, other=0.0)
         if HAS_XBIAS:
             a += tl.load(xb_ptr + offs_r, mask=mask_r, other=0.0).to(tl.float32)
-        a = _act(a, ACT_X)
+        a = act(a, ACT_X)
         if KEEP_GATE:
             t = tl.load(thr_ptr + offs_r, mask=mask_r, other=float("inf"))
             gate_keep = (tl.abs(a) > t) & mask_r
@@ -171,7 +171,7 @@ def threshold_finalize_kernel(ws_ptr, b_ptr, out_ptr, N, stride_ob, HAS_BIAS: tl
     y = take_zero(ws_row + offs, mask)  # read, and leave zeros for the next launch
     if HAS_BIAS:
         y += tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    y = _act(y, ACT)
+    y = act(y, ACT)
     if GATED:
         u = take_zero(ws_row + N + offs, mask)
         if HAS_BIAS:
@@ -199,9 +199,9 @@ def launch(xb: torch.Tensor, w_t: torch.Tensor, thr, bias, out: torch.Tensor | N
     ``thr``: a float (one threshold) or an fp32 [d_in] tensor; ``cfg``: ``BLOCK_R``, ``BLOCK_D``,
     ``num_warps`` (and ``num_stages`` for a union batch; the finalize's block: ``fin_block``,
     default 1024); ``activation``: applied in the finalize (one of
-    :data:`~.fused_mlp.FUSED_ACTIVATIONS`). ``out=None`` skips the finalize: the fp32 sums are
+    :data:`~dejavu_lab.kernels.mlp.fused.FUSED_ACTIVATIONS`). ``out=None`` skips the finalize: the fp32 sums are
     left in the workspace, whose [B * d_out] view is returned, for an epilogue to take and
-    zero (:mod:`.epilogue`); else returns out. ``kind`` names the workspace (two sums may
+    zero (:mod:`~dejavu_lab.kernels.rope.epilogue`); else returns out. ``kind`` names the workspace (two sums may
     be alive at once). ``x_act`` (batch 1): xb is a previous launch's fp32 sums, finished here
     as ``x_act(xb + x_bias)`` (``x_gated``: ``act(gate) * up`` of its halves [1, 2 d_in]).
 
@@ -247,86 +247,3 @@ def launch(xb: torch.Tensor, w_t: torch.Tensor, thr, bias, out: torch.Tensor | N
         ACT=activation, GATED=gated, BLOCK=fin, num_warps=4, **pdl_args(ws.device),
     )  # fmt: skip
     return out
-
-
-def threshold_sums(x: torch.Tensor, w_t: torch.Tensor, thr, *, kind: str = "sums",
-                   x_act: str = "", x_gated: bool = False, x_bias=None,
-                   keep_gate: bool = False) -> torch.Tensor | None:  # fmt: skip
-    """One token's thresholded product ``sum_i [|x_i| > thr_i] x_i w_t[i]`` left as fp32 sums
-    [d_out] in the per-device workspace ``kind``, with no finalize: the caller's next launch
-    takes them and leaves zeros (:func:`~.epilogue.rope_sums`, :func:`~.epilogue.residual_norm`),
-    or the next GEMV into that workspace is wrong. With ``x_act`` (an activation), x is
-    itself a previous call's sums, finished in this kernel: ``x_act(x + x_bias)``, or with
-    ``x_gated`` ``act(gate) * up`` of x's halves, rounded to w_t's dtype before the threshold
-    — the MLP's hidden activations without their own launch (the caller then zeroes x).
-    ``keep_gate`` (with ``x_act``): CATS's rule instead of the threshold on x — row r is kept
-    iff ``|x_act(gate_r + bias_r)| > thr[r]`` (thr: fp32 [d_in], CATS's per-neuron thresholds).
-    Runs the tile config :func:`~.threshold_gemv.threshold_gemv` would pick for the shape;
-    returns None where it would not run the tile kernel (a union batch, the CPU without the
-    interpreter, a weight past int32 offsets, a tuned table that picks the compacting kernel):
-    call that instead. No input checks (the engine calls it inside a CUDA graph).
-
-    >>> import torch.nn.functional as F
-    >>> from dejavu_lab.kernels import threshold_gemv_ref
-    >>> x, w_t = torch.randn(1, 32).half(), (torch.randn(32, 16) / 4).half()
-    >>> ws = threshold_sums(x, w_t, 0.5, kind="hidden")  # CPU: under TRITON_INTERPRET=1
-    >>> torch.allclose(ws.half(), threshold_gemv_ref(x, w_t, 0.5)[0], atol=1e-2)
-    True
-    >>> w2 = (torch.randn(8, 4) / 4).half()  # a down projection of the 8 gated neurons
-    >>> h = (F.silu(ws[:8]) * ws[8:]).half()[None]
-    >>> y = threshold_sums(ws, w2, 0.1, x_act="silu", x_gated=True)
-    >>> torch.allclose(y.half(), threshold_gemv_ref(h, w2, 0.1)[0], atol=1e-2)
-    True
-    >>> _ = ws.zero_(), y.zero_()  # what the epilogues do
-    """
-    from .threshold_gemv import default_config
-
-    xb = x.view(1, -1) if x.dim() == 1 else x
-    if xb.shape[0] != 1 or not use_triton(x.device) or not fits(w_t):
-        return None
-    base = default_config(1, w_t.shape[0], w_t.shape[1], device=x.device)
-    if base.get("mode", "tile") != "tile":
-        return None
-    return launch(xb, w_t, thr, None, None, {**TILE_B1, **base}, kind=kind, x_act=x_act,
-                  x_gated=x_gated, x_bias=x_bias, keep_gate=keep_gate)  # fmt: skip
-
-
-def threshold_gemv_act(x: torch.Tensor, w_t: torch.Tensor, thr, *, activation: str,
-                       gated: bool, bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    """One token's thresholded MLP input projection with the activation fused into the
-    finalize: ``act(g) * u`` for ``w_t = [W_gate | W_up].T`` (gated), else ``act(x W^T + b)``.
-
-    x: [1, d] or [d] (fp16/bf16); w_t: [d, 2n] (gated) or [d, n]; thr: a float or fp32 [d].
-    Returns [1, n] (or [n]). Saves the activation's own launches (two for SwiGLU) against
-    :func:`~.threshold_gemv.threshold_gemv` followed by torch. Union batches and the CPU
-    without the interpreter run that pair.
-
-    >>> import torch.nn.functional as F
-    >>> from dejavu_lab.kernels import threshold_gemv_ref
-    >>> _ = torch.manual_seed(0)
-    >>> x = torch.randn(1, 32, dtype=torch.float16)
-    >>> w_t = torch.randn(32, 16, dtype=torch.float16) / 4  # gate and up of n = 8 neurons
-    >>> h = threshold_gemv_act(x, w_t, 0.5, activation="silu", gated=True)
-    >>> a = threshold_gemv_ref(x, w_t, 0.5).float()
-    >>> torch.allclose(h.float(), F.silu(a[:, :8]) * a[:, 8:], atol=1e-2)
-    True
-    """
-    from .threshold_gemv import threshold_gemv
-
-    if activation not in FUSED_ACTIVATIONS:
-        raise ValueError(f"activation {activation!r} is not one of {', '.join(FUSED_ACTIVATIONS)}.")
-    d_out = w_t.shape[-1]
-    if gated and d_out % 2:
-        raise ValueError(
-            f"a gated w_t needs an even number of columns (gate then up), got {d_out}."
-        )
-    xb = x.view(1, -1) if x.dim() == 1 else x
-    if xb.shape[0] != 1 or not use_triton(x.device) or not fits(w_t):
-        a = threshold_gemv(xb, w_t, thr, bias=bias)
-        h = act_ref(a[..., : d_out // 2] if gated else a, activation)
-        h = h * a[..., d_out // 2 :] if gated else h
-        return h.view(-1) if x.dim() == 1 else h
-    check_rowmajor("w_t", w_t)
-    out = torch.empty((1, d_out // 2 if gated else d_out), dtype=x.dtype, device=x.device)
-    launch(xb, w_t, thr, bias, out, {**TILE_B1}, activation=activation, gated=gated)
-    return out.view(-1) if x.dim() == 1 else out

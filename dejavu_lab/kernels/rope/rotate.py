@@ -6,7 +6,7 @@ the cos/sin rows and about six elementwise kernels per layer (chunk, negate, cat
 a sum, the write back); here it is one program per (token, rotated head), reading the cos/sin
 table at each token's position from a device tensor, so a CUDA graph replays it at any position.
 The engine's dense and thresholded attention blocks use it (the kept-heads block fuses the
-rotation into its projection instead: :mod:`.qkv_rope`).
+rotation into its projection instead: :mod:`~dejavu_lab.kernels.rope.qkv`).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import use_triton
-from .pdl import await_inputs, pdl_args
+from .._common import use_triton
+from ..pdl import await_inputs, pdl_args
 
 __all__ = ["rope_", "rope_kernel", "rope_ref"]
 

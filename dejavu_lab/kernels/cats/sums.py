@@ -1,16 +1,16 @@
 """One token's dense GEMV over a row-major weight, as split-K tiles summed with fp32 atomics.
 
 ``y = W x`` for W [n, d] (each output's weights one contiguous row, as
-:func:`~.cats_mlp.cats_mlp` stores the gate): program (j, i) loads the tile of rows
+:func:`~dejavu_lab.kernels.cats.mlp.cats_mlp` stores the gate): program (j, i) loads the tile of rows
 ``[j BLOCK_N, (j + 1) BLOCK_N)`` and columns ``[i BLOCK_K, (i + 1) BLOCK_K)`` with the slice of
 x it multiplies, and adds its ``BLOCK_N`` partial sums into a per-device fp32 workspace with
 relaxed atomics. No loop: thousands of short programs, each one tile, keep more loads in
 flight than a GEMV that loops over d. The sums are left in the workspace for the next launch
-to read and zero (:func:`~.cats_up.cats_up` with ``gate_sums=True``, or the residual
-epilogue after the down GEMV that finished them: :func:`~.cats_mlp.cats_sums`), so there is no
+to read and zero (:func:`~dejavu_lab.kernels.cats.up.cats_up` with ``gate_sums=True``, or the residual
+epilogue after the down GEMV that finished them: :func:`~dejavu_lab.kernels.cats.mlp.cats_sums`), so there is no
 finalize. The sums are order-dependent in fp32 (the atomics' order): not bitwise repeatable.
 
-This is the threshold tile kernel's grid (:mod:`.threshold_tile`) with every row kept and
+This is the threshold tile kernel's grid (:mod:`~dejavu_lab.kernels.threshold.tile`) with every row kept and
 the weight's other orientation. On an H200 (CUDA-graph replay, random fp16 weights rotated past
 the L2, batch 1; ``kernels/bench_cats_gate.py``, ``results/cats_gate.json``) it streamed CATS's
 dense gate at about the copy ceiling, 32.9 / 27.7 / 21.6 µs at Llama-2-13B's, Llama-3-8B's and
@@ -25,9 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _workspace
-from .fused_mlp import _act
-from .pdl import await_inputs, pdl_args
+from .. import _workspace
+from .._neurons import act
+from ..pdl import await_inputs, pdl_args
 
 __all__ = ["ROWS_B1", "rows_sums", "rows_sums_kernel"]
 
@@ -63,7 +63,7 @@ def rows_sums_kernel(
         if HAS_GBIAS:
             g += tl.load(gb_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         t = tl.load(thr_ptr + offs_n, mask=mask_n, other=float("inf"))
-        rows = (tl.abs(_act(g, ACT)) > t) & mask_n
+        rows = (tl.abs(act(g, ACT)) > t) & mask_n
     x = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0, eviction_policy="evict_last")
     w = tl.load(w_ptr + (offs_n.to(tl.int64)[:, None] * stride_w + offs_k[None, :]),
                 mask=rows[:, None] & mask_k[None, :], other=0.0,

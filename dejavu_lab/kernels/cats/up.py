@@ -1,7 +1,7 @@
 """CATS's middle step: given the dense gate, threshold it and read only the kept up rows.
 
 CATS (Lee et al. 2024, ``lee2024cats``) keeps neuron j of token b iff
-``|act(gate_j . x_b)| > thr[j]``. :func:`~.cats_mlp.cats_mlp` computes the gate of every
+``|act(gate_j . x_b)| > thr[j]``. :func:`~dejavu_lab.kernels.cats.mlp.cats_mlp` computes the gate of every
 neuron densely with cuBLAS (one contiguous GEMV over the gate rows: the fastest way to stream
 them), then this kernel, per block of ``BLOCK_N`` neurons, loads the gate values, forms the
 keep mask and reads the up rows (``w_gate_up[n + j]``, one contiguous row per neuron) only of
@@ -19,7 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (
+from .. import tuning
+from .._common import (
     as_batch,
     batch_block,
     check_device,
@@ -33,9 +34,9 @@ from ._common import (
     upcast_dot,
     use_triton,
 )
-from ._reduce import take_zero
-from .fused_mlp import FUSED_ACTIVATIONS, _act, _rows_dot, act_ref
-from .pdl import await_inputs, pdl_args
+from .._neurons import FUSED_ACTIVATIONS, act, act_ref, rows_dot
+from .._reduce import take_zero
+from ..pdl import await_inputs, pdl_args
 
 __all__ = ["cats_up", "cats_up_kernel", "cats_up_ref", "default_config"]
 
@@ -79,14 +80,14 @@ def cats_up_kernel(
             g += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
     else:
         g = tl.load(g_ptrs, mask=m2, other=0.0)
-    a = _act(g.to(tl.float32), ACT)  # [BLOCK_N, BLOCK_B]
+    a = act(g.to(tl.float32), ACT)  # [BLOCK_N, BLOCK_B]
     t = tl.load(thr_ptr + offs_n, mask=mask_n, other=float("inf"))
     keep = (tl.abs(a) > t[:, None]) & m2
     h = a
     if GATED:
         keep_n = tl.max(keep.to(tl.int32), axis=1) > 0  # a row is read if any token keeps it
         neu = offs_n.to(tl.int64) + N
-        u = _rows_dot(w_ptr + neu[:, None] * stride_w, x_ptr, offs_b, mask_b, keep_n, D,
+        u = rows_dot(w_ptr + neu[:, None] * stride_w, x_ptr, offs_b, mask_b, keep_n, D,
                       stride_xb, BLOCK_B, BLOCK_K, UPCAST)  # fmt: skip
         if HAS_BIAS:
             u += tl.load(b_ptr + neu, mask=mask_n, other=0.0).to(tl.float32)[:, None]
@@ -121,7 +122,7 @@ def cats_up_ref(x, w_gate_up, gate, thr, *, activation, b_in=None):
 
 def default_config(batch: int, d: int, n: int | None = None, *,
                    device: torch.device | None = None) -> dict:  # fmt: skip
-    """Launch configuration of :func:`cats_up`: tuned (:mod:`.tuning`, op ``"cats_up"``, written
+    """Launch configuration of :func:`cats_up`: tuned (:mod:`~dejavu_lab.kernels.tuning`, op ``"cats_up"``, written
     by ``kernels/bench_fused_mlp.py --tune``) when this GPU and shape were, else the H200
     sweep's choice at Llama shapes.
 
@@ -129,14 +130,12 @@ def default_config(batch: int, d: int, n: int | None = None, *,
     pipelined through shared memory, more bytes in flight than the FMA path's registers hold
     (H200, Llama-2-13B, 50% kept: 21.4 µs, 3.3 TB/s on the kept up rows, against 23.7 µs for
     the best FMA tiling; the fused-gate kernel spent 85 µs on gate and up together). A tuned
-    config may carry a ``"down"`` entry for :func:`~.cats_mlp.cats_mlp`'s down GEMV.
+    config may carry a ``"down"`` entry for :func:`~dejavu_lab.kernels.cats.mlp.cats_mlp`'s down GEMV.
 
     >>> default_config(1, 5120)
     {'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 5, 'dot': True}
     """
     if n is not None and device is not None:
-        from . import tuning
-
         tuned = tuning.lookup("cats_up", d, n, None, batch, device)
         if tuned is not None:
             return tuned
@@ -211,7 +210,7 @@ def cats_up(
 
 def launch(xb, w_gate_up, gate, thr, b_in, h, *, activation, cfg, gate_sums=False):
     """Launch the kernel on checked inputs (xb [B, d], gate and h [B, n] with unit column stride).
-    ``gate_sums``: gate is fp32 sums in a workspace (:func:`~.rows_sums.rows_sums`, no bias):
+    ``gate_sums``: gate is fp32 sums in a workspace (:func:`~dejavu_lab.kernels.cats.sums.rows_sums`, no bias):
     the kernel adds the gate's bias (``b_in[:n]``) and leaves zeros there.
 
     >>> x, w = torch.ones(1, 8, dtype=torch.float16), torch.ones(4, 8, dtype=torch.float16)

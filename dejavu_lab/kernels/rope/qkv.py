@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (
+from .._common import (
     as_batch,
     batch_block,
     check_device,

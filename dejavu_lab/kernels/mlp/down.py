@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (
+from .. import tuning
+from .._common import (
     as_batch,
     batch_block,
     check_device,
@@ -36,7 +37,8 @@ from ._common import (
     upcast_dot,
     use_triton,
 )
-from ._reduce import finish
+from .._neurons import expand_rows
+from .._reduce import finish
 
 __all__ = ["sparse_mlp_down", "sparse_mlp_down_kernel", "sparse_mlp_down_ref"]
 
@@ -182,9 +184,7 @@ def sparse_mlp_down_ref(h, weight_t, idx, *, bias=None, rows_per_index=1):
     >>> sparse_mlp_down_ref(torch.tensor([2.0, 3.0], dtype=torch.float16), w2t, torch.tensor([1, 3]))
     tensor([0., 2., 0., 3.], dtype=torch.float16)
     """
-    from .sparse_mlp_up import _expand
-
-    rows = _expand(idx, rows_per_index)
+    rows = expand_rows(idx, rows_per_index)
     y = h.float() @ weight_t[rows].float()
     if bias is not None:
         y = y + bias.float()
@@ -207,7 +207,7 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
 
 def default_config(batch: int, k: int, d: int, device: torch.device,
                    n_rows: int | None = None) -> dict:  # fmt: skip
-    """Tile shapes: tuned for this GPU and shape in results/tuning_*.json (:mod:`.tuning`,
+    """Tile shapes: tuned for this GPU and shape in kernels/tuned/tuning_*.json (:mod:`~dejavu_lab.kernels.tuning`,
     when ``n_rows`` is given), else from the H200 sweeps in results/sparse_mlp_tuning*.json
     (d = 12288), the configs results/sparse_mlp.json was measured with.
 
@@ -216,8 +216,6 @@ def default_config(batch: int, k: int, d: int, device: torch.device,
     (32, 256, True)
     """
     if n_rows:
-        from . import tuning
-
         tuned = tuning.lookup("sparse_mlp_down", n_rows, d, k / n_rows, batch, device)
         if tuned is not None:
             return tuned

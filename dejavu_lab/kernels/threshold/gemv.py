@@ -27,8 +27,8 @@ buffer with atomics and the last program converts it (order-dependent rounding, 
 atomic split-K). One split writes the output directly. The atomic mode is opt-in only: on
 the H200 with Triton 3.6 it failed correctness checks with the tensor-core tiles (batch > 1,
 ``dot``). The cause was the last program's load of the sums followed by its store of zeros,
-which raced across its threads; :func:`~._reduce.take_zero` now does both in one atomic and
-the GPU tests pass, but the tuned tables still skip atomic configs (:mod:`.tuning`).
+which raced across its threads; :func:`~dejavu_lab.kernels._reduce.take_zero` now does both in one atomic and
+the GPU tests pass, but the tuned tables still skip atomic configs (:mod:`~dejavu_lab.kernels.tuning`).
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _workspace, threshold_tile
-from ._common import (
+from .. import _workspace, tuning
+from .._common import (
     as_batch,
     batch_block,
     check_device,
@@ -53,7 +53,8 @@ from ._common import (
     upcast_dot,
     use_triton,
 )
-from ._reduce import split_reduce
+from .._reduce import split_reduce
+from . import tile
 
 __all__ = [
     "compact_config",
@@ -243,8 +244,8 @@ def threshold_gemv_ref(x, w_t, thr, *, bias=None):
 
 def default_config(batch: int, d_in: int, d_out: int, kept: float | None = None, *,
                    device: torch.device | None = None) -> dict:  # fmt: skip
-    """The launch configuration: a tuned one from ``results/tuning_*.json`` when this GPU
-    and shape were tuned (:mod:`.tuning`), else a heuristic sized to fill the GPU.
+    """The launch configuration: a tuned one from ``kernels/tuned/tuning_*.json`` when this GPU
+    and shape were tuned (:mod:`~dejavu_lab.kernels.tuning`), else a heuristic sized to fill the GPU.
 
     ``kept`` is the fraction of rows the caller expects to survive (a hint: the wrapper
     cannot know it without a host sync, so it passes ``None``, the config best on average
@@ -259,24 +260,22 @@ def default_config(batch: int, d_in: int, d_out: int, kept: float | None = None,
     >>> cfg["BLOCK_D"], cfg["reduce"], cfg["compact"]
     (128, 'serial', True)
     """
-    from . import tuning
-
     device = device or torch.device("cpu")
     tuned = tuning.lookup("threshold_gemv", d_in, d_out, kept, batch, device)
     if tuned is not None and (batch > 1 or tuned.get("mode") == "tile"
                               or (kept is not None and kept <= 0.2)):  # fmt: skip
         return tuned
     if batch == 1 and (kept is None or kept > 0.2):
-        # one masked tile per program (:mod:`.threshold_tile`): the faster kernel at every
+        # one masked tile per program (:mod:`~dejavu_lab.kernels.threshold.tile`): the faster kernel at every
         # engine site and at 20-60% kept on the H200; the older batch-1 tables tuned the
         # compacting kernel, which keeps the lead at 10% kept
-        return dict(threshold_tile.TILE_B1)
+        return dict(tile.TILE_B1)
     return compact_config(batch, device)
 
 
 def compact_config(batch: int, device: torch.device) -> dict:
     """The compacting kernel's heuristic config: the one the H200 sweep
-    (``results/tuning_threshold_gemv.json``) picks over every tuned kept fraction at the Llama
+    (``kernels/tuned/tuning_threshold_gemv.json``) picks over every tuned kept fraction at the Llama
     shapes (batch 1: many short FMA programs; union batches: tensor-core tiles).
 
     >>> compact_config(1, torch.device("cpu"))["programs"] > 0
@@ -366,7 +365,7 @@ def threshold_gemv(
     [d_out]. Returns [d_out] or [B, d_out]. A row is read when any token of the batch keeps
     it. No host sync and a launch shape fixed by the shapes: capturable in a CUDA graph (the
     first call of a shape allocates small per-device buffers; make it outside capture, on one
-    stream). One token runs :mod:`.threshold_tile` (one masked tile per program, fp32
+    stream). One token runs :mod:`~dejavu_lab.kernels.threshold.tile` (one masked tile per program, fp32
     atomics: order-dependent rounding; a union batch too with ``config={"mode": "tile"}``);
     union batches, ``config={"mode": "compact"}`` and
     ``deterministic=True`` run the compacting kernel, whose default serial reduction is
@@ -412,9 +411,9 @@ def threshold_gemv(
     mode = config.get("mode", base.get("mode", "compact"))
     if mode not in ("tile", "compact"):
         raise ValueError(f"config mode={mode!r} is not 'tile' or 'compact'.")
-    if mode == "tile" and not deterministic and threshold_tile.fits(w_t):
-        tile = base if base.get("mode") == "tile" else threshold_tile.TILE_B1
-        threshold_tile.launch(xb, w_t, thr, bias, res2, {**tile, **config})
+    if mode == "tile" and not deterministic and tile.fits(w_t):
+        tile_cfg = base if base.get("mode") == "tile" else tile.TILE_B1
+        tile.launch(xb, w_t, thr, bias, res2, {**tile_cfg, **config})
         return res
     # union batches, a bitwise-repeatable sum, a weight past int32 offsets: compacting
     if base.get("mode") == "tile":

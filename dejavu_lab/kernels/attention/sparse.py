@@ -7,7 +7,7 @@ query heads ``heads`` (shared by a union batch of 1-32 sequences, each with its 
 1. QKV projection of the selected heads' rows of ``W_QKV`` (``d_head`` rows per head) with
    :func:`sparse_mlp_up` (no activation). GQA-aware: a KV head is projected if any query head
    of its group is selected.
-2. :func:`~.attention_core.sparse_attention_core`: one program per (sequence, needed KV head,
+2. :func:`~dejavu_lab.kernels.attention.core.sparse_attention_core`: one program per (sequence, needed KV head,
    context split). It appends the new key/value to the cache at position ``seqlens - 1`` and
    attends for every selected query head of its group, reading each cached key/value once
    (online softmax, fp32).
@@ -30,7 +30,7 @@ import math
 
 import torch
 
-from ._common import (
+from .._common import (
     as_batch,
     check_device,
     check_float,
@@ -40,15 +40,9 @@ from ._common import (
     check_shape,
     use_triton,
 )
-from .attention_core import (  # noqa: F401  (the core's names stay importable from here)
-    _kv_heads,
-    sparse_attention_combine_kernel,
-    sparse_attention_core,
-    sparse_attention_core_ref,
-    sparse_attention_kernel,
-)
-from .sparse_mlp_down import sparse_mlp_down
-from .sparse_mlp_up import sparse_mlp_up
+from ..mlp.down import sparse_mlp_down
+from ..mlp.up import sparse_mlp_up
+from .core import needed_kv_heads, sparse_attention_core
 
 __all__ = ["sparse_attention", "sparse_attention_ref"]
 
@@ -205,7 +199,7 @@ def sparse_attention(
         res2.copy_(b_o.expand(batch, d) if b_o is not None else torch.zeros_like(res2))
         return res
     cfg = config or {}
-    kvh = _kv_heads(heads, n_heads, n_kv, kv_heads)
+    kvh = needed_kv_heads(heads, n_heads, n_kv, kv_heads)
     kv_blocks = heads if kvh is None else kvh
     qkv_idx = torch.cat([heads, kv_blocks + n_heads, kv_blocks + n_heads + n_kv])
     qkv = sparse_mlp_up(xb, w_qkv, qkv_idx, bias=b_qkv, activation="none", rows_per_index=dh,

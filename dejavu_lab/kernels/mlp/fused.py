@@ -8,23 +8,23 @@ rounded to the input dtype, as the model stores the activation; :func:`~.sparse_
 reads the same neurons' down rows (``W_down.T``, one contiguous row per neuron) and reduces
 them in a fixed order. Each byte of the kept weights is read once. Batch 1 uses FMAs; union
 batches (2-32 tokens, one kept set) ``tl.dot``. CATS runs through the same kernel
-(:mod:`.cats_mlp`).
+(:mod:`~dejavu_lab.kernels.cats.mlp`).
 
 A one-launch variant that accumulated the down rows with fp32 atomics (the last program to
 arrive converting the sums) was removed: measured on an H200 (Triton 3.6) it was slower than
 the two launches at every point checked (29.7 against 18.0 µs at Llama-2-7B, 10% kept,
 batch 1) and wrong with the tensor-core tiles (relative errors 0.2-0.4, see
-:mod:`.threshold_gemv` for the same defect in its atomic mode).
+:mod:`~dejavu_lab.kernels.threshold.gemv` for the same defect in its atomic mode).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._common import (
+from .. import tuning
+from .._common import (
     as_batch,
     batch_block,
     check_device,
@@ -39,7 +39,8 @@ from ._common import (
     upcast_dot,
     use_triton,
 )
-from .sparse_mlp_down import sparse_mlp_down
+from .._neurons import FUSED_ACTIVATIONS, act, act_ref, rows_dot
+from .down import sparse_mlp_down
 
 __all__ = [
     "FUSED_ACTIVATIONS",
@@ -51,50 +52,6 @@ __all__ = [
     "hidden_ref",
     "launch",
 ]
-
-# gelu: exact (erf) form, HF "gelu"; gelu_tanh: HF "gelu_pytorch_tanh" (Gemma's GeGLU)
-FUSED_ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "none")
-
-
-@triton.jit
-def _act(h, ACT: tl.constexpr):
-    if ACT == "relu":
-        h = tl.maximum(h, 0.0)
-    elif ACT == "gelu":
-        h = 0.5 * h * (1.0 + tl.erf(h * 0.7071067811865476))
-    elif ACT == "gelu_tanh":  # tanh(z) = 2 sigmoid(2z) - 1
-        z = 0.7978845608028654 * (h + 0.044715 * h * h * h)
-        h = h * tl.sigmoid(2.0 * z)
-    elif ACT == "silu":
-        h = h * tl.sigmoid(h)
-    return h
-
-
-@triton.jit
-def _rows_dot(rows, x_ptr, offs_b, mask_b, rmask, D, stride_xb,
-              BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
-    """[BLOCK_N, BLOCK_B] fp32: the rows (pointers [BLOCK_N, 1]) times each token's x."""
-    offs_k = tl.arange(0, BLOCK_K)
-    if BLOCK_B == 1:
-        acc = tl.zeros((rows.shape[0], BLOCK_K), tl.float32)
-        for k0 in range(0, D, BLOCK_K):
-            cols = k0 + offs_k
-            mk = cols < D
-            xk = tl.load(x_ptr + cols, mask=mk, other=0.0).to(tl.float32)
-            w = tl.load(rows + cols[None, :], mask=rmask[:, None] & mk[None, :], other=0.0,
-                        eviction_policy="evict_first")  # fmt: skip
-            acc += w.to(tl.float32) * xk[None, :]
-        res = tl.sum(acc, axis=1)[:, None]
-    else:
-        res = tl.zeros((rows.shape[0], BLOCK_B), tl.float32)
-        for k0 in range(0, D, BLOCK_K):
-            cols = k0 + offs_k
-            mk = cols < D
-            xt = tl.load(x_ptr + offs_b[:, None] * stride_xb + cols[None, :],
-                         mask=mask_b[:, None] & mk[None, :], other=0.0)  # fmt: skip
-            w = tl.load(rows + cols[None, :], mask=rmask[:, None] & mk[None, :], other=0.0)
-            res = dot_acc(w, tl.trans(xt), res, UPCAST)
-    return res
 
 
 @triton.jit
@@ -169,17 +126,17 @@ def fused_mlp_kernel(
         g, u = _gated_dot(g_rows, u_rows, x_ptr, offs_b, mask_b, mask_n, D, stride_xb,
                           BLOCK_B, BLOCK_K, UPCAST)  # fmt: skip
     else:
-        g = _rows_dot(g_rows, x_ptr, offs_b, mask_b, mask_n, D, stride_xb, BLOCK_B, BLOCK_K,
+        g = rows_dot(g_rows, x_ptr, offs_b, mask_b, mask_n, D, stride_xb, BLOCK_B, BLOCK_K,
                       UPCAST)  # fmt: skip
     if HAS_BIAS:
         g += tl.load(b_ptr + neu, mask=mask_n, other=0.0).to(tl.float32)[:, None]
-    a = _act(g, ACT)  # [BLOCK_N, BLOCK_B]
+    a = act(g, ACT)  # [BLOCK_N, BLOCK_B]
     if CATS:
         t = tl.load(thr_ptr + neu, mask=mask_n, other=float("inf"))
         keep = (tl.abs(a) > t[:, None]) & mask_b[None, :] & mask_n[:, None]
         keep_n = tl.max(keep.to(tl.int32), axis=1) > 0  # a row is read if any token keeps it
         if GATED:
-            u = _rows_dot(u_rows, x_ptr, offs_b, mask_b, keep_n, D, stride_xb, BLOCK_B, BLOCK_K,
+            u = rows_dot(u_rows, x_ptr, offs_b, mask_b, keep_n, D, stride_xb, BLOCK_B, BLOCK_K,
                           UPCAST)  # fmt: skip
     if GATED:
         if HAS_BIAS:
@@ -194,17 +151,6 @@ def fused_mlp_kernel(
 
 
 # ----------------------------------------------------------------------------- references
-def act_ref(h: torch.Tensor, activation: str) -> torch.Tensor:
-    """The activation in PyTorch (one of :data:`FUSED_ACTIVATIONS`).
-
-    >>> act_ref(torch.tensor([-1.0, 2.0]), "relu")
-    tensor([0., 2.])
-    """
-    if activation == "gelu_tanh":
-        return F.gelu(h, approximate="tanh")
-    return {"relu": torch.relu, "gelu": F.gelu, "silu": F.silu, "none": lambda t: t}[activation](h)
-
-
 def hidden_ref(x, w_in, n, *, activation, gated, b_in=None):
     """(act(gate) [B, n], up [B, n] or None) in fp32 for every neuron.
 
@@ -244,14 +190,12 @@ def fused_sparse_mlp_ref(x, w_in, w_down_t, idx, *, activation, gated, b_in=None
 # ------------------------------------------------------------------------------- wrappers
 def default_config(op: str, batch: int, d: int, k: int, n: int, *,
                    device: torch.device | None = None) -> dict:  # fmt: skip
-    """Launch configuration of ``op`` ("fused" or "cats"): tuned (:mod:`.tuning`) or heuristic.
+    """Launch configuration of ``op`` ("fused" or "cats"): tuned (:mod:`~dejavu_lab.kernels.tuning`) or heuristic.
 
     >>> cfg = default_config("fused", 1, 4096, 1101, 11008, device=torch.device("cpu"))
     >>> cfg["mode"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     ('two', 8, 1024)
     """
-    from . import tuning
-
     device = device or torch.device("cpu")
     name = "fused_mlp" if op == "fused" else "cats_mlp"
     tuned = tuning.lookup(name, d, n, k / max(n, 1), batch, device)

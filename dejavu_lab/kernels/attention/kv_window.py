@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import use_triton
+from .._common import use_triton
 
 __all__ = ["kv_window_write", "kv_window_write_kernel", "kv_window_write_ref"]
 

@@ -1,7 +1,7 @@
 """The decode step's epilogues with a threshold GEMV's sums finished inside them: RoPE after
 q/k/v, and the residual add with the next norm after o and down.
 
-The batch-1 threshold GEMV (:mod:`.threshold_tile`) leaves its output as fp32 sums in a
+The batch-1 threshold GEMV (:mod:`~dejavu_lab.kernels.threshold.tile`) leaves its output as fp32 sums in a
 workspace, and a finalize launch turns them into the output dtype (plus the bias). At
 Llama-2-13B with TEAL at 50% those finalizes cost 0.26 ms of a 4.4 ms step on an H200
 (``results/engine_profile.json``): 160 launches of ~1.6 µs, each followed by the op that reads
@@ -9,10 +9,10 @@ its output, a rotation or a residual add and a norm of one row. Here the op read
 itself and leaves zeros behind:
 
 - :func:`rope_sums`: ``qkv = rope(sums + bias)`` for the query and key blocks, the value
-  blocks copied: one launch instead of finalize + :func:`~.rope.rope_`;
+  blocks copied: one launch instead of finalize + :func:`~dejavu_lab.kernels.rope.rotate.rope_`;
 - :func:`residual_norm`: ``h = x + (src + bias)`` and ``y = norm(h)`` in one program over the
   row, from the sums or from an ordinary tensor (a cuBLAS output): one launch instead of
-  finalize + add + :func:`~.row_norm.row_norm` (two for the dense path: add + norm).
+  finalize + add + :func:`~dejavu_lab.kernels.norm.row_norm` (two for the dense path: add + norm).
 
 The residual is rounded to the model's dtype once, where the unfused path rounds the block's
 output and then the sum; the norm reads the rounded residual, as the unfused path does.
@@ -24,9 +24,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import next_pow2, use_triton
-from .pdl import await_inputs, pdl_args
-from .row_norm import KINDS, normed, row_norm_ref
+from .._common import next_pow2, use_triton
+from ..norm import KINDS, normed, row_norm_ref
+from ..pdl import await_inputs, pdl_args
+from .rotate import rope_ref
 
 __all__ = ["residual_norm", "residual_norm_kernel", "rope_sums", "rope_sums_kernel"]
 
@@ -92,7 +93,7 @@ def rope_sums(ws: torch.Tensor, bias, out: torch.Tensor, cos, sin, positions, *,
     at ``positions[0]`` with the [T, d_head] cos/sin tables (contiguous). No input checks (the
     engine calls it inside a CUDA graph); the CPU without the interpreter runs PyTorch.
 
-    >>> from dejavu_lab.kernels.rope import rope_ref
+    >>> from dejavu_lab.kernels import rope_ref
     >>> ws = torch.randn(3 * 4)  # 3 blocks of d_head = 4: q, k, v
     >>> cos, sin = torch.rand(8, 4).half(), torch.rand(8, 4).half()
     >>> out = torch.empty(1, 12, dtype=torch.float16)
@@ -103,8 +104,6 @@ def rope_sums(ws: torch.Tensor, bias, out: torch.Tensor, cos, sin, positions, *,
     """
     dh = cos.shape[-1]
     if not use_triton(ws.device):
-        from .rope import rope_ref
-
         y = ws if bias is None else ws + bias.float()
         out.copy_(rope_ref(y.to(out.dtype)[None], cos, sin, positions, n_rot=n_rot))
         ws.zero_()
@@ -164,7 +163,7 @@ def residual_norm(src: torch.Tensor, bias, residual: torch.Tensor, norm=None, *,
     (None: h only). ``src`` is a tensor in the model's dtype, or (``from_sums``) the fp32 sums
     of a threshold GEMV, left at zero; residual [1, N]. ``zero``: fp32 sums an earlier launch
     read without zeroing (the MLP's gate/up sums, finished inside the down GEMV:
-    :func:`~.threshold_tile.threshold_sums`), zeroed here by the launch's other programs. Returns (h, norm(h) or None), both new [1, N] tensors. No
+    :func:`~dejavu_lab.kernels.threshold.fused.threshold_sums`), zeroed here by the launch's other programs. Returns (h, norm(h) or None), both new [1, N] tensors. No
     input checks (the engine calls it inside a CUDA graph).
 
     >>> x = torch.randn(1, 96).half()

@@ -1,6 +1,6 @@
 """The attention core of one decoding step: append this token's K/V, attend the kept heads.
 
-:func:`sparse_attention_core` is step 2 of :func:`~.sparse_attention.sparse_attention` (Deja Vu
+:func:`sparse_attention_core` is step 2 of :func:`~dejavu_lab.kernels.attention.sparse.sparse_attention` (Deja Vu
 §4.2, Appendix E), on its own for callers that project and rotate Q/K/V themselves (the
 engine). ``sparse_attention_kernel`` runs one program per (sequence, needed KV head, context
 split): the query heads of the KV head's group are one tensor-core tile against the cache, so
@@ -22,14 +22,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import dot_acc, next_pow2, upcast_dot, use_triton
-from .pdl import await_inputs, pdl_args
+from .._common import dot_acc, next_pow2, upcast_dot, use_triton
+from ..pdl import await_inputs, pdl_args
 
 __all__ = [
     "sparse_attention_combine_kernel",
     "sparse_attention_core",
     "sparse_attention_core_ref",
     "sparse_attention_kernel",
+    "needed_kv_heads",
     "query_slots",
 ]
 
@@ -203,9 +204,13 @@ def _programs(device: torch.device) -> int:
     return 4 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _kv_heads(heads, n_heads, n_kv, kv_heads):
+def needed_kv_heads(heads, n_heads, n_kv, kv_heads):
     """The needed KV heads; None when each selected query head is its own KV head (multi-head
-    attention, unless the caller names them): then program s serves query head heads[s]."""
+    attention, unless the caller names them): then program s serves query head heads[s].
+
+    >>> needed_kv_heads(torch.tensor([0, 1, 5]), 8, 2, None)  # 4 query heads per KV head
+    tensor([0, 1])
+    """
     if kv_heads is not None:
         return kv_heads.to(heads.dtype)
     if n_heads == n_kv:
@@ -240,7 +245,7 @@ def sparse_attention_core_ref(qkv, k_cache, v_cache, seqlens, heads, *, n_heads,
     group = n_heads // n_kv
     scale = 1.0 / math.sqrt(dh) if scale is None else scale
     heads_l = heads.long()
-    kvh = _kv_heads(heads_l, n_heads, n_kv, kv_heads)
+    kvh = needed_kv_heads(heads_l, n_heads, n_kv, kv_heads)
     kvh = heads_l if kvh is None else kvh
     n_q, n_s = heads_l.numel(), kvh.numel()
     blocks = qkv.float().view(batch, n_q + 2 * n_s, dh)
@@ -314,7 +319,7 @@ def sparse_attention_core(
         return res
     cfg = config or {}
     group = n_heads // n_kv
-    kv_heads = _kv_heads(heads, n_heads, n_kv, kv_heads)
+    kv_heads = needed_kv_heads(heads, n_heads, n_kv, kv_heads)
     direct = kv_heads is None
     if direct:
         kv_heads, q_slot = heads, heads  # q_slot is not read

@@ -1,6 +1,6 @@
-"""Sparse decoding in batches end to end: tokens/s of B = 1..32 sequences, dense vs sparse (issue 13).
+"""Sparse decoding in batches end to end: tokens/s of B = 1..32 sequences, dense vs sparse.
 
-``python kernels/bench_engine.py --batch 1,4,8,16,32`` runs this file. Random-weight fp16 models
+The reusable half of ``python kernels/bench_engine.py --batch 1,4,8,16,32``. Random-weight fp16 models
 at real shapes (OPT-30B, Llama-3-8B), one CUDA graph per batch size, per model and prompt:
 
 - ``dense``  — :class:`dejavu_lab.engine.BatchDecoder` with every neuron and head;
@@ -23,7 +23,7 @@ reason (a ``skip`` row). The timed steps start from the prompt length with the c
 correctness check at each model's real shape comes first: batched vs batch-1 logits (dense, and
 per-sequence heads), graph replay vs eager steps. Results: ``results/engine_batch.json``.
 
-    python kernels/bench_engine.py --batch 1,4,8,16,32 --models llama-3-8b,opt-30b \\
+    python kernels/bench_engine.py --batch 1,4,8,16,32 --models llama-3-8b,opt-30b \
         --prompts 512,2048 --name engine_batch
     python kernels/bench_engine.py --batch 1,4 --quick          # CPU plumbing check, tiny shapes
 """
@@ -32,22 +32,31 @@ from __future__ import annotations
 
 import functools
 import gc
-import time
 
 import torch
-from bench_engine import build, copy_ceiling, cuda, graph_ms, relerr, timed
 
-from dejavu_lab import results
-from dejavu_lab.engine import BatchDecoder, Decoder, SparseConfig, decoder_weights
-from dejavu_lab.engine.batch_quality import union_means
+from .engine import BatchDecoder, Decoder, SparseConfig, decoder_weights
+from .engine.batch_quality import union_means
+from .engine_bench import build
+from .timing import cuda, graph_ms, relerr, timed
+
+__all__ = [
+    "SPARSITY",
+    "TARGET_PROMPT",
+    "UNION",
+    "batch_bytes",
+    "bench_model",
+    "print_table",
+]
 
 SPARSITY = {"opt": (0.85, 0.5), "llama": (0.5, 0.5)}  # per sequence (MLP, heads) removed
+
 UNION = {"opt": 0.3, "llama": 0.5}  # the union budget: fraction of MLP neurons a step reads
-TARGET_PROMPT = {"opt": 512, "llama": 2048}  # issue 13's targets (sparse_uncapped runs there)
-ROWS: list[dict] = []
+
+TARGET_PROMPT = {"opt": 512, "llama": 2048}  # the target prompts (sparse_uncapped runs there)
 
 
-def kept_sets(dec: BatchDecoder, B: int, seed: int = 0) -> None:
+def _kept_sets(dec: BatchDecoder, B: int, seed: int = 0) -> None:
     """Random per-sequence sets for every layer; on GQA models whole KV groups of heads."""
     a, g = dec.arch, torch.Generator().manual_seed(seed)
     group = a.n_heads // a.n_kv_heads
@@ -67,7 +76,14 @@ def batch_bytes(arch, *, vocab, d_embed, B, context, mlp_read=1.0, q_read=1.0, k
                 cache_kept=1.0, esize=2) -> dict:  # fmt: skip
     """Bytes one batched step reads: the union's weight rows once for the batch (``q_read``:
     W_Q/W_O rows, ``kv_read``: W_K/W_V rows, ``mlp_read``: neurons), each sequence's kept share
-    of its own KV cache (``cache_kept``), and ``lm_head``."""
+    of its own KV cache (``cache_kept``), and ``lm_head``.
+
+    >>> from types import SimpleNamespace
+    >>> arch = SimpleNamespace(n_layers=2, d_model=8, d_mlp=32, d_head=4, n_heads=2, n_kv_heads=2,
+    ...                        gated=False)
+    >>> batch_bytes(arch, vocab=100, d_embed=8, B=1, context=10)
+    {'attention': 1024.0, 'mlp': 2048.0, 'kv_cache': 640.0, 'lm_head': 1600, 'total': 5312.0}
+    """
     L, d, n, dh = arch.n_layers, arch.d_model, arch.d_mlp, arch.d_head
     q_rows, kv_rows = arch.n_heads * dh, arch.n_kv_heads * dh
     parts = {
@@ -80,7 +96,7 @@ def batch_bytes(arch, *, vocab, d_embed, B, context, mlp_read=1.0, q_read=1.0, k
     return parts
 
 
-def fits(arch, prompt: int, new: int, window: int, reserve: float) -> int:
+def _fits(arch, prompt: int, new: int, window: int, reserve: float) -> int:
     """How many sequences' KV caches fit in the free GPU memory (every batch size on CPU)."""
     if not cuda():
         return 32
@@ -89,16 +105,16 @@ def fits(arch, prompt: int, new: int, window: int, reserve: float) -> int:
     return max(0, int((free - reserve) // per_seq))
 
 
-def forced(dec, prompts, cont) -> torch.Tensor:
+def _forced(dec, prompts, cont) -> torch.Tensor:
     out = [dec.prefill(prompts)] + [dec.step(cont[:, t]).clone() for t in range(cont.shape[1])]
     return torch.stack(out, 1).float()
 
 
-def forced_alone(dec, prompt, cont) -> torch.Tensor:
+def _forced_alone(dec, prompt, cont) -> torch.Tensor:
     return torch.cat([dec.prefill(prompt[None])] + [dec.step(int(t)).clone() for t in cont]).float()
 
 
-def check(w, arch, base: dict, vocab: int, device: str) -> None:
+def _check(w, arch, base: dict, vocab: int, device: str, rows: list[dict]) -> None:
     """At the model's real shape: batched vs batch-1 logits (dense; sparse heads per sequence,
     MLP whole), and graph replays vs eager steps (sparse with the union), relative errors."""
     g = torch.Generator().manual_seed(1)
@@ -107,24 +123,24 @@ def check(w, arch, base: dict, vocab: int, device: str) -> None:
     cont = torch.randint(0, vocab, (len(lengths), 6), generator=g).to(device)
     ms_, hs_ = base["mlp_sparsity"], base["head_sparsity"]
     row = {**base, "kind": "check"}
-    dense = forced(BatchDecoder(w, max_seq_len=80, max_batch=4), prompts, cont)
-    alone = [forced_alone(Decoder(w, max_seq_len=80), p, cont[b]) for b, p in enumerate(prompts)]
+    dense = _forced(BatchDecoder(w, max_seq_len=80, max_batch=4), prompts, cont)
+    alone = [_forced_alone(Decoder(w, max_seq_len=80), p, cont[b]) for b, p in enumerate(prompts)]
     row["dense_batch_vs_batch1"] = max(relerr(dense[b], a) for b, a in enumerate(alone))
     sp = SparseConfig(0.0, hs_)
     heads = BatchDecoder(w, max_seq_len=80, max_batch=4, sparse=sp)
-    kept_sets(heads, 4)
-    got = forced(heads, prompts, cont)
+    _kept_sets(heads, 4)
+    got = _forced(heads, prompts, cont)
     errs = []
     for b, p in enumerate(prompts):
         one = Decoder(w, max_seq_len=80, sparse=sp)
         for i in range(arch.n_layers):
             one.set_indices(i, heads=heads.seq_heads[i, b])
-        errs.append(relerr(got[b], forced_alone(one, p, cont[b])))
+        errs.append(relerr(got[b], _forced_alone(one, p, cont[b])))
     row["heads_batch_vs_alone"] = max(errs)
     full = BatchDecoder(w, max_seq_len=80, max_batch=4, sparse=SparseConfig(ms_, hs_),
                         union_budget=base["union_budget"])  # fmt: skip
-    kept_sets(full, 4)
-    eager = forced(full, prompts, cont)
+    _kept_sets(full, 4)
+    eager = _forced(full, prompts, cont)
     if cuda():
         full.prefill(prompts)
         full.capture()
@@ -132,17 +148,17 @@ def check(w, arch, base: dict, vocab: int, device: str) -> None:
         row["graph_vs_eager"] = relerr(torch.stack(replay, 1).float(), eager[:, 1:])
     row["check_ok"] = all(v < 3e-2 for k, v in row.items() if k.endswith(("_vs_batch1", "_vs_alone",
                                                                           "_vs_eager")))  # fmt: skip
-    ROWS.append(row)
+    rows.append(row)
     print("check", {k: (f"{v:.1e}" if isinstance(v, float) else v) for k, v in row.items()})
 
 
-def time_variant(w, arch, engine, sparse, budget, prompt, batches, new, ceiling, base, vocab,
-                 d_embed, dense_ops) -> None:  # fmt: skip
+def _time_variant(w, arch, engine, sparse, budget, prompt, batches, new, ceiling, base, vocab,
+                 d_embed, dense_ops, rows: list[dict]) -> None:  # fmt: skip
     """One decoder of the largest batch; each batch size rewound, captured and timed."""
     dec = BatchDecoder(w, max_seq_len=prompt + new + 2, max_batch=max(batches), sparse=sparse,
                        union_budget=budget, dense_ops=None if sparse else dense_ops)  # fmt: skip
     if sparse is not None:
-        kept_sets(dec, max(batches))
+        _kept_sets(dec, max(batches))
     for B in batches:
         row = {**base, "kind": "batch", "engine": engine, "prompt": prompt, "batch": B,
                "union_budget": budget if sparse else None}  # fmt: skip
@@ -157,7 +173,7 @@ def time_variant(w, arch, engine, sparse, budget, prompt, batches, new, ceiling,
             ms = timed(functools.partial(dec.decode, new)) / new
         except Exception as exc:  # record and go on: one failure must not lose the run
             print(f"{base['model']} {engine} prompt {prompt} B={B} failed: {exc!r}")
-            ROWS.append({**row, "error": repr(exc)[:300]})
+            rows.append({**row, "error": repr(exc)[:300]})
             continue
         row.update(ms_per_step=ms, tokens_per_s=B * 1e3 / ms, window=dec.W)
         kw = {}
@@ -174,7 +190,7 @@ def time_variant(w, arch, engine, sparse, budget, prompt, batches, new, ceiling,
         row["of_ceiling"] = row["tbps"] / ceiling if ceiling == ceiling else None
         for part, fn in dec.parts().items():
             row[f"part_{part}_ms"] = graph_ms(fn)
-        ROWS.append(row)
+        rows.append(row)
         print(f"{base['model']:>11} {engine:>15} prompt {prompt:5d} B={B:2d}: {ms:7.3f} ms/step "
               f"{row['tokens_per_s']:9.0f} tok/s {row['tbps']:.2f} TB/s"
               + (f" union mlp {row['mlp_union']:.0%} (read {row['mlp_read']:.0%}), heads "
@@ -186,7 +202,20 @@ def time_variant(w, arch, engine, sparse, budget, prompt, batches, new, ceiling,
 
 
 def bench_model(preset, prompts, batches, new, ceiling, device, *, union_budget=None,
-                uncapped_at=None, dense_ops=None, reserve=6e9, do_check=True) -> None:  # fmt: skip
+                uncapped_at=None, dense_ops=None, reserve=6e9, do_check=True, sparsity=None,
+                rows: list[dict]) -> None:  # fmt: skip
+    """Time ``dense``, ``sparse`` (and at the target prompt ``sparse_uncapped``) on ``preset`` at
+    each prompt and batch size, appending one row per (variant, prompt, batch) to ``rows``; the
+    correctness check first (``do_check``); batch sizes whose KV cache does not fit, and prompts
+    past the model's positions, are recorded as ``skip`` rows. ``sparsity``: the (MLP, heads)
+    fractions removed (default: the family's, :data:`SPARSITY`).
+
+    >>> rows = []
+    >>> bench_model("tiny-opt", [4096], [1], 4, float("nan"), "cpu", do_check=False, rows=rows)
+    tiny-opt prompt 4096: skipped: prompt 4096 + 4 new tokens pass the model's 2048 positions
+    >>> [r["kind"] for r in rows]
+    ['skip']
+    """
     model, arch = build(preset, device)
     vocab, d_embed = model.get_output_embeddings().weight.shape
     w = decoder_weights(model, arch)
@@ -194,16 +223,16 @@ def bench_model(preset, prompts, batches, new, ceiling, device, *, union_budget=
     gc.collect()
     if cuda():
         torch.cuda.empty_cache()
-    ms_, hs_ = SPARSITY[arch.family]
+    ms_, hs_ = sparsity or SPARSITY[arch.family]
     budget = union_budget if union_budget is not None else UNION[arch.family]
     base = {"model": preset, "family": arch.family, "mlp_sparsity": ms_, "head_sparsity": hs_,
             "union_budget": budget, "new_tokens": new}  # fmt: skip
     if do_check:
         try:
-            check(w, arch, base, vocab, device)
+            _check(w, arch, base, vocab, device, rows)
         except Exception as exc:
             print(f"{preset} check failed: {exc!r}")
-            ROWS.append({**base, "kind": "check", "error": repr(exc)[:300]})
+            rows.append({**base, "kind": "check", "error": repr(exc)[:300]})
     target = TARGET_PROMPT.get(arch.family) if uncapped_at is None else uncapped_at
     for prompt in prompts:
         if prompt + new + 2 > w.max_positions:  # e.g. OPT's 2048 positions at prompt 2048
@@ -211,35 +240,40 @@ def bench_model(preset, prompts, batches, new, ceiling, device, *, union_budget=
                 f"prompt {prompt} + {new} new tokens pass the model's {w.max_positions} positions"
             )
             print(f"{preset} prompt {prompt}: skipped: {reason}")
-            ROWS.append({**base, "kind": "skip", "prompt": prompt, "reason": reason})
+            rows.append({**base, "kind": "skip", "prompt": prompt, "reason": reason})
             continue
         window = SparseConfig().kv_window
-        n_fit = fits(arch, prompt, new, window, reserve)
+        n_fit = _fits(arch, prompt, new, window, reserve)
         run = [b for b in batches if b <= n_fit]
         for b in sorted(set(batches) - set(run)):
             reason = (f"the KV cache of {b} sequences of {prompt + new} tokens does not fit in "
                       f"the GPU memory left ({n_fit} would)")  # fmt: skip
             print(f"{preset} prompt {prompt} B={b}: skipped: {reason}")
-            ROWS.append({**base, "kind": "skip", "prompt": prompt, "batch": b, "reason": reason})
+            rows.append({**base, "kind": "skip", "prompt": prompt, "batch": b, "reason": reason})
         if not run:
             continue
         variants = [("dense", None, None), ("sparse", SparseConfig(ms_, hs_), budget)]
         if prompt == target:
             variants.append(("sparse_uncapped", SparseConfig(ms_, hs_), None))
         for engine, sparse, b in variants:
-            time_variant(w, arch, engine, sparse, b, prompt, run, new, ceiling, base, vocab,
-                         d_embed, dense_ops)  # fmt: skip
+            _time_variant(w, arch, engine, sparse, b, prompt, run, new, ceiling, base, vocab,
+                         d_embed, dense_ops, rows)  # fmt: skip
     del w
     gc.collect()
     if cuda():
         torch.cuda.empty_cache()
 
 
-def print_table() -> None:
-    """Tokens/s per (model, prompt, batch): dense, sparse and the ratio; the issue's targets."""
-    rows = [r for r in ROWS if r.get("kind") == "batch" and "error" not in r]
+def print_table(rows: list[dict]) -> None:
+    """Tokens/s per (model, prompt, batch): dense, sparse and the ratio, the bytes of a step, the
+    attention's share of the parts and the MLP union.
+
+    >>> print_table([])  # doctest: +NORMALIZE_WHITESPACE
+    <BLANKLINE>
+    model prompt B dense tok/s sparse tok/s x uncapped x GB/step attn share mlp union
+    """
     by = {}
-    for r in rows:
+    for r in (r for r in rows if r.get("kind") == "batch" and "error" not in r):
         by.setdefault((r["model"], r["prompt"], r["batch"]), {})[r["engine"]] = r
     print(f"\n{'model':>11} {'prompt':>6} {'B':>3} {'dense tok/s':>11} {'sparse tok/s':>12} "
           f"{'x':>5} {'uncapped x':>10} {'GB/step':>8} {'attn share':>10} {'mlp union':>9}")  # fmt: skip
@@ -253,39 +287,6 @@ def print_table() -> None:
         print(f"{m:>11} {p:6d} {b:3d} {d['tokens_per_s']:11.0f} {s['tokens_per_s']:12.0f} "
               f"{x:5.2f} {ux} {s['bytes_total'] / 1e9:8.2f} {share:10.0%} "
               f"{s['mlp_union']:9.0%}")  # fmt: skip
-    for r in ROWS:
+    for r in rows:
         if "error" in r:
             print(f"error: {r.get('model')} {r.get('engine', r.get('kind'))}: {r['error'][:160]}")
-
-
-def run(args, command: str) -> None:
-    """The ``--batch`` run of ``bench_engine.py`` (its parsed arguments)."""
-    device = "cuda" if cuda() else "cpu"
-    batches = sorted({int(b) for b in args.batch.split(",")})
-    if not all(1 <= b <= 32 for b in batches):
-        raise SystemExit("--batch takes batch sizes in 1..32, e.g. 1,4,8,16,32.")
-    models = args.models.split(",") if not args.quick else ["tiny-opt", "tiny-llama"]
-    prompts = [int(p) for p in (args.prompts or "512,2048").split(",")]
-    if args.quick:
-        prompts = [int(p) for p in args.prompts.split(",")] if args.prompts else [8, 16]
-        SPARSITY.update({"opt": (0.5, 0.5), "llama": (0.5, 0.5)})
-        UNION.update({"opt": 0.5, "llama": 0.5})
-        TARGET_PROMPT.update({"opt": prompts[-1], "llama": prompts[-1]})
-    new = args.new_tokens if not args.quick else 4
-    ceiling = copy_ceiling()
-    print(f"copy ceiling: {ceiling:.2f} TB/s")
-    for preset in models:
-        t0 = time.perf_counter()
-        try:
-            bench_model(preset, prompts, batches, new, ceiling, device,
-                        union_budget=args.union_budget, dense_ops=args.dense_ops,
-                        do_check=not args.no_check)  # fmt: skip
-        except Exception as exc:
-            print(f"{preset} failed: {exc!r}")
-            ROWS.append({"kind": "batch", "model": preset, "error": repr(exc)[:300]})
-            gc.collect()
-            torch.cuda.empty_cache() if cuda() else None
-        print(f"{preset}: {time.perf_counter() - t0:.0f} s")
-        results.save(args.name, ROWS, command=command, extra={"copy_tbps": ceiling})
-    print_table()
-    print(f"wrote {results.save(args.name, ROWS, command=command, extra={'copy_tbps': ceiling})}")

@@ -5,15 +5,15 @@ calibrated for a target sparsity) and computes up and down only for the kept neu
 launches, each streaming one contiguous weight block at close to the copy ceiling:
 
 1. the gate of every neuron densely, over the gate rows (``w_gate_up[:n]``) in fp32: for one
-   token as split-K tiles whose sums stay in a workspace (:func:`~.rows_sums.rows_sums`, at
+   token as split-K tiles whose sums stay in a workspace (:func:`~dejavu_lab.kernels.cats.sums.rows_sums`, at
    about the copy ceiling on an H200 where cuBLAS reaches 0.91-0.95 of it at the Llama-2-13B
    and Llama-3-8B shapes; ``SPLIT_GATE = False`` runs cuBLAS instead), for a union batch by
    cuBLAS with an fp32 output (:func:`dense_gate`);
-2. :func:`~.cats_up.cats_up`: the threshold (taking and zeroing the gate's sums, plus its
+2. :func:`~dejavu_lab.kernels.cats.up.cats_up`: the threshold (taking and zeroing the gate's sums, plus its
    bias), and the up rows of the kept neurons only (masked row loads: a dropped row costs no
    memory traffic), ``h`` zero where dropped;
 3. :func:`~.threshold_gemv` over the nonzero entries of ``h``: the kept down rows. One token
-   runs its tile kernel (:mod:`.threshold_tile`: fp32 atomics, so the rounding depends on the
+   runs its tile kernel (:mod:`~dejavu_lab.kernels.threshold.tile`: fp32 atomics, so the rounding depends on the
    order the programs add in); a union batch the compacting kernel, reduced in a fixed order.
 
 Launch shapes fixed by the shapes, no host sync (CUDA-graph capturable). With the split-K gate
@@ -22,7 +22,7 @@ Llama-2-13B's shape and 62.2 at Llama-3-8B's (cuBLAS's gate: 75.8 / 66.9;
 ``results/cats_gate.json``). Earlier, with the down step on the compacting kernel: 84 µs
 against the dense MLP's 110 at Llama-2-13B (gate 37 + up 21 + down 24 µs), 71 against 94 at
 Llama-3-8B; the earlier path, whose one Triton kernel computed the gate and the masked up rows
-together (:func:`~.fused_mlp.fused_mlp_kernel` with ``CATS=True``, ~2.5
+together (:func:`~dejavu_lab.kernels.mlp.fused.fused_mlp_kernel` with ``CATS=True``, ~2.5
 TB/s on the gate rows against cuBLAS's ~3.8), took 113 / 95 µs. ``config={"fused_gate":
 True}`` still runs it, for comparison. Union batches are not tuned: at 16 tokens (spread
 around one input) both paths took about twice the dense MLP (235 and 230 against 120 µs).
@@ -32,14 +32,14 @@ from __future__ import annotations
 
 import torch
 
-from . import _workspace
-from ._common import check_device, check_thr, output, use_triton
-from .cats_up import cats_up
-from .cats_up import default_config as up_config
-from .cats_up import launch as up_launch
-from .fused_mlp import check_mlp, check_mode, default_config, hidden_ref, launch
-from .rows_sums import rows_sums
-from .threshold_gemv import threshold_gemv
+from .. import _workspace
+from .._common import check_device, check_thr, output, use_triton
+from ..mlp.fused import check_mlp, check_mode, default_config, hidden_ref, launch
+from ..threshold.gemv import threshold_gemv
+from .sums import rows_sums
+from .up import cats_up
+from .up import default_config as up_config
+from .up import launch as up_launch
 
 __all__ = ["SPLIT_GATE", "cats_hidden", "cats_mlp", "cats_mlp_ref", "cats_sums", "dense_gate"]
 
@@ -71,7 +71,7 @@ def cats_hidden(xb: torch.Tensor, w_gate_up: torch.Tensor, thr: torch.Tensor, *,
     with ``|act(gate)| > thr``, zeros elsewhere — the first two of :func:`cats_mlp`'s steps on
     checked inputs (xb [B, d] fp16/bf16 on a GPU or under the interpreter), for a caller that
     runs the down GEMV itself (the engine's fused step:
-    :func:`~.threshold_tile.threshold_sums` with threshold 0). Elsewhere (the CPU without
+    :func:`~dejavu_lab.kernels.threshold.fused.threshold_sums` with threshold 0). Elsewhere (the CPU without
     the interpreter) PyTorch computes the same.
 
     >>> x = torch.tensor([[1.0, 2.0]], dtype=torch.float16)
@@ -106,8 +106,8 @@ def cats_sums(xb: torch.Tensor, w_gate_up: torch.Tensor, thr: torch.Tensor, *, a
               n: int, b_in=None) -> torch.Tensor | None:  # fmt: skip
     """One token's gate and kept up rows as fp32 sums [gate | up] ([2n]; fc1: [n]) in the
     workspace ``"hidden"``, for a down GEMV that finishes them as it loads them
-    (:func:`~.threshold_tile.threshold_sums` with ``x_act``, ``x_gated`` and ``keep_gate``;
-    its caller then zeroes them). Two split-K launches (:func:`~.rows_sums.rows_sums`): the
+    (:func:`~dejavu_lab.kernels.threshold.fused.threshold_sums` with ``x_act``, ``x_gated`` and ``keep_gate``;
+    its caller then zeroes them). Two split-K launches (:func:`~dejavu_lab.kernels.cats.sums.rows_sums`): the
     gate of every neuron, then the up rows of the neurons with ``|act(gate + b)| > thr`` only.
     None where this path does not run (a union batch, the CPU without the interpreter,
     ``SPLIT_GATE = False``): use :func:`cats_hidden` there.
@@ -172,7 +172,7 @@ def cats_mlp(
     w_down_t: [n, d]; thr: fp32 [n]. Neuron j counts for token b iff
     ``|act(gate_j . x_b)| > thr[j]``; its up and down rows are read iff some token keeps it.
     No host sync, launch shape fixed by the shapes (CUDA-graph capturable). Three steps
-    (:func:`dense_gate`, :func:`~.cats_up.cats_up`, :func:`~.threshold_gemv`); a union batch
+    (:func:`dense_gate`, :func:`~dejavu_lab.kernels.cats.up.cats_up`, :func:`~.threshold_gemv`); a union batch
     gets the same bits on every call, one token's down step sums with fp32 atomics
     (``deterministic=True``: the compacting kernel, bitwise repeatable, slower).
     ``config`` overrides the up kernel's tiles (``"down"``: the down GEMV's; ``"fused_gate":

@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (
+from .. import tuning
+from .._common import (
     as_batch,
     batch_block,
     check_device,
@@ -36,7 +37,7 @@ from ._common import (
     upcast_dot,
     use_triton,
 )
-from .fused_mlp import _act
+from .._neurons import act, expand_rows
 
 __all__ = ["ACTIVATIONS", "sparse_mlp_up", "sparse_mlp_up_kernel", "sparse_mlp_up_ref"]
 
@@ -146,20 +147,13 @@ def sparse_mlp_up_kernel(
         u = acc_u
     if HAS_BIAS:
         h += tl.load(b_ptr + rows, mask=mask_n, other=0.0).to(tl.float32)[:, None]
-    h = _act(h, ACT)
+    h = act(h, ACT)
     if GATED:
         if HAS_UP_BIAS:
             u += tl.load(bu_ptr + rows, mask=mask_n, other=0.0).to(tl.float32)[:, None]
         h = h * u
     out_ptrs = out_ptr + offs_b[None, :] * stride_ob + offs_n[:, None]
     tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_b[None, :])
-
-
-def _expand(idx: torch.Tensor, g: int) -> torch.Tensor:
-    """Block indices -> row indices (block i covers rows i*g .. i*g+g-1)."""
-    if g == 1:
-        return idx.long()
-    return (idx.long()[:, None] * g + torch.arange(g, device=idx.device)).reshape(-1)
 
 
 def sparse_mlp_up_ref(
@@ -171,7 +165,7 @@ def sparse_mlp_up_ref(
     >>> sparse_mlp_up_ref(torch.ones(3, dtype=torch.float16), w, torch.tensor([0, 3]))
     tensor([ 0., 15.], dtype=torch.float16)
     """
-    rows = _expand(idx, rows_per_index)
+    rows = expand_rows(idx, rows_per_index)
     xf = x.float()
     h = xf @ weight[rows].float().T
     if bias is not None:
@@ -192,7 +186,7 @@ def sparse_mlp_up_ref(
 
 def default_config(batch: int, k: int, d: int, device: torch.device | None = None,
                    n_rows: int | None = None) -> dict:  # fmt: skip
-    """Tile shapes: tuned for this GPU and shape in results/tuning_*.json (:mod:`.tuning`,
+    """Tile shapes: tuned for this GPU and shape in kernels/tuned/tuning_*.json (:mod:`~dejavu_lab.kernels.tuning`,
     when ``device`` and ``n_rows`` are given), else from the H200 sweeps in
     results/sparse_mlp_tuning.json (d = 12288); any valid choice computes the same thing,
     these only decide the speed.
@@ -203,8 +197,6 @@ def default_config(batch: int, k: int, d: int, device: torch.device | None = Non
     32
     """
     if device is not None and n_rows:
-        from . import tuning
-
         tuned = tuning.lookup("sparse_mlp_up", d, n_rows, k / n_rows, batch, device)
         if tuned is not None:
             return tuned

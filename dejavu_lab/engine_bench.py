@@ -1,0 +1,480 @@
+"""The reusable half of ``kernels/bench_engine.py``: batch-1 decoders at real shapes, timed
+end to end against Hugging Face ``generate`` (Deja Vu §5.1).
+
+:func:`build` makes a random-weight model at a preset shape (or loads a checkpoint);
+:func:`variants` lists the engine configurations of ``--methods`` (:class:`Variant`);
+:func:`make_decoder` builds one; :func:`keep_all_check` and :func:`graph_check` compare it
+with the dense decoder and with its own eager steps; :func:`bench_model` times every variant of
+one model into a list of result rows, each with the bytes it reads and the bandwidth it reaches
+against the copy ceiling (:func:`dejavu_lab.timing.copy_ceiling`); :func:`print_table` prints
+them. ``kernels/bench_engine.py`` (argparse, the loop over models, ``results.save``) and
+``kernels/profile_engine.py`` call these.
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+
+import torch
+
+from .engine import (
+    DENSE_ENGINES,
+    SITES,
+    Decoder,
+    SparseConfig,
+    calibrate_thresholds,
+    decoder_weights,
+    keep_all,
+    step_bytes,
+)
+from .kernels import pdl
+from .kernels.cats import mlp as cats_mlp_module  # its SPLIT_GATE switch
+from .models import PRESETS, load_model, random_model
+from .timing import cuda, graph_ms, relerr, timed
+
+__all__ = [
+    "CHECK",
+    "SPARSITY",
+    "Variant",
+    "bench_model",
+    "build",
+    "make_decoder",
+    "make_predictors",
+    "print_table",
+    "variants",
+]
+
+SPARSITY = {"opt": (0.85, 0.5), "llama": (0.5, 0.5)}  # (MLP, heads) removed: §5.1; TEAL range
+CHECK = (32, 8)  # the keep-all check: prompt tokens, then tokens decoded and compared
+
+
+def build(preset: str, device: str, dtype=torch.float16):
+    """A random-weight model at a preset shape, materialised on ``device`` without a CPU copy;
+    a Hugging Face id or a local folder (``facebook/opt-6.7b``) loads the real checkpoint.
+
+    >>> model, arch = build("tiny-opt", "cpu")
+    >>> arch.family, next(model.parameters()).dtype
+    ('opt', torch.float16)
+    """
+    if preset not in PRESETS:
+        m = load_model(preset, dtype=dtype, device=device)
+        m.model.generation_config.pad_token_id = m.tokenizer.pad_token_id or 0
+        return m.model, m.arch
+    m = random_model(preset, device="meta", dtype=dtype)
+    model, arch = m.model, m.arch
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.fill_(1.0) if "norm" in name else p.normal_(0.0, 0.02)
+            else:
+                p.normal_(0.0, 0.02)
+        rot = getattr(getattr(model, "model", None), "rotary_emb", None)
+        if rot is not None:  # its inv_freq buffer was left empty by to_empty
+            model.model.rotary_emb = type(rot)(config=model.config).to(device)
+    model.generation_config.pad_token_id = 0
+    return model, arch
+
+
+def make_predictors(model, arch, device):
+    """DejaVu's predictors at their default rank (random weights: only their cost matters).
+
+    >>> model, arch = build("tiny-opt", "cpu")
+    >>> type(make_predictors(model, arch, "cpu")).__name__
+    'Predictors'
+    """
+    try:
+        from dejavu_lab.collect import fingerprint
+        from dejavu_lab.predictors import PredictorConfig, Predictors
+    except ImportError as exc:  # the predictors module is optional for this script
+        print(f"predictors unavailable ({exc}); sparse runs use fixed random sets only")
+        return None
+    cfg = PredictorConfig(mode="lookahead")
+    return Predictors(fingerprint(model, arch), cfg).to(device).eval()
+
+
+def _hf_row(model, ids, new_tokens: int, compiled: bool = False) -> dict:
+    """HF ``generate``: eager (dynamic cache) or ``cache_implementation="static"``, which
+    torch.compiles the decode step on a GPU; per token from (T(n) - T(1)) / (n - 1).
+
+    The compiled run is timed after a first call that compiles (its extra time is
+    ``compile_s``); the first call uses the longest length, so later calls reuse its cache."""
+    kw = {"cache_implementation": "static"} if compiled else {}
+
+    def gen(n):
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                              min_new_tokens=n, do_sample=False, **kw)  # fmt: skip
+
+    out = {}
+    with torch.no_grad():
+        if compiled:  # a fresh compilation for this model and prompt, timed on its own
+            torch._dynamo.reset()
+            if hasattr(model, "_previous_max_cache_length"):
+                model._previous_max_cache_length = -1
+            first = timed(lambda: gen(new_tokens))
+            tn = min(timed(lambda: gen(new_tokens)) for _ in range(2))
+            out["compile_s"] = max(first - tn, 0.0) / 1e3
+            out["compiled"] = cuda()  # HF compiles on accelerators only
+        else:
+            gen(2)  # warm-up
+            tn = timed(lambda: gen(new_tokens))
+        t1 = min(timed(lambda: gen(1)) for _ in range(2))
+    return {"ms_per_token": (tn - t1) / (new_tokens - 1), "prefill_ms": t1, **out}
+
+
+def _engine_row(dec: Decoder, ids, new_tokens: int) -> dict:
+    with torch.no_grad():
+        dec.prefill(ids)  # warm-up (cuBLAS, allocator)
+        prefill = timed(lambda: dec.prefill(ids))
+        if cuda():
+            dec.capture()
+        ms = timed(lambda: dec.decode(new_tokens - 1))
+    return {"ms_per_token": ms / (new_tokens - 1), "prefill_ms": prefill}
+
+
+def _parts_rows(dec: Decoder, base: dict) -> list[dict]:
+    """Time each part of the step alone (all layers), captured in a CUDA graph when on a GPU."""
+    return [{**base, "kind": "part", "part": part, "ms": graph_ms(fn)}
+            for part, fn in dec.parts().items()]  # fmt: skip
+
+
+def _pick_dense_ops(w, arch, ids, base: dict, rows: list[dict]) -> str:
+    """Time each dense op alone over every layer (CUDA graph) through torch and through our
+    kernels at 100% kept; the ``--dense-ops`` spec of the faster ones. The attention core is
+    timed as the attention block with only the core switched (qkv and o through torch)."""
+    p = ids.shape[1]
+    decs = {impl: Decoder(w, max_seq_len=p + 1, dense_ops=impl)
+            for impl in ("torch", "triton", "attn=triton")}  # fmt: skip
+    for dec in decs.values():
+        dec.prefill(ids)
+    dev, dt, L = w.device, w.dtype, range(arch.n_layers)
+    x = torch.randn(1, arch.d_model, device=dev, dtype=dt) / 8
+    o = torch.randn(1, arch.n_heads * arch.d_head, device=dev, dtype=dt) / 8
+
+    def over_layers(dec, op):
+        if op == "qkv":
+            return lambda: [dec._qkv(i, x) for i in L]
+        if op == "o":
+            return lambda: [dec._out(i, o) for i in L]
+        if op == "mlp":
+            return lambda: [dec._mlp(i, x) for i in L]
+        return lambda: (dec._per_step(), [dec._attn(i, x) for i in L])
+
+    spec = []
+    for op in ("qkv", "attn", "o", "mlp"):
+        ms = {impl: graph_ms(over_layers(decs[key], op))
+              for impl, key in (("torch", "torch"),
+                                ("triton", "attn=triton" if op == "attn" else "triton"))}  # fmt: skip
+        best = min(ms, key=ms.get)
+        spec.append(f"{op}={best}")
+        rows.append({**base, "kind": "op", "prompt": p, "op": op, "torch_ms": ms["torch"],
+                     "triton_ms": ms["triton"], "picked": best})  # fmt: skip
+        print(f"{base['model']:>12} dense op {op:>4}: torch {ms['torch']:.3f} ms, ours "
+              f"{ms['triton']:.3f} ms (all layers) -> {best}")  # fmt: skip
+    return ",".join(spec)
+
+
+@dataclass
+class Variant:
+    """One engine configuration timed per prompt: a row ``engine`` of the results.
+
+    >>> v = Variant("teal", "teal", sparsity=0.5, columns=True)
+    >>> v.engine, v.sparse, v.ops
+    ('teal', None, None)
+    """
+
+    engine: str  # dense, dense_triton, sparse, sparse_fixed_sets, sparse_inline_predictors,
+    #              teal, wina, cats
+    method: str = "dense"  # the SparseConfig method ("dense": sparse=None)
+    sparsity: float = 0.0  # teal/wina/cats: the calibrated fraction of entries dropped per site
+    sparse: SparseConfig | None = None  # dejavu's config (teal/wina/cats: built per prompt)
+    predictors: bool = False  # dejavu: lookahead predictors choose the kept sets
+    ops: str | None = None  # dense_ops of this decoder (None: --dense-ops)
+    only_at_parts: bool = False  # time only at the breakdown's prompt
+    columns: bool = False  # reads TEAL's columns layout (teal, wina, dense_columns)
+
+
+def variants(methods, sparsities, dejavu_budget, preds) -> list[Variant]:
+    """The variants of --methods; rows-layout methods first (TEAL/WINA convert the weights).
+
+    >>> [v.engine for v in variants(["teal", "dense"], [0.5], (0.5, 0.5), None)]
+    ['dense', 'teal']
+    """
+    out, ms_, hs_ = [], *dejavu_budget
+    for m in methods:
+        if m == "dense":
+            out.append(Variant("dense"))
+        elif m == "dense_triton":
+            out.append(Variant("dense_triton", ops="triton"))
+        elif m == "dense_columns":  # our threshold kernels over every column
+            out.append(Variant("dense_columns", ops="triton", columns=True))
+        elif m == "dense_auto":  # the faster of torch and ours per op, timed first
+            out.append(Variant("dense_auto", ops="auto"))
+        elif m == "dejavu":
+            sp = SparseConfig(ms_, hs_)
+            if preds is not None:
+                out.append(Variant("sparse", "dejavu", sparse=sp, predictors=True))
+            out.append(Variant("sparse_fixed_sets", "dejavu", sparse=sp))
+            if preds is not None:
+                out.append(Variant("sparse_inline_predictors", "dejavu", predictors=True,
+                                   sparse=SparseConfig(ms_, hs_, side_stream=False),
+                                   only_at_parts=True))  # fmt: skip
+        else:
+            out += [Variant(m, m, sparsity=s, columns=m in ("teal", "wina")) for s in sparsities]
+    return sorted(out, key=lambda v: v.columns)  # stable: rows layout first
+
+
+def _decode_logits(dec: Decoder, ids, n_prompt: int) -> torch.Tensor:
+    """Logits of the last prompt position and of each following token fed one by one."""
+    with torch.no_grad():
+        out = [dec.prefill(ids[:, :n_prompt])]
+        out += [dec.step(int(t)) for t in ids[0, n_prompt:]]
+    return torch.cat(out).float()
+
+
+def make_decoder(v: Variant, w, arch, max_len, preds, dense_ops, thresholds=None):
+    """The :class:`~dejavu_lab.engine.Decoder` of variant ``v`` (DejaVu without predictors:
+    fixed random kept sets, one per layer; TEAL/WINA/CATS: with ``thresholds``).
+
+    >>> model, arch = build("tiny-llama", "cpu", torch.bfloat16)
+    >>> v = Variant("sparse_fixed_sets", "dejavu", sparse=SparseConfig(0.5, 0.5))
+    >>> dec = make_decoder(v, decoder_weights(model, arch), arch, 32, None, None)
+    >>> dec.k_mlp, arch.d_mlp
+    (96, 192)
+    """
+    if v.method in ("teal", "wina", "cats"):
+        sp = SparseConfig(method=v.method, thresholds=thresholds)
+    else:
+        sp = v.sparse
+    dec = Decoder(w, max_seq_len=max_len, sparse=sp, predictors=preds if v.predictors else None,
+                  dense_ops=v.ops or dense_ops)  # fmt: skip
+    if v.method == "dejavu" and not v.predictors:  # fixed random kept sets, one per layer
+        g = torch.Generator(device="cpu").manual_seed(0)
+        for i in range(arch.n_layers):
+            dec.set_indices(i, mlp=torch.randperm(arch.d_mlp, generator=g)[: dec.k_mlp],
+                            heads=torch.randperm(arch.n_heads, generator=g)[: dec.k_heads])  # fmt: skip
+    return dec
+
+
+def _keep_all_check(v: Variant, w, arch, ids, ref, preds, dense_ops,
+                   n_prompt: int = CHECK[0]) -> float:  # fmt: skip
+    """relerr of this variant with everything kept against the dense decoder's logits."""
+    if v.method == "dejavu":
+        kv = Variant(v.engine, "dejavu", sparse=SparseConfig(0.0, 0.0))
+    else:
+        kv = v
+    thr = keep_all(w, v.method) if v.method in ("teal", "wina", "cats") else None
+    dec = make_decoder(kv, w, arch, ids.shape[1] + 1, preds, dense_ops, thr)
+    return relerr(_decode_logits(dec, ids, n_prompt), ref)
+
+
+def _graph_check(dec: Decoder, ids) -> tuple[float, float]:
+    """(graph vs eager, eager vs eager): relerr of 4 graph replays against 4 eager steps from
+    the same prefill, fed the same tokens, and of a second eager run against the first (GPU
+    only). Fixed tokens, not greedy ones: the threshold GEMVs' fp32 atomics round in arrival
+    order, a rounding flips an entry that sits at its threshold, and on random weights 32-40
+    thresholded layers amplify that until a second eager run differs as much as the replay
+    (H200: TEAL 50%, ~0.9 both; every column kept, ~5e-3 both) — the second number says
+    whether the graph adds anything of its own."""
+    graph, dec.graph = dec.graph, None
+    feed = [int(t) for t in ids[0, :4]]
+    with torch.no_grad():
+        dec.prefill(ids)
+        eager = torch.cat([dec.step(t).clone() for t in feed])
+        dec.prefill(ids)
+        again = torch.cat([dec.step(t).clone() for t in feed])
+        dec.prefill(ids)
+        dec.graph = graph
+        replay = torch.cat([dec.step(t).clone() for t in feed])
+    return relerr(replay.float(), eager.float()), relerr(again.float(), eager.float())
+
+
+def bench_model(preset, prompts, new_tokens, hf_new, hf_prompts, device, ceiling, parts_at, *,
+                baselines=("hf", "hf_compiled"), methods=("dense", "dejavu"), sparsities=(0.5,),
+                dejavu_budget=None, dense_ops=None, plain=False, check_tokens=CHECK,
+                rows: list[dict]) -> None:  # fmt: skip
+    """Time every variant of ``methods`` (and the HF ``baselines``) on ``preset`` at each prompt,
+    appending one row per (variant, prompt) to ``rows``: ms per token, prefill, the bytes a step
+    reads and the bandwidth against ``ceiling`` (TB/s), the keep-all and graph checks, and at
+    ``parts_at`` the time of each part of the step. A failure is recorded as a row with its
+    ``error`` and the run goes on.
+
+    >>> import contextlib, io
+    >>> rows = []
+    >>> with contextlib.redirect_stdout(io.StringIO()):  # CPU: wall clock, plumbing only
+    ...     bench_model("tiny-opt", [8], 4, 3, [8], "cpu", float("nan"), 8, baselines=(),
+    ...                 methods=("dense",), check_tokens=(8, 3), rows=rows)
+    >>> sorted({r["kind"] for r in rows}), [r["check_ok"] for r in rows if r["kind"] == "e2e"]
+    (['e2e', 'part'], [True])
+    """
+    model, arch = build(preset, device)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    d_embed = model.get_output_embeddings().weight.shape[1]
+    # Llama-family ids (Mistral, Qwen2) use the Llama budgets
+    ms_, hs_ = dejavu_budget or SPARSITY[arch.family]
+    preds = make_predictors(model, arch, device) if "dejavu" in methods else None
+    pred_bytes = sum(p.numel() * p.element_size() for p in preds.parameters()) if preds else 0
+    base = {"model": preset, "family": arch.family, "mlp_sparsity": ms_, "head_sparsity": hs_}
+    bw = dict(arch=arch, vocab=vocab, d_embed=d_embed, new_tokens=new_tokens, ceiling=ceiling)
+    for p in hf_prompts:
+        ids = torch.randint(0, vocab, (1, p), device=device)
+        for name in baselines:
+            row = {**base, "kind": "e2e", "engine": name, "prompt": p}
+            try:
+                row.update(_hf_row(model, ids, hf_new, compiled=name == "hf_compiled"))
+            except Exception as exc:  # e.g. a torch.compile failure: record it, go on
+                print(f"{preset} {name} prompt {p} failed: {exc!r}")
+                rows.append({**row, "error": repr(exc)[:300]})
+                continue
+            rows.append(_bw(row, prompt=p, **bw))
+            print(_fmt(row))
+    torch._dynamo.reset()  # drop HF's compiled graphs and their memory before our weights
+    gc.collect()
+    torch.cuda.empty_cache() if cuda() else None
+    w = decoder_weights(model, arch)
+    check_ids = torch.randint(0, vocab, (1, sum(check_tokens)), device=device)
+    ref = _decode_logits(Decoder(w, max_seq_len=sum(check_tokens) + 1, dense_ops=dense_ops),
+                        check_ids, check_tokens[0])  # fmt: skip
+    for v in variants(methods, sparsities, (ms_, hs_), preds):
+        if v.columns and w.layout == "rows":
+            w.set_layout("columns")  # TEAL/WINA read W_QKV^T and W_in^T (one copy at a time)
+            torch.cuda.empty_cache() if cuda() else None
+        if v.ops == "auto":
+            p = parts_at if parts_at in prompts else prompts[-1]
+            ids = torch.randint(0, vocab, (1, p), device=device)
+            v.ops = _pick_dense_ops(w, arch, ids, base, rows)
+        try:
+            keep_err = _keep_all_check(v, w, arch, check_ids, ref, preds, dense_ops,
+                                      check_tokens[0])  # fmt: skip
+        except Exception as exc:
+            print(f"{preset} {v.engine} keep-all check failed: {exc!r}")
+            rows.append({**base, "kind": "e2e", "engine": v.engine, "error": repr(exc)[:300]})
+            continue
+        ok = keep_err < 3e-2
+        print(f"{preset:>12} {v.engine:>25} keep-all vs dense: relerr {keep_err:.1e} "
+              f"{'ok' if ok else 'FAILED'}")  # fmt: skip
+        for p in prompts:
+            if v.only_at_parts and p != parts_at:
+                continue
+            ids = torch.randint(0, vocab, (1, p), device=device)
+            row = {**base, "kind": "e2e", "engine": v.engine, "prompt": p, "method": v.method,
+                   "sparsity": v.sparsity, "dense_ops": v.ops or dense_ops or "torch",
+                   "keep_all_vs_dense": keep_err, "check_ok": ok}  # fmt: skip
+            try:
+                thr = None
+                if v.method in ("teal", "wina", "cats"):
+                    thr = calibrate_thresholds(w, ids, v.sparsity, method=v.method)
+                dec = make_decoder(v, w, arch, p + new_tokens, preds, dense_ops, thr)
+                row.update(_engine_row(dec, ids, new_tokens))
+                if plain and dec.fuse_epilogues and v.method != "dejavu":  # the unfused step
+                    dec.fuse_epilogues = False
+                    row["plain_ms_per_token"] = _engine_row(dec, ids, new_tokens)["ms_per_token"]
+                    dec.fuse_epilogues = True
+                    on, pdl.PDL = pdl.PDL, False  # each kernel launched after the last ends
+                    row["no_pdl_ms_per_token"] = _engine_row(dec, ids, new_tokens)["ms_per_token"]
+                    pdl.PDL = on
+                    if v.method == "cats":  # the gate through cuBLAS, as before the split
+                        cats_mlp_module.SPLIT_GATE = False
+                        ms = _engine_row(dec, ids, new_tokens)["ms_per_token"]
+                        row["cublas_gate_ms_per_token"] = ms
+                        cats_mlp_module.SPLIT_GATE = True
+                    if dec.fuse_hidden and v.method in ("teal", "wina", "cats"):  # its own saving
+                        dec.fuse_hidden = False
+                        ms = _engine_row(dec, ids, new_tokens)["ms_per_token"]
+                        row["hidden_unfused_ms_per_token"] = ms
+                        dec.fuse_hidden = True
+                if cuda():
+                    row["graph_vs_eager"], row["eager_vs_eager"] = _graph_check(dec, ids)
+            except Exception as exc:  # record and go on: one failure must not lose the run
+                print(f"{preset} {v.engine} prompt {p} failed: {exc!r}")
+                rows.append({**row, "error": repr(exc)[:300]})
+                continue
+            kept = dict(mlp_kept=1.0, head_kept=1.0, predictors=0, site_kept=None)
+            if v.method == "dejavu":
+                kept.update(mlp_kept=1 - ms_, head_kept=1 - hs_,
+                            predictors=pred_bytes if v.predictors else 0)  # fmt: skip
+            elif v.method in SITES:
+                kept["site_kept"] = dict.fromkeys(SITES[v.method], 1 - v.sparsity)
+            rows.append(_bw(row, prompt=p, **kept, **bw))
+            print(_fmt(row))
+            if p == parts_at and v.engine in (*DENSE_ENGINES, "sparse", "teal", "cats"):
+                rows.extend(_parts_rows(dec, {**base, "engine": v.engine, "prompt": p,
+                                             "sparsity": v.sparsity}))  # fmt: skip
+            del dec
+            gc.collect()
+    del model, w, preds
+    gc.collect()
+    if cuda():
+        torch.cuda.empty_cache()
+
+
+def _bw(row, *, arch, vocab, d_embed, prompt, new_tokens, ceiling, mlp_kept=1.0, head_kept=1.0,
+        predictors=0, site_kept=None) -> dict:  # fmt: skip
+    ctx = prompt + new_tokens // 2  # mean context over the generated tokens
+    b = step_bytes(arch, vocab=vocab, context=ctx, mlp_kept=mlp_kept, head_kept=head_kept,
+                   predictors=predictors, d_embed=d_embed, site_kept=site_kept)  # fmt: skip
+    row["bytes_per_token"] = b["total"]
+    row["floor_ms"] = b["total"] / (ceiling * 1e12) * 1e3 if ceiling == ceiling else None
+    row["tbps"] = b["total"] / (row["ms_per_token"] * 1e-3) / 1e12
+    row["of_ceiling"] = row["tbps"] / ceiling if ceiling == ceiling else None
+    for k, v in b.items():
+        row[f"bytes_{k}"] = v
+    return row
+
+
+def _fmt(row) -> str:
+    name = row["engine"] + (f"@{row['sparsity']:.0%}" if row.get("method") in SITES else "")
+    return (f"{row['model']:>12} {name:>25} prompt {row['prompt']:5d}: "
+            f"{row['ms_per_token']:8.3f} ms/token, prefill {row['prefill_ms']:8.1f} ms, "
+            f"{row['tbps']:.2f} TB/s"
+            + (f", compile {row['compile_s']:.1f} s" if "compile_s" in row else ""))  # fmt: skip
+
+
+def print_table(rows: list[dict], ceiling: float) -> None:
+    """One line per (model, prompt, variant): ms/token, ratios, GB/step, floor, checks.
+
+    >>> print_table([], 4.0)  # doctest: +ELLIPSIS
+    <BLANKLINE>
+    copy ceiling 4.00 TB/s; x = ratio of ms per token (higher: this variant is faster); ...
+    """
+    e2e = [r for r in rows if r.get("kind") == "e2e" and "error" not in r]
+    print(f"\ncopy ceiling {ceiling:.2f} TB/s; x = ratio of ms per token (higher: this variant "
+          "is faster); floor = bytes / ceiling")  # fmt: skip
+    print(
+        f"vs best = against the fastest dense variant of the run ({', '.join(DENSE_ENGINES)}); "
+        "graph / eager2 = relerr of graph replays / of a second eager run against eager steps"
+    )
+    print(f"{'model':>12} {'prompt':>6} {'variant':>25} {'ms/tok':>8} {'vs dense':>8} "
+          f"{'vs best':>7} {'vs hf':>6} {'vs hfc':>6} {'GB/step':>8} {'/floor':>6} "
+          f"{'keep-all':>8} {'graph':>7} {'eager2':>7}")  # fmt: skip
+    by = {}
+    for r in e2e:
+        by.setdefault((r["model"], r["prompt"]), []).append(r)
+    for (m, p), group in sorted(by.items()):
+        eng = {r["engine"]: r for r in group}
+        best = min((r for r in group if r["engine"] in DENSE_ENGINES),
+                   key=lambda r: r["ms_per_token"], default=None)  # fmt: skip
+
+        def x(ref, r, w):
+            ok = ref is not None and ref is not r
+            return f"{ref['ms_per_token'] / r['ms_per_token']:{w}.2f}" if ok else f"{'-':>{w}}"
+
+        for r in group:
+            name = r["engine"] + (f"@{r['sparsity']:.0%}" if r.get("method") in SITES else "")
+            floor = r["ms_per_token"] / r["floor_ms"] if r.get("floor_ms") else float("nan")
+            ka = r.get("keep_all_vs_dense")
+            ka = f"{ka:8.1e}" if ka is not None else f"{'-':>8}"
+            ge, e2 = (r.get(k) for k in ("graph_vs_eager", "eager_vs_eager"))
+            ge = f"{ge:7.1e}" if ge is not None else f"{'-':>7}"
+            e2 = f"{e2:7.1e}" if e2 is not None else f"{'-':>7}"
+            print(f"{m:>12} {p:6d} {name:>25} {r['ms_per_token']:8.2f} "
+                  f"{x(eng.get('dense'), r, 8)} {x(best, r, 7)} {x(eng.get('hf'), r, 6)} "
+                  f"{x(eng.get('hf_compiled'), r, 6)} {r['bytes_per_token'] / 1e9:8.2f} "
+                  f"{floor:6.2f} {ka} {ge} {e2}")  # fmt: skip
+    bad = [r for r in rows if r.get("check_ok") is False]
+    if bad:
+        print(f"keep-all check FAILED for: {sorted({(r['model'], r['engine']) for r in bad})}")
+    errors = [r for r in rows if "error" in r]
+    for r in errors:
+        print(f"error: {r.get('model')} {r.get('engine')}: {r['error'][:160]}")
