@@ -64,7 +64,6 @@ __all__ = [
     "bytes_per_token_fraction",
     "head_gram",
     "head_output_norms",
-    "lm_eval_tasks",
     "n_keep",
     "register",
     "sparse_eval",
@@ -73,12 +72,3 @@ __all__ = [
     "static_sets",
     "topk_mask",
 ]
-
-
-def __getattr__(name: str):
-    """``lm_eval_tasks`` lives in :mod:`dejavu_lab.lm_eval_tasks` (it imports this package)."""
-    if name == "lm_eval_tasks":
-        from ..lm_eval_tasks import lm_eval_tasks
-
-        return lm_eval_tasks
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

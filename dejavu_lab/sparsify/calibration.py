@@ -1,4 +1,4 @@
-"""Calibrated thresholds for TEAL, WINA and CATS, from streamed histograms (issue 11).
+"""Calibrated thresholds for TEAL, WINA and CATS, from streamed histograms.
 
 The threshold methods zero an input entry when its *score* is at or below a per-layer,
 per-site threshold ``t``. A target sparsity ``s`` (share of entries zeroed) fixes ``t`` as the
@@ -42,7 +42,7 @@ from ..arch import Arch, get_arch
 from ..budgets import budgets
 from ..collect import fingerprint, fingerprint_id
 from ..hooks import hooks
-from ..vocab import CALIBRATION_FORMAT
+from ..vocab import CALIBRATION_FORMAT, METHODS
 from .core import SITES, _check_windows, column_norms
 from .thresholds import (
     CalibrationError,
@@ -61,6 +61,7 @@ __all__ = [
     "Thresholds",
     "calibrate",
     "default_path",
+    "greedy_allocates",
     "load_calibration",
     "load_thresholds",
     "text_hash",
@@ -69,6 +70,17 @@ __all__ = [
 
 KINDS = {"teal": tuple(SITES), "wina": tuple(SITES), "cats": ("gate",)}  # method -> sites
 FORMAT = CALIBRATION_FORMAT
+
+
+def greedy_allocates(method: str) -> bool:
+    """Whether TEAL's greedy allocation over a layer's sites applies to ``method``: the methods
+    whose default allocation it is in :data:`dejavu_lab.vocab.METHODS`.
+
+    >>> greedy_allocates("wina"), greedy_allocates("cats")
+    (True, False)
+    """
+    spec = METHODS.get(method)
+    return spec is not None and spec.allocation == "greedy"
 
 
 @dataclass(frozen=True)
@@ -223,27 +235,35 @@ class Calibration:
     def site_sparsities(
         self,
         method: str,
-        sparsity,
+        sparsity: Sequence[float],
         allocation: str = "uniform",
         sites: Sequence[str] | None = None,
     ) -> dict[tuple[int, str], float]:
-        """Each (layer, site)'s share removed for a layer budget ``sparsity`` (one or per layer).
+        """Each (layer, site)'s share removed for per-layer budgets ``sparsity`` (checked ones:
+        :meth:`thresholds` and :func:`~dejavu_lab.sparsify.core.sparsified` check them).
 
         ``"uniform"``: every site of the layer at the layer's budget. ``"greedy"`` (TEAL and
         WINA): the sites' shares on the greedy path where its bytes-weighted layer sparsity
         reaches the budget (interpolated between steps). ``sites``: limit to these sites
         (uniform only); the others run dense.
+
+        >>> from dejavu_lab.models import random_model
+        >>> m = random_model("tiny-llama")
+        >>> cal = calibrate(m.model, torch.randint(0, 128, (1, 16)), cache=False, progress=False)
+        >>> cal.site_sparsities("cats", [0.5, 0.0])
+        {(0, 'gate'): 0.5}
         """
         if method not in KINDS:
             raise CalibrationError(f"method must be one of {', '.join(KINDS)}, got {method!r}.")
-        s = budgets(sparsity, self.n_layers, "sparsity")
+        s = list(sparsity)
+        assert len(s) == self.n_layers and all(0 <= x < 1 for x in s), s  # checked budgets
         names = KINDS[method]
         if sites is not None:
             bad = [x for x in sites if x not in names]
             if bad:
                 raise CalibrationError(f"{method} sites are {', '.join(names)}, got {bad}.")
         out: dict[tuple[int, str], float] = {}
-        if allocation == "greedy" and method != "cats":
+        if allocation == "greedy" and greedy_allocates(method):
             if sites is not None:
                 raise CalibrationError("the greedy allocation chooses its own sites; drop sites=.")
             path = self.greedy_table(method)
@@ -277,14 +297,22 @@ class Calibration:
         dense_layers: Sequence[int] = (),
         sites: Sequence[str] | None = None,
     ) -> Thresholds:
-        """:class:`Thresholds` of ``method`` for a layer budget (see :meth:`site_sparsities`)."""
+        """:class:`Thresholds` of ``method`` for a layer budget (see :meth:`site_sparsities`).
+
+        ``sparsity``: one number or one per layer, each in [0, 1); ``dense_layers``: layers
+        left dense.
+        """
         s = budgets(sparsity, self.n_layers, "sparsity")
         for i in dense_layers:
             s[i % self.n_layers] = 0.0
+        return self._thresholds(method, s, allocation, sites)
+
+    def _thresholds(self, method, s: list[float], allocation, sites=None) -> Thresholds:
+        """:meth:`thresholds` for checked per-layer budgets (dense layers already at 0)."""
         alloc = self.site_sparsities(method, s, allocation, sites)
         values = {k: self.threshold(method, *k, v) for k, v in alloc.items()}
         info = {"calibration": str(self.path) if self.path else None, "text_sha": self.text_sha}
-        alloc_name = "uniform" if method == "cats" else allocation
+        alloc_name = allocation if greedy_allocates(method) else "uniform"
         return Thresholds(method, values, alloc, self.fingerprint, alloc_name, info)
 
     def check_model(self, model, arch: Arch | None = None) -> None:
@@ -396,8 +424,9 @@ def calibrate(
     arch = arch or get_arch(model)
     windows = _check_windows(windows)
     for g in greedy:
-        if g not in ("teal", "wina"):
-            raise CalibrationError(f"greedy allocations exist for teal and wina, got {g!r}.")
+        if not greedy_allocates(g):
+            names = " and ".join(m.name for m in METHODS.values() if greedy_allocates(m.name))
+            raise CalibrationError(f"greedy allocations exist for {names}, got {g!r}.")
     fp = fingerprint(model, arch)
     sha = text_hash(windows)
     path = default_path(fp, sha, config)
@@ -485,9 +514,8 @@ def thresholds_for(ctx) -> Thresholds:
         src.check_model(ctx.model, ctx.arch)
         if ctx.sparsity is None:
             raise ValueError(f"method={method!r} with a Calibration needs sparsity=.")
-        return src.thresholds(
-            method, ctx.sparsity, allocation=ctx.allocation, dense_layers=sorted(ctx.dense)
-        )
+        # sparsified checked ctx.sparsity and set its dense layers to 0
+        return src._thresholds(method, ctx.sparsity, ctx.allocation)
     if not isinstance(src, Thresholds):
         raise ValueError(
             f"thresholds must be a Calibration or Thresholds, got {type(src).__name__}."

@@ -1,7 +1,7 @@
 """The ``dejavu-lab`` command line's shared pieces: argument types checked while parsing (before
 any model loads), the common options, and loading a model and a corpus's token windows.
 
->>> _count(1)("3"), _budget("mlp_sparsity")("0.5,0.25")
+>>> count(1)("3"), budget("mlp_sparsity")("0.5,0.25")
 (3, [0.5, 0.25])
 """
 
@@ -11,7 +11,7 @@ import argparse
 from pathlib import Path
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
     """An argument error is one line ``dejavu-lab: error: ...`` and exit status 2, as any other."""
 
     def error(self, message: str):
@@ -20,7 +20,7 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"dejavu-lab: error: {message}\n")
 
 
-def _budget(what: str, per_layer: bool = True):
+def budget(what: str, per_layer: bool = True):
     """An argparse ``type=`` for the sparsity ``what``, checked while parsing (no model loaded).
 
     A number in [0, 1) or, with ``per_layer``, comma-separated numbers each in [0, 1); whether
@@ -38,7 +38,7 @@ def _budget(what: str, per_layer: bool = True):
             raise argparse.ArgumentTypeError(
                 f"expected a number in [0, 1){extra}, got {text!r}; pass e.g. 0.5."
             )
-        from .budgets import budgets
+        from ..budgets import budgets
 
         try:
             budgets(values, len(values), what)  # each in [0, 1), one sentence if not
@@ -49,7 +49,7 @@ def _budget(what: str, per_layer: bool = True):
     return parse
 
 
-def _count(minimum: int, what: str = ""):
+def count(minimum: int, what: str = ""):
     """An argparse ``type=`` for a whole number >= ``minimum`` (``--epochs 0`` fails here)."""
 
     def parse(text: str) -> int:
@@ -68,8 +68,8 @@ def _count(minimum: int, what: str = ""):
     return parse
 
 
-def _corpus(text: str) -> str:
-    from .corpus import CORPORA
+def corpus_name(text: str) -> str:
+    from ..corpus import CORPORA
 
     if text not in CORPORA:
         raise argparse.ArgumentTypeError(
@@ -78,7 +78,7 @@ def _corpus(text: str) -> str:
     return text
 
 
-def _layers(text: str) -> list[int]:
+def layer_list(text: str) -> list[int]:
     try:
         return [int(p) for p in text.split(",") if p.strip()]
     except ValueError:
@@ -87,27 +87,27 @@ def _layers(text: str) -> list[int]:
         ) from None
 
 
-def _common(p: argparse.ArgumentParser, corpus: bool = True) -> None:
+def common_args(p: argparse.ArgumentParser, corpus: bool = True) -> None:
     p.add_argument("--model", default="demo", help="'demo', a Hugging Face id or a local folder")
     if corpus:
-        p.add_argument("--corpus", type=_corpus, default="demo", help="demo, wikitext-2 or c4")
-        p.add_argument("--window", type=_count(2, " tokens"), default=512, help="tokens per window")
+        p.add_argument("--corpus", type=corpus_name, default="demo", help="demo, wikitext-2 or c4")
+        p.add_argument("--window", type=count(2, " tokens"), default=512, help="tokens per window")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
 
-def _sparsity_args(p: argparse.ArgumentParser) -> None:
+def sparsity_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--mlp-sparsity", type=_budget("mlp_sparsity"), default=None, help="neurons removed (0)"
+        "--mlp-sparsity", type=budget("mlp_sparsity"), default=None, help="neurons removed (0)"
     )
     p.add_argument(
-        "--head-sparsity", type=_budget("head_sparsity"), default=None, help="heads removed (0)"
+        "--head-sparsity", type=budget("head_sparsity"), default=None, help="heads removed (0)"
     )
-    p.add_argument("--dense-layers", type=_layers, default=[], help="e.g. 0,1 (left dense)")
+    p.add_argument("--dense-layers", type=layer_list, default=[], help="e.g. 0,1 (left dense)")
 
 
-def _text_source(text: str) -> str:
+def text_source(text: str) -> str:
     """An argparse ``type=`` for ``--corpus`` / ``--calibration``: a corpus name or a file."""
-    from .corpus import CORPORA
+    from ..corpus import CORPORA
 
     if text in CORPORA:
         return text
@@ -122,7 +122,7 @@ def _text_source(text: str) -> str:
     )
 
 
-def _positive(what: str):
+def positive(what: str):
     def parse(text: str) -> int:
         try:
             v = int(text)
@@ -135,14 +135,14 @@ def _positive(what: str):
     return parse
 
 
-def _load(args):
-    from .models import load_model
+def load(args):
+    from ..models import load_model
 
     return load_model(args.model)
 
 
-def _windows(args, tokenizer, n: int | None, skip: int = 0, source: str | None = None):
-    from .corpus import CorpusError, token_windows
+def corpus_windows(args, tokenizer, n: int | None, skip: int = 0, source: str | None = None):
+    from ..corpus import CorpusError, token_windows
 
     if tokenizer is None:
         raise ValueError(
@@ -150,7 +150,7 @@ def _windows(args, tokenizer, n: int | None, skip: int = 0, source: str | None =
             "use 'demo', a Hugging Face id or a folder with tokenizer files."
         )
     total = None if n is None else n + skip
-    w = token_windows(tokenizer, _read_text(source or args.corpus), args.window, total)[skip:]
+    w = token_windows(tokenizer, read_text(source or args.corpus), args.window, total)[skip:]
     if w.shape[0] == 0:
         raise CorpusError(
             f"The corpus has no {args.window}-token windows left after skipping {skip}; "
@@ -159,9 +159,9 @@ def _windows(args, tokenizer, n: int | None, skip: int = 0, source: str | None =
     return w
 
 
-def _read_text(source: str) -> str:
+def read_text(source: str) -> str:
     """A corpus by name, or a UTF-8 text file."""
-    from .corpus import CORPORA, CorpusError, load_text
+    from ..corpus import CORPORA, CorpusError, load_text
 
     if source in CORPORA:
         return load_text(source)
@@ -171,10 +171,10 @@ def _read_text(source: str) -> str:
         raise CorpusError(f"{source} is not UTF-8 text; pass a UTF-8 text file.") from None
 
 
-def _check_text_files(args) -> None:
+def check_text_files(args) -> None:
     """Fail before the model loads when a text file is not UTF-8 or cannot hold one window
     (a token spans at least one byte)."""
-    from .corpus import CORPORA, CorpusError
+    from ..corpus import CORPORA, CorpusError
 
     for what, source in (("--corpus", args.corpus), ("--calibration", args.calibration)):
         if source is None or source in CORPORA:
@@ -193,9 +193,9 @@ def _check_text_files(args) -> None:
             )
 
 
-def _static_sets(model, calib, kw: dict, args):
+def static_sets_for(model, calib, kw: dict, args):
     """The static method's sets, chosen on ``calib`` at the budgets of ``kw``."""
-    from .sparsify import static_sets
+    from ..sparsify import static_sets
 
     return static_sets(model, calib, mlp_sparsity=kw["mlp_sparsity"],
                        head_sparsity=kw["head_sparsity"], progress=not args.no_progress)  # fmt: skip
