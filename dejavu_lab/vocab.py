@@ -97,7 +97,16 @@ def site_width(arch, site: str) -> int:
 
 @dataclass(frozen=True)
 class Method:
-    """One contextual-sparsity method: what it keeps, what it needs, who runs it."""
+    """One contextual-sparsity method: what it keeps, what it needs, who runs it.
+
+    A new method is its row here and its builder in :mod:`dejavu_lab.sparsify` (registered
+    under the same name); the CLI prepares what ``needs`` names and the budgets ``family``
+    takes.
+
+    >>> m = Method("first-k", "unit", ("mlp", "heads"), "nothing", engine=False)
+    >>> m.family, m.needs, m.allocation
+    ('unit', 'nothing', 'uniform')
+    """
 
     name: str
     family: str  # "dense"; "unit": top-k neurons and heads; "threshold": |x| > t per site
@@ -133,7 +142,11 @@ ALIASES = {a: m.name for m in METHODS.values() for a in m.aliases}
 
 
 def method(name: str) -> Method:
-    """The :class:`Method` called ``name`` (or one of its older names); ``KeyError`` else."""
+    """The :class:`Method` called ``name`` (or one of its older names); ``KeyError`` else.
+
+    >>> method("teal").needs, method("predicted").name
+    ('calibration', 'dejavu')
+    """
     name = ALIASES.get(name, name)
     if name not in METHODS:
         raise KeyError(f"unknown method {name!r}; methods are {', '.join(METHODS)}")

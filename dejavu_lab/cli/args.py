@@ -10,9 +10,36 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+__all__ = [
+    "Parser",
+    "budget",
+    "check_text_files",
+    "common_args",
+    "corpus_name",
+    "corpus_windows",
+    "count",
+    "layer_list",
+    "load",
+    "positive",
+    "read_text",
+    "sparsity_args",
+    "static_sets_for",
+    "text_source",
+]
+
 
 class Parser(argparse.ArgumentParser):
-    """An argument error is one line ``dejavu-lab: error: ...`` and exit status 2, as any other."""
+    """An argument error is one line ``dejavu-lab: error: ...`` and exit status 2, as any other.
+
+    >>> import contextlib, sys
+    >>> p = Parser(prog="dejavu-lab")
+    >>> _ = p.add_argument("--window", type=int)
+    >>> with contextlib.redirect_stderr(sys.stdout):
+    ...     p.parse_args(["--window", "x"])
+    Traceback (most recent call last):
+    ...
+    SystemExit: 2
+    """
 
     def error(self, message: str):
         if not message.endswith("."):  # argparse's own words: say where the usage is
@@ -25,6 +52,13 @@ def budget(what: str, per_layer: bool = True):
 
     A number in [0, 1) or, with ``per_layer``, comma-separated numbers each in [0, 1); whether
     their count matches the model's layers is checked once the model has loaded.
+
+    >>> budget("sparsity")("0.5"), budget("sparsity")("0.5,0.25")
+    (0.5, [0.5, 0.25])
+    >>> budget("sparsity")("1.0")
+    Traceback (most recent call last):
+    ...
+    argparse.ArgumentTypeError: sparsity must be in [0, 1) (the fraction removed; 0 = dense), got 1.0; pass e.g. 0.5.
     """
 
     def parse(text: str):
@@ -50,7 +84,11 @@ def budget(what: str, per_layer: bool = True):
 
 
 def count(minimum: int, what: str = ""):
-    """An argparse ``type=`` for a whole number >= ``minimum`` (``--epochs 0`` fails here)."""
+    """An argparse ``type=`` for a whole number >= ``minimum`` (``--epochs 0`` fails here).
+
+    >>> count(1)("8")
+    8
+    """
 
     def parse(text: str) -> int:
         try:
@@ -69,6 +107,11 @@ def count(minimum: int, what: str = ""):
 
 
 def corpus_name(text: str) -> str:
+    """An argparse ``type=`` for ``--corpus`` where only a corpus name will do.
+
+    >>> corpus_name("wikitext-2")
+    'wikitext-2'
+    """
     from ..corpus import CORPORA
 
     if text not in CORPORA:
@@ -79,6 +122,11 @@ def corpus_name(text: str) -> str:
 
 
 def layer_list(text: str) -> list[int]:
+    """An argparse ``type=`` for ``--dense-layers``: comma-separated layer indices.
+
+    >>> layer_list("0,3")
+    [0, 3]
+    """
     try:
         return [int(p) for p in text.split(",") if p.strip()]
     except ValueError:
@@ -88,6 +136,13 @@ def layer_list(text: str) -> list[int]:
 
 
 def common_args(p: argparse.ArgumentParser, corpus: bool = True) -> None:
+    """``--model``, ``--no-progress`` and (with ``corpus``) ``--corpus`` and ``--window``.
+
+    >>> p = argparse.ArgumentParser()
+    >>> common_args(p)
+    >>> vars(p.parse_args([]))
+    {'model': 'demo', 'corpus': 'demo', 'window': 512, 'no_progress': False}
+    """
     p.add_argument("--model", default="demo", help="'demo', a Hugging Face id or a local folder")
     if corpus:
         p.add_argument("--corpus", type=corpus_name, default="demo", help="demo, wikitext-2 or c4")
@@ -96,6 +151,13 @@ def common_args(p: argparse.ArgumentParser, corpus: bool = True) -> None:
 
 
 def sparsity_args(p: argparse.ArgumentParser) -> None:
+    """``--mlp-sparsity``, ``--head-sparsity`` (checked while parsing) and ``--dense-layers``.
+
+    >>> p = argparse.ArgumentParser()
+    >>> sparsity_args(p)
+    >>> vars(p.parse_args(["--mlp-sparsity", "0.5"]))
+    {'mlp_sparsity': 0.5, 'head_sparsity': None, 'dense_layers': []}
+    """
     p.add_argument(
         "--mlp-sparsity", type=budget("mlp_sparsity"), default=None, help="neurons removed (0)"
     )
@@ -106,7 +168,11 @@ def sparsity_args(p: argparse.ArgumentParser) -> None:
 
 
 def text_source(text: str) -> str:
-    """An argparse ``type=`` for ``--corpus`` / ``--calibration``: a corpus name or a file."""
+    """An argparse ``type=`` for ``--corpus`` / ``--calibration``: a corpus name or a file.
+
+    >>> text_source("demo")
+    'demo'
+    """
     from ..corpus import CORPORA
 
     if text in CORPORA:
@@ -123,6 +189,12 @@ def text_source(text: str) -> str:
 
 
 def positive(what: str):
+    """An argparse ``type=`` for a positive integer option ``what``.
+
+    >>> positive("--max-tokens")("128")
+    128
+    """
+
     def parse(text: str) -> int:
         try:
             v = int(text)
@@ -136,12 +208,24 @@ def positive(what: str):
 
 
 def load(args):
+    """``(model, tokenizer, arch)`` of ``--model``.
+
+    >>> load(argparse.Namespace(model="random:tiny-llama")).arch.n_layers
+    2
+    """
     from ..models import load_model
 
     return load_model(args.model)
 
 
 def corpus_windows(args, tokenizer, n: int | None, skip: int = 0, source: str | None = None):
+    """``n`` token windows [n, --window] of ``source`` (default ``--corpus``) after ``skip``.
+
+    >>> from dejavu_lab.models import load_model
+    >>> args = argparse.Namespace(model="demo", corpus="demo", window=16)
+    >>> corpus_windows(args, load_model("demo").tokenizer, 2, skip=1).shape
+    torch.Size([2, 16])
+    """
     from ..corpus import CorpusError, token_windows
 
     if tokenizer is None:
@@ -160,7 +244,11 @@ def corpus_windows(args, tokenizer, n: int | None, skip: int = 0, source: str | 
 
 
 def read_text(source: str) -> str:
-    """A corpus by name, or a UTF-8 text file."""
+    """A corpus by name, or a UTF-8 text file.
+
+    >>> read_text("demo")[:10]
+    'Hundreds o'
+    """
     from ..corpus import CORPORA, CorpusError, load_text
 
     if source in CORPORA:
@@ -173,7 +261,16 @@ def read_text(source: str) -> str:
 
 def check_text_files(args) -> None:
     """Fail before the model loads when a text file is not UTF-8 or cannot hold one window
-    (a token spans at least one byte)."""
+    (a token spans at least one byte).
+
+    >>> import tempfile
+    >>> path = f"{tempfile.mkdtemp()}/short.txt"
+    >>> _ = open(path, "w").write("Too short.")
+    >>> check_text_files(argparse.Namespace(corpus=path, calibration=None, window=512))
+    Traceback (most recent call last):
+    ...
+    dejavu_lab.errors.CorpusError: --corpus ... has 10 bytes, fewer than one window of 512 ...
+    """
     from ..corpus import CORPORA, CorpusError
 
     for what, source in (("--corpus", args.corpus), ("--calibration", args.calibration)):
@@ -194,7 +291,17 @@ def check_text_files(args) -> None:
 
 
 def static_sets_for(model, calib, kw: dict, args):
-    """The static method's sets, chosen on ``calib`` at the budgets of ``kw``."""
+    """The static method's sets, chosen on ``calib`` at the budgets of ``kw``.
+
+    >>> import torch
+    >>> from dejavu_lab.models import random_model
+    >>> model = random_model("tiny-llama").model
+    >>> kw = {"mlp_sparsity": 0.5, "head_sparsity": 0.0}
+    >>> sets = static_sets_for(model, torch.randint(0, 128, (1, 8)), kw,
+    ...                        argparse.Namespace(no_progress=True))
+    >>> sets.mlp_sparsity
+    [0.5, 0.5]
+    """
     from ..sparsify import static_sets
 
     return static_sets(model, calib, mlp_sparsity=kw["mlp_sparsity"],

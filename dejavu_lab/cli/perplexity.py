@@ -41,7 +41,13 @@ CALIBRATION_TOKENS = TRAIN_TOKENS  # thresholds calibrate on all of it (sparsify
 
 def add_parser(sub) -> None:
     """The ``perplexity`` options, on ``sub`` (an argparse subparsers object); ``--method``
-    offers every method of the table."""
+    offers every method of the table.
+
+    >>> sub = argparse.ArgumentParser().add_subparsers(dest="command")
+    >>> add_parser(sub)
+    >>> sub.choices["perplexity"].parse_args(["--method", "wina", "--sparsity", "0.4"]).sparsity
+    0.4
+    """
     p = sub.add_parser("perplexity", help="perplexity on a corpus, dense or sparsified")
     common_args(p, corpus=False)
     p.add_argument(
