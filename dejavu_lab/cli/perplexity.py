@@ -45,7 +45,7 @@ def add_parser(sub) -> None:
 
     >>> sub = argparse.ArgumentParser().add_subparsers(dest="command")
     >>> add_parser(sub)
-    >>> sub.choices["perplexity"].parse_args(["--method", "wina", "--sparsity", "0.4"]).sparsity
+    >>> sub.choices["perplexity"].parse_args(["--method", "teal", "--sparsity", "0.4"]).sparsity
     0.4
     """
     p = sub.add_parser("perplexity", help="perplexity on a corpus, dense or sparsified")

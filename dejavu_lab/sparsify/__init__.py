@@ -2,7 +2,7 @@
 
 One context manager, :func:`sparsified`, applies any registered method; each method is one
 module that registers a builder of hook callbacks (:func:`~dejavu_lab.sparsify.core.register`),
-so adding a method is adding one file:
+so adding a method is adding one file and its row in :data:`dejavu_lab.vocab.METHODS`:
 
 - :mod:`~dejavu_lab.sparsify.oracle` — the ideal per-token sets (§3.1's upper bound);
 - :mod:`~dejavu_lab.sparsify.static` — one set per layer for every token (the paper's baseline);

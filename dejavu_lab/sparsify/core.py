@@ -135,8 +135,8 @@ def sparsified(
 ) -> Iterator[None]:
     """Inside this block every forward of ``model`` runs with a sparsity method applied.
 
-    ``method``: a key of :data:`METHODS` — ``"dense"``, ``"oracle"`` (default), ``"static"``,
-    ``"dejavu"`` (``mode="predicted"`` is the same), ``"teal"``, ``"wina"``, ``"cats"``;
+    ``method``: a method of the table :data:`dejavu_lab.vocab.METHODS` (each has its builder
+    in :data:`METHODS`), ``"oracle"`` by default (``mode="predicted"`` is ``"dejavu"``);
     ``mode`` is the older name of the same argument. Budgets are fractions REMOVED, a number
     or one per layer, in [0, 1). ``sparsity``: the method's budget — for the unit-mask methods
     the default of both ``mlp_sparsity`` (neurons) and ``head_sparsity`` (query heads), for

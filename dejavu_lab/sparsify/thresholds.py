@@ -44,7 +44,7 @@ class Thresholds:
     tensor([0.3000, 0.3000, 0.3000])
     """
 
-    method: str  # "teal", "wina" or "cats"
+    method: str  # a threshold method of dejavu_lab.vocab.METHODS
     values: dict[tuple[int, str], float]  # score threshold t: keep entry i iff score_i > t
     sparsity: dict[tuple[int, str], float]  # the share of entries t was calibrated to remove
     fingerprint: dict  # the model they were calibrated on
