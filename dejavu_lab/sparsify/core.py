@@ -217,7 +217,7 @@ def _context(
     unit = spec.family != "threshold"  # dense and the unit masks take mlp/head budgets
     if spec.needs == "static sets":
         # duck-typed: the sets come from dejavu_lab.sparsify.static (which imports this module)
-        if not all(hasattr(static, a) for a in ("mlp_keep", "head_keep", "mlp_sparsity")):
+        if not all(hasattr(static, a) for a in ("mlp_score", "head_score", "mlp_sparsity")):
             raise ValueError("mode='static' needs static=static_sets(model, windows, ...).")
         if sparsity is None:
             mlp_sparsity = static.mlp_sparsity if mlp_sparsity is None else mlp_sparsity
