@@ -133,13 +133,14 @@ def cmd_perplexity(args) -> None:
     ms = 0.0 if args.mlp_sparsity is None else args.mlp_sparsity
     hs = 0.0 if args.head_sparsity is None else args.head_sparsity
     kw = dict(mlp_sparsity=ms, head_sparsity=hs, dense_layers=args.dense_layers, mode=args.mode)
-    if args.mode == "predicted":
+    needs = method_spec(args.mode).needs  # the older --mode names are methods or their aliases
+    if needs == "predictors":
         from ..predictors import load_predictors
 
         if args.predictors is None:
             raise ValueError("--mode predicted needs --predictors FILE (see train-predictors).")
         kw["predictors"] = load_predictors(args.predictors, model, arch)
-    if args.mode == "static":
+    if needs == "static sets":
         calib = corpus_windows(args, tok, args.static_windows)
         kw["static"] = static_sets(model, calib, mlp_sparsity=ms, head_sparsity=hs)
     r = sparse_eval(model, windows, progress=not args.no_progress, **kw)
