@@ -13,8 +13,8 @@ method      score of input entry ``i``     sites (per layer)
 ==========  =============================  =====================================================
 
 :func:`calibrate` runs the dense model over the calibration windows once and adds every score
-to a log-spaced histogram per (layer, site) (4096 bins over 1e-8…1e4 by default: a quantile is
-resolved to 0.7% in value), so no activation is kept; the :class:`Calibration` then gives
+to a log-spaced histogram per (layer, site) (:mod:`~dejavu_lab.sparsify.histogram`; 4096 bins
+over 1e-8…1e4 by default: a quantile is resolved to 0.7% in value), so no activation is kept; the :class:`Calibration` then gives
 thresholds for any sparsity and allocation (:meth:`Calibration.thresholds`). TEAL's greedy
 allocation (:mod:`dejavu_lab.sparsify.greedy`) is computed on request and stored with it.
 
@@ -44,6 +44,7 @@ from ..collect import fingerprint, fingerprint_id
 from ..hooks import hooks
 from ..vocab import CALIBRATION_FORMAT, METHODS
 from .core import SITES, _check_windows, column_norms
+from .histogram import bucket, mass_below, quantile
 from .thresholds import (
     CalibrationError,
     Thresholds,
@@ -140,51 +141,6 @@ def text_hash(windows: torch.Tensor) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# histograms
-
-
-def _bucket(scores: torch.Tensor, cfg: CalibrationConfig) -> torch.Tensor:
-    """Bin index of each score: 0 below 10**log10_min (and zero), bins + 1 above the max."""
-    lg = torch.log10(scores.detach().float().flatten())
-    idx = ((lg - cfg.log10_min) * (cfg.bins / (cfg.log10_max - cfg.log10_min))).floor() + 1
-    return idx.nan_to_num(0.0, posinf=cfg.bins + 1, neginf=0.0).clamp(0, cfg.bins + 1).long()
-
-
-def _quantile(hist: torch.Tensor, s: float, cfg: CalibrationConfig) -> float:
-    """The score ``t`` with a share ``s`` of the histogram's mass at or below it."""
-    cdf = hist.double().cumsum(0)
-    total = float(cdf[-1])
-    if total <= 0:
-        raise CalibrationError("an empty histogram: calibrate on at least one window.")
-    target = s * total
-    j = int(torch.searchsorted(cdf, torch.tensor([target], dtype=cdf.dtype)))
-    if j == 0:
-        return 0.0
-    if j >= cfg.bins + 1:
-        return 10.0**cfg.log10_max
-    before = float(cdf[j - 1])
-    inside = float(hist[j])
-    frac = 0.0 if inside <= 0 else min(max((target - before) / inside, 0.0), 1.0)
-    width = (cfg.log10_max - cfg.log10_min) / cfg.bins
-    return 10.0 ** (cfg.log10_min + (j - 1 + frac) * width)
-
-
-def _mass_below(hist: torch.Tensor, t: float, cfg: CalibrationConfig) -> float:
-    """Share of the histogram's mass at or below score ``t`` (the inverse of :func:`_quantile`)."""
-    import math
-
-    total = float(hist.sum())
-    if t <= 0:
-        return float(hist[0]) / total
-    pos = (math.log10(t) - cfg.log10_min) * cfg.bins / (cfg.log10_max - cfg.log10_min)
-    if pos >= cfg.bins:
-        return 1.0 - float(hist[-1]) / total
-    pos = max(pos, 0.0)
-    j = int(pos)
-    return (float(hist[: j + 1].sum()) + (pos - j) * float(hist[j + 1])) / total
-
-
-# ---------------------------------------------------------------------------------------------
 # the calibration
 
 
@@ -226,11 +182,11 @@ class Calibration:
 
     def threshold(self, method: str, layer: int, site: str, sparsity: float) -> float:
         """The score threshold removing a share ``sparsity`` of the site's entries."""
-        return _quantile(self.hist[method][layer, KINDS[method].index(site)], sparsity, self.config)
+        return quantile(self.hist[method][layer, KINDS[method].index(site)], sparsity, self.config)
 
     def sparsity_at(self, method: str, layer: int, site: str, t: float) -> float:
         """The share of the calibration entries with score at or below ``t``."""
-        return _mass_below(self.hist[method][layer, KINDS[method].index(site)], t, self.config)
+        return mass_below(self.hist[method][layer, KINDS[method].index(site)], t, self.config)
 
     def site_sparsities(
         self,
@@ -463,7 +419,7 @@ def _histograms(model, arch, windows, cfg, fp, sha, progress) -> Calibration:
     device = next(model.parameters()).device
 
     def add(method, i, j, scores):
-        idx = _bucket(scores, cfg)
+        idx = bucket(scores, cfg)
         hist[method][i, j] += torch.bincount(idx, minlength=B).double().cpu()
 
     def on_site(site):
