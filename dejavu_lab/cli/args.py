@@ -58,7 +58,7 @@ def budget(what: str, per_layer: bool = True):
     >>> budget("sparsity")("1.0")
     Traceback (most recent call last):
     ...
-    argparse.ArgumentTypeError: sparsity must be in [0, 1) (the fraction removed; 0 = dense), got 1.0; pass e.g. 0.5.
+    argparse.ArgumentTypeError: sparsity must be in [0, 1) (the fraction removed; ...; pass e.g. 0.5.
     """
 
     def parse(text: str):

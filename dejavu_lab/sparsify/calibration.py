@@ -14,8 +14,9 @@ method      score of input entry ``i``     sites (per layer)
 
 :func:`calibrate` runs the dense model over the calibration windows once and adds every score
 to a log-spaced histogram per (layer, site) (:mod:`~dejavu_lab.sparsify.histogram`; 4096 bins
-over 1e-8…1e4 by default: a quantile is resolved to 0.7% in value), so no activation is kept; the :class:`Calibration` then gives
-thresholds for any sparsity and allocation (:meth:`Calibration.thresholds`). TEAL's greedy
+over 1e-8…1e4 by default: a quantile is resolved to 0.7% in value), so no activation is kept;
+the :class:`Calibration` then gives thresholds for any sparsity and allocation
+(:meth:`Calibration.thresholds`). TEAL's greedy
 allocation (:mod:`dejavu_lab.sparsify.greedy`) is computed on request and stored with it.
 
 Calibrations are cached under ``cache_dir()/calibration``, keyed by the model fingerprint, a
