@@ -395,12 +395,12 @@ def _thresholder(ctx, i, site, thr):
     cache: dict = {}
 
     def fn(x: torch.Tensor, name: str) -> torch.Tensor:
-        t = thr if isinstance(thr, float) else cache.get(x.device)
+        t = cache.get(x.device) if isinstance(thr, torch.Tensor) else float(thr)
         if t is None:
             t = cache[x.device] = thr.to(x.device, torch.float32)
         shape = x.shape
         flat = x.reshape(*shape[:2], -1) if site == "o_in" else x  # heads -> h * dh columns
-        keep = flat.abs().float() > t  # fp32 against fp32: a float is rounded as a tensor is
+        keep = flat.abs().float() > t  # torch compares a Python float in fp32, as an fp32 tensor
         if ctx.kept is not None:
             ctx.kept.add(i, site, keep)
         return _apply(flat, keep).reshape(shape)
