@@ -212,8 +212,10 @@ class Calibration:
         """
         if method not in KINDS:
             raise CalibrationError(f"method must be one of {', '.join(KINDS)}, got {method!r}.")
+        # budgets checked where they came in: one per layer, each in [0, 1)
+        assert isinstance(sparsity, (list, tuple)) and len(sparsity) == self.n_layers, sparsity
+        assert all(0 <= x < 1 for x in sparsity), sparsity
         s = list(sparsity)
-        assert len(s) == self.n_layers and all(0 <= x < 1 for x in s), s  # checked budgets
         names = KINDS[method]
         if sites is not None:
             bad = [x for x in sites if x not in names]
