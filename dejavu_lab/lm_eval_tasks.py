@@ -16,7 +16,6 @@ task in LAMBADA's own format (:func:`local_task_dir`). It needs the optional ``e
 from __future__ import annotations
 
 import contextlib
-import inspect
 import json
 import logging
 import os
@@ -30,6 +29,7 @@ from pathlib import Path
 
 from . import assets  # stdlib only: `dejavu-lab --help` stays fast
 from .errors import LmEvalError
+from .vocab import ALIASES, METHODS
 
 __all__ = [
     "LOCAL_TASK",
@@ -257,13 +257,11 @@ def _task_manager(defaults: bool):
 
 def _sparse(model, method: str | None, kwargs: dict):
     """``sparsified(model, method=..., **kwargs)``, or nothing for a dense run."""
-    if method in (None, "dense") and not kwargs:
+    spec = METHODS.get(ALIASES.get(method, method)) if method is not None else None
+    if (method is None or (spec is not None and spec.family == "dense")) and not kwargs:
         return nullcontext()
-    from . import sparsify
+    from .sparsify import sparsified
 
-    params = inspect.signature(sparsify.sparsified).parameters
-    if method == "dense" and "dense" not in getattr(sparsify, "METHODS", {}):
-        return nullcontext()  # sparsify without a "dense" method: dense is no hooks
-    if method is not None:  # `method=` in the methods' sparsify, `mode=` before it
-        kwargs = {**kwargs, ("method" if "method" in params else "mode"): method}
-    return sparsify.sparsified(model, **kwargs)
+    if method is not None:
+        kwargs = {**kwargs, "method": method}
+    return sparsified(model, **kwargs)

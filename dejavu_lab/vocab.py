@@ -99,6 +99,10 @@ def site_width(arch, site: str) -> int:
 class Method:
     """One contextual-sparsity method: what it keeps, what it needs, who runs it.
 
+    A new method is its row here and its builder in :mod:`dejavu_lab.sparsify` (registered
+    under the same name); the CLI prepares what ``needs`` names and the budgets ``family``
+    takes.
+
     >>> cats = METHODS["cats"]
     >>> cats.family, cats.sites, cats.needs, cats.engine
     ('threshold', ('gate',), 'calibration', True)
@@ -140,8 +144,8 @@ ALIASES = {a: m.name for m in METHODS.values() for a in m.aliases}
 def method(name: str) -> Method:
     """The :class:`Method` called ``name`` (or one of its older names); ``KeyError`` else.
 
-    >>> method("teal").allocation, method("predicted").needs
-    ('greedy', 'predictors')
+    >>> method("teal").allocation, method("predicted").name
+    ('greedy', 'dejavu')
     >>> method("relu")
     Traceback (most recent call last):
     ...

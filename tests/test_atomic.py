@@ -17,7 +17,7 @@ import torch
 from _tiny_folder import build
 
 from dejavu_lab import atomic, results
-from dejavu_lab.cli import main as cli
+from dejavu_lab.cli.main import main as cli
 from dejavu_lab.collect import CollectConfig, collect, default_dir, fingerprint, open_collection
 from dejavu_lab.models import load_model, random_model
 from dejavu_lab.predictors import (

@@ -21,7 +21,7 @@ from transformers import GPT2Config
 from dejavu_lab import results
 from dejavu_lab.arch import UnsupportedArchitectureError
 from dejavu_lab.assets import AssetError, fetch
-from dejavu_lab.cli import main as cli
+from dejavu_lab.cli.main import main as cli
 from dejavu_lab.collect import fingerprint
 from dejavu_lab.corpus import CorpusError, load_text, token_windows
 from dejavu_lab.hooks import run_with_cache, run_with_hooks

@@ -22,7 +22,7 @@ from _tiny_folder import build
 from safetensors.torch import load_file, save_file
 
 from dejavu_lab.assets import fetch
-from dejavu_lab.cli import main
+from dejavu_lab.cli.main import main
 from dejavu_lab.collect import CollectConfig, collect, fingerprint
 from dejavu_lab.models import load_model, random_model
 from dejavu_lab.predictors import PredictorConfig, Predictors

@@ -15,8 +15,6 @@ from dejavu_lab.sparsify.calibration import (
     CalibrationConfig,
     CalibrationError,
     Thresholds,
-    _bucket,
-    _quantile,
     calibrate,
     default_path,
     load_calibration,
@@ -24,6 +22,7 @@ from dejavu_lab.sparsify.calibration import (
 )
 from dejavu_lab.sparsify.core import column_norms
 from dejavu_lab.sparsify.greedy import _run_layer, greedy_path, layer_inputs
+from dejavu_lab.sparsify.histogram import bucket, quantile
 from dejavu_lab.step_bytes import site_elements
 
 
@@ -40,14 +39,14 @@ def cache(tmp_path, monkeypatch):
 def test_histogram_quantiles_match_torch():
     cfg = CalibrationConfig()
     x = torch.randn(200_000).abs() * 3
-    hist = torch.bincount(_bucket(x, cfg), minlength=cfg.bins + 2).double()
+    hist = torch.bincount(bucket(x, cfg), minlength=cfg.bins + 2).double()
     for s in (0.1, 0.25, 0.5, 0.7, 0.9):
-        t = _quantile(hist, s, cfg)
+        t = quantile(hist, s, cfg)
         assert abs((x <= t).float().mean().item() - s) < 0.002
         assert abs(t / torch.quantile(x, s).item() - 1) < 0.01
     zeros = torch.cat([torch.zeros(1000), torch.rand(1000) + 1])  # ReLU-like: half exact zeros
-    hz = torch.bincount(_bucket(zeros, cfg), minlength=cfg.bins + 2).double()
-    assert _quantile(hz, 0.3, cfg) == 0.0  # inside the zeros: keep every nonzero
+    hz = torch.bincount(bucket(zeros, cfg), minlength=cfg.bins + 2).double()
+    assert quantile(hz, 0.3, cfg) == 0.0  # inside the zeros: keep every nonzero
 
 
 def _dense_scores(model, arch, ids, method):

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from dejavu_lab.cli import main
+from dejavu_lab.cli.main import main
 
 pytestmark = pytest.mark.slow  # loads the demo model
 
@@ -253,7 +253,7 @@ def test_corpus_and_calibration_files(capsys, tmp_cache, tmp_path):
     ],
 )
 def test_bad_values_fail_before_the_model_loads(capsys, monkeypatch, tmp_path, argv, msg):
-    import dejavu_lab.cli as cli
+    from dejavu_lab.cli import perplexity
 
     (tmp_path / "tiny.txt").write_text("Too short.", encoding="utf-8")
     (tmp_path / "latin1.txt").write_bytes("café ".encode("latin-1") * 200)
@@ -263,7 +263,7 @@ def test_bad_values_fail_before_the_model_loads(capsys, monkeypatch, tmp_path, a
     def no_model(args):
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr(cli, "_load", no_model)
+    monkeypatch.setattr(perplexity, "load", no_model)
     rc, out, err = _run(capsys, "perplexity", *argv, "--no-progress")
     assert rc == 2 and out == ""
     assert err.startswith("dejavu-lab: error: ") and msg in err and len(err.splitlines()) == 1
@@ -280,12 +280,13 @@ def test_text_shorter_than_one_window_after_tokenising(capsys, tmp_path):
 def test_cli_calibrates_on_the_chapters_training_text():
     """The CLI's default split is the chapters' (sparsify.frontier): the same training text, and
     thresholds calibrated on all of it, so `dejavu-lab perplexity` reproduces chapter 42's points."""
-    from dejavu_lab import cli
+    from dejavu_lab.cli import perplexity
+    from dejavu_lab.cli.main import parser
     from dejavu_lab.sparsify import frontier
 
-    assert (cli.TRAIN_TOKENS, cli.CALIBRATION_TOKENS) == (
+    assert (perplexity.TRAIN_TOKENS, perplexity.CALIBRATION_TOKENS) == (
         frontier.TRAIN_TOKENS,
         frontier.CALIBRATION_TOKENS,
     )
-    args = cli.parser().parse_args(["perplexity", "--method", "teal", "--sparsity", "0.5"])
+    args = parser().parse_args(["perplexity", "--method", "teal", "--sparsity", "0.5"])
     assert args.calibration_tokens == frontier.CALIBRATION_TOKENS

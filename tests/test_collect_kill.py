@@ -33,7 +33,7 @@ ZYGOTE = textwrap.dedent(
     r"""
     import json, os, shutil, signal, sys, time
     from dejavu_lab import atomic, corpus
-    import dejavu_lab.cli, dejavu_lab.collect, dejavu_lab.models  # import before forking
+    import dejavu_lab.cli.main, dejavu_lab.collect, dejavu_lab.models  # import before forking
 
     spec = json.loads(sys.argv[1])
     text = corpus.load_text("demo")[:20000]
@@ -71,7 +71,7 @@ ZYGOTE = textwrap.dedent(
         patch(run)
         argv = ["collect", "--model", spec["model"], "--window", "16", "--max-tokens", "96",
                 "--out", run["out"], "--no-progress", *run.get("extra", [])]
-        code = dejavu_lab.cli.main(argv)
+        code = dejavu_lab.cli.main.main(argv)
         sys.stdout.flush(); sys.stderr.flush()
         os._exit(code)
 

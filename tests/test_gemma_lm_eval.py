@@ -15,7 +15,7 @@ import pytest
 import torch
 import yaml
 
-from dejavu_lab.cli import main
+from dejavu_lab.cli.main import main
 from dejavu_lab.lm_eval_tasks import (
     LOCAL_TASK,
     TRAIN_ARTICLES,

@@ -22,6 +22,7 @@ from dejavu_lab.sparsify import (
 )
 from dejavu_lab.sparsify.core import column_norms
 from dejavu_lab.step_bytes import layer_elements, site_elements
+from dejavu_lab.vocab import method as method_spec
 
 
 def _ids(b=2, p=16, seed=0):
@@ -224,3 +225,62 @@ def test_at_bytes_reads_a_curve_by_interpolation_or_a_local_fit():
     assert crossings(bumped, [0.6], window=0.03).loc["a", 0.6] == pytest.approx(fit)
     with pytest.raises(ValueError, match="window must be in"):
         at_bytes(df, [0.6], window=1.5)
+
+
+def test_the_registry_and_the_table_name_the_same_methods():
+    from dejavu_lab import vocab
+    from dejavu_lab.sparsify import register
+
+    assert set(METHODS) == set(vocab.METHODS)  # a builder for every row, a row for every builder
+    with pytest.raises(ValueError, match="has no row in dejavu_lab.vocab.METHODS"):
+        register("magic")
+
+
+@pytest.fixture
+def first_k(monkeypatch):
+    """A throwaway method: the first k neurons and heads of every layer. One table row and one
+    builder, both gone after the test; no other file knows it."""
+    from dejavu_lab import vocab
+    from dejavu_lab.sparsify import core, register
+
+    row = vocab.Method("first-k", "unit", ("mlp", "heads"), "nothing", engine=False)
+    monkeypatch.setitem(vocab.METHODS, row.name, row)
+    monkeypatch.setitem(core.METHODS, row.name, None)  # the builder below; removed after
+
+    @register(row.name)
+    def first_k_hooks(ctx):
+        def first(i, t, k, dim):
+            return torch.arange(t.shape[dim], device=t.device) < k
+
+        return core.unit_mask_hooks(
+            ctx, lambda i, a, k: first(i, a, k, -1), lambda i, z, k: first(i, z, k, -2)
+        )
+
+    return row
+
+
+def test_a_new_method_is_one_builder_and_one_row(first_k):
+    from dejavu_lab.cli import perplexity, tasks
+    from dejavu_lab.cli.main import parser
+    from dejavu_lab.lm_eval_tasks import _sparse
+
+    model, _, arch = random_model("tiny-llama")
+    ids = _ids()
+    record = {}
+    _logits(model, ids, method=first_k.name, sparsity=0.5, record=record)
+    assert record["mlp"][0][0, 0].tolist() == [True] * 96 + [False] * 96
+    assert record["heads"][1][0, 0].tolist() == [True, True, False, False]
+    # the CLI offers it and prepares what its row says it needs (nothing), for both commands
+    argv = ["--method", first_k.name, "--sparsity", "0.5", "--head-sparsity", "0.25"]
+    args = parser().parse_args(["perplexity", *argv])
+    kw, info = perplexity.prepare(args, method_spec(first_k.name), model, None, arch)
+    assert (kw["mlp_sparsity"], kw["head_sparsity"], info) == (0.5, 0.25, {})
+    r = sparse_eval(model, ids, progress=False, **kw)
+    assert r.method == first_k.name and r.kept == {"mlp": 0.5, "heads": 0.75, "kv": 1.0}
+    kw = tasks.prepare(parser().parse_args(["eval-tasks", *argv]), model, None, arch)
+    assert kw["method"] == first_k.name and kw["head_sparsity"] == 0.25
+    want = _logits(model, ids, **kw)
+    kw.pop("method")
+    with torch.no_grad(), _sparse(model, first_k.name, kw):  # the lm-eval bridge
+        assert torch.equal(model(input_ids=ids).logits, want)
+    assert not torch.equal(want, _logits(model, ids, method=first_k.name, sparsity=0.5))

@@ -250,8 +250,7 @@ def test_generate_needs_a_selector():
 def test_lm_eval_missing_is_a_clear_error(monkeypatch):
     import sys
 
-    from dejavu_lab.lm_eval_tasks import LmEvalError
-    from dejavu_lab.sparsify import lm_eval_tasks
+    from dejavu_lab.lm_eval_tasks import LmEvalError, lm_eval_tasks
 
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # as if not installed
     model, _, _ = random_model("tiny-opt")

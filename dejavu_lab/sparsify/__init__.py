@@ -2,7 +2,7 @@
 
 One context manager, :func:`sparsified`, applies any registered method; each method is one
 module that registers a builder of hook callbacks (:func:`~dejavu_lab.sparsify.core.register`),
-so adding a method is adding one file:
+so adding a method is adding one file and its row in :data:`dejavu_lab.vocab.METHODS`:
 
 - :mod:`~dejavu_lab.sparsify.oracle` — the ideal per-token sets (§3.1's upper bound);
 - :mod:`~dejavu_lab.sparsify.static` — one set per layer for every token (the paper's baseline);
@@ -66,7 +66,6 @@ __all__ = [
     "bytes_per_token_fraction",
     "head_gram",
     "head_output_norms",
-    "lm_eval_tasks",
     "n_keep",
     "register",
     "sparse_eval",
@@ -75,12 +74,3 @@ __all__ = [
     "static_sets",
     "topk_mask",
 ]
-
-
-def __getattr__(name: str):
-    """``lm_eval_tasks`` lives in :mod:`dejavu_lab.lm_eval_tasks` (it imports this package)."""
-    if name == "lm_eval_tasks":
-        from ..lm_eval_tasks import lm_eval_tasks
-
-        return lm_eval_tasks
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""Calibrated thresholds for TEAL, WINA and CATS, from streamed histograms (issue 11).
+"""Calibrated thresholds for TEAL, WINA and CATS, from streamed histograms.
 
 The threshold methods zero an input entry when its *score* is at or below a per-layer,
 per-site threshold ``t``. A target sparsity ``s`` (share of entries zeroed) fixes ``t`` as the
@@ -13,9 +13,10 @@ method      score of input entry ``i``     sites (per layer)
 ==========  =============================  =====================================================
 
 :func:`calibrate` runs the dense model over the calibration windows once and adds every score
-to a log-spaced histogram per (layer, site) (4096 bins over 1e-8…1e4 by default: a quantile is
-resolved to 0.7% in value), so no activation is kept; the :class:`Calibration` then gives
-thresholds for any sparsity and allocation (:meth:`Calibration.thresholds`). TEAL's greedy
+to a log-spaced histogram per (layer, site) (:mod:`~dejavu_lab.sparsify.histogram`; 4096 bins
+over 1e-8…1e4 by default: a quantile is resolved to 0.7% in value), so no activation is kept;
+the :class:`Calibration` then gives thresholds for any sparsity and allocation
+(:meth:`Calibration.thresholds`). TEAL's greedy
 allocation (:mod:`dejavu_lab.sparsify.greedy`) is computed on request and stored with it.
 
 Calibrations are cached under ``cache_dir()/calibration``, keyed by the model fingerprint, a
@@ -42,8 +43,9 @@ from ..arch import Arch, get_arch
 from ..budgets import budgets
 from ..collect import fingerprint, fingerprint_id
 from ..hooks import hooks
-from ..vocab import CALIBRATION_FORMAT
+from ..vocab import CALIBRATION_FORMAT, METHODS
 from .core import SITES, _check_windows, column_norms
+from .histogram import bucket, mass_below, quantile
 from .thresholds import (
     CalibrationError,
     Thresholds,
@@ -61,6 +63,7 @@ __all__ = [
     "Thresholds",
     "calibrate",
     "default_path",
+    "greedy_allocates",
     "load_calibration",
     "load_thresholds",
     "text_hash",
@@ -69,6 +72,17 @@ __all__ = [
 
 KINDS = {"teal": tuple(SITES), "wina": tuple(SITES), "cats": ("gate",)}  # method -> sites
 FORMAT = CALIBRATION_FORMAT
+
+
+def greedy_allocates(method: str) -> bool:
+    """Whether TEAL's greedy allocation over a layer's sites applies to ``method``: the methods
+    whose default allocation it is in :data:`dejavu_lab.vocab.METHODS`.
+
+    >>> greedy_allocates("wina"), greedy_allocates("cats")
+    (True, False)
+    """
+    spec = METHODS.get(method)
+    return spec is not None and spec.allocation == "greedy"
 
 
 @dataclass(frozen=True)
@@ -128,51 +142,6 @@ def text_hash(windows: torch.Tensor) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# histograms
-
-
-def _bucket(scores: torch.Tensor, cfg: CalibrationConfig) -> torch.Tensor:
-    """Bin index of each score: 0 below 10**log10_min (and zero), bins + 1 above the max."""
-    lg = torch.log10(scores.detach().float().flatten())
-    idx = ((lg - cfg.log10_min) * (cfg.bins / (cfg.log10_max - cfg.log10_min))).floor() + 1
-    return idx.nan_to_num(0.0, posinf=cfg.bins + 1, neginf=0.0).clamp(0, cfg.bins + 1).long()
-
-
-def _quantile(hist: torch.Tensor, s: float, cfg: CalibrationConfig) -> float:
-    """The score ``t`` with a share ``s`` of the histogram's mass at or below it."""
-    cdf = hist.double().cumsum(0)
-    total = float(cdf[-1])
-    if total <= 0:
-        raise CalibrationError("an empty histogram: calibrate on at least one window.")
-    target = s * total
-    j = int(torch.searchsorted(cdf, torch.tensor([target], dtype=cdf.dtype)))
-    if j == 0:
-        return 0.0
-    if j >= cfg.bins + 1:
-        return 10.0**cfg.log10_max
-    before = float(cdf[j - 1])
-    inside = float(hist[j])
-    frac = 0.0 if inside <= 0 else min(max((target - before) / inside, 0.0), 1.0)
-    width = (cfg.log10_max - cfg.log10_min) / cfg.bins
-    return 10.0 ** (cfg.log10_min + (j - 1 + frac) * width)
-
-
-def _mass_below(hist: torch.Tensor, t: float, cfg: CalibrationConfig) -> float:
-    """Share of the histogram's mass at or below score ``t`` (the inverse of :func:`_quantile`)."""
-    import math
-
-    total = float(hist.sum())
-    if t <= 0:
-        return float(hist[0]) / total
-    pos = (math.log10(t) - cfg.log10_min) * cfg.bins / (cfg.log10_max - cfg.log10_min)
-    if pos >= cfg.bins:
-        return 1.0 - float(hist[-1]) / total
-    pos = max(pos, 0.0)
-    j = int(pos)
-    return (float(hist[: j + 1].sum()) + (pos - j) * float(hist[j + 1])) / total
-
-
-# ---------------------------------------------------------------------------------------------
 # the calibration
 
 
@@ -214,36 +183,46 @@ class Calibration:
 
     def threshold(self, method: str, layer: int, site: str, sparsity: float) -> float:
         """The score threshold removing a share ``sparsity`` of the site's entries."""
-        return _quantile(self.hist[method][layer, KINDS[method].index(site)], sparsity, self.config)
+        return quantile(self.hist[method][layer, KINDS[method].index(site)], sparsity, self.config)
 
     def sparsity_at(self, method: str, layer: int, site: str, t: float) -> float:
         """The share of the calibration entries with score at or below ``t``."""
-        return _mass_below(self.hist[method][layer, KINDS[method].index(site)], t, self.config)
+        return mass_below(self.hist[method][layer, KINDS[method].index(site)], t, self.config)
 
     def site_sparsities(
         self,
         method: str,
-        sparsity,
+        sparsity: Sequence[float],
         allocation: str = "uniform",
         sites: Sequence[str] | None = None,
     ) -> dict[tuple[int, str], float]:
-        """Each (layer, site)'s share removed for a layer budget ``sparsity`` (one or per layer).
+        """Each (layer, site)'s share removed for per-layer budgets ``sparsity`` (checked ones:
+        :meth:`thresholds` and :func:`~dejavu_lab.sparsify.core.sparsified` check them).
 
         ``"uniform"``: every site of the layer at the layer's budget. ``"greedy"`` (TEAL and
         WINA): the sites' shares on the greedy path where its bytes-weighted layer sparsity
         reaches the budget (interpolated between steps). ``sites``: limit to these sites
         (uniform only); the others run dense.
+
+        >>> from dejavu_lab.models import random_model
+        >>> m = random_model("tiny-llama")
+        >>> cal = calibrate(m.model, torch.randint(0, 128, (1, 16)), cache=False, progress=False)
+        >>> cal.site_sparsities("cats", [0.5, 0.0])
+        {(0, 'gate'): 0.5}
         """
         if method not in KINDS:
             raise CalibrationError(f"method must be one of {', '.join(KINDS)}, got {method!r}.")
-        s = budgets(sparsity, self.n_layers, "sparsity")
+        # budgets checked where they came in: one per layer, each in [0, 1)
+        assert isinstance(sparsity, (list, tuple)) and len(sparsity) == self.n_layers, sparsity
+        assert all(0 <= x < 1 for x in sparsity), sparsity
+        s = list(sparsity)
         names = KINDS[method]
         if sites is not None:
             bad = [x for x in sites if x not in names]
             if bad:
                 raise CalibrationError(f"{method} sites are {', '.join(names)}, got {bad}.")
         out: dict[tuple[int, str], float] = {}
-        if allocation == "greedy" and method != "cats":
+        if allocation == "greedy" and greedy_allocates(method):
             if sites is not None:
                 raise CalibrationError("the greedy allocation chooses its own sites; drop sites=.")
             path = self.greedy_table(method)
@@ -277,14 +256,22 @@ class Calibration:
         dense_layers: Sequence[int] = (),
         sites: Sequence[str] | None = None,
     ) -> Thresholds:
-        """:class:`Thresholds` of ``method`` for a layer budget (see :meth:`site_sparsities`)."""
+        """:class:`Thresholds` of ``method`` for a layer budget (see :meth:`site_sparsities`).
+
+        ``sparsity``: one number or one per layer, each in [0, 1); ``dense_layers``: layers
+        left dense.
+        """
         s = budgets(sparsity, self.n_layers, "sparsity")
         for i in dense_layers:
             s[i % self.n_layers] = 0.0
+        return self._thresholds(method, s, allocation, sites)
+
+    def _thresholds(self, method, s: list[float], allocation, sites=None) -> Thresholds:
+        """:meth:`thresholds` for checked per-layer budgets (dense layers already at 0)."""
         alloc = self.site_sparsities(method, s, allocation, sites)
         values = {k: self.threshold(method, *k, v) for k, v in alloc.items()}
         info = {"calibration": str(self.path) if self.path else None, "text_sha": self.text_sha}
-        alloc_name = "uniform" if method == "cats" else allocation
+        alloc_name = allocation if greedy_allocates(method) else "uniform"
         return Thresholds(method, values, alloc, self.fingerprint, alloc_name, info)
 
     def check_model(self, model, arch: Arch | None = None) -> None:
@@ -396,8 +383,9 @@ def calibrate(
     arch = arch or get_arch(model)
     windows = _check_windows(windows)
     for g in greedy:
-        if g not in ("teal", "wina"):
-            raise CalibrationError(f"greedy allocations exist for teal and wina, got {g!r}.")
+        if not greedy_allocates(g):
+            names = " and ".join(m.name for m in METHODS.values() if greedy_allocates(m.name))
+            raise CalibrationError(f"greedy allocations exist for {names}, got {g!r}.")
     fp = fingerprint(model, arch)
     sha = text_hash(windows)
     path = default_path(fp, sha, config)
@@ -434,7 +422,7 @@ def _histograms(model, arch, windows, cfg, fp, sha, progress) -> Calibration:
     device = next(model.parameters()).device
 
     def add(method, i, j, scores):
-        idx = _bucket(scores, cfg)
+        idx = bucket(scores, cfg)
         hist[method][i, j] += torch.bincount(idx, minlength=B).double().cpu()
 
     def on_site(site):
@@ -485,9 +473,8 @@ def thresholds_for(ctx) -> Thresholds:
         src.check_model(ctx.model, ctx.arch)
         if ctx.sparsity is None:
             raise ValueError(f"method={method!r} with a Calibration needs sparsity=.")
-        return src.thresholds(
-            method, ctx.sparsity, allocation=ctx.allocation, dense_layers=sorted(ctx.dense)
-        )
+        # sparsified checked ctx.sparsity and set its dense layers to 0
+        return src._thresholds(method, ctx.sparsity, ctx.allocation)
     if not isinstance(src, Thresholds):
         raise ValueError(
             f"thresholds must be a Calibration or Thresholds, got {type(src).__name__}."

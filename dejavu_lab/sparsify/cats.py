@@ -34,10 +34,10 @@ def cats_hooks(ctx: SparseContext) -> list:
     >>> round(record["mlp"][0].float().mean().item(), 1)  # 30% of neurons kept on average
     0.3
     """
-    vectors = thresholds_for(ctx).engine_thresholds(ctx.model, ctx.arch)
+    per_layer = thresholds_for(ctx).site_thresholds(ctx.model, ctx.arch)  # one float a layer
     act = ACT2FN[ctx.arch.activation]
     fns = []
-    for (i, _site), thr in sorted(vectors.items()):
+    for (i, _site), thr in sorted(per_layer.items()):
         if i in ctx.dense:
             continue
         fns.append((f"blocks.{i}.mlp.hook_pre", _gate_reader(ctx, i, thr, act)))
@@ -45,9 +45,9 @@ def cats_hooks(ctx: SparseContext) -> list:
     return fns
 
 
-def _gate_reader(ctx, i, thr, act):
+def _gate_reader(ctx, i, thr: float, act):
     def fn(g: torch.Tensor, name: str) -> None:  # g: [b, p, n], the gate before its activation
-        ctx.state[f"cats{i}"] = act(g.detach().float()).abs() > thr.to(g.device)
+        ctx.state[f"cats{i}"] = act(g.detach().float()).abs() > thr
 
     return fn
 

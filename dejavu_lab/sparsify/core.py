@@ -24,10 +24,12 @@ import torch
 from torch import nn
 
 from ..arch import Arch, get_arch
-from ..budgets import budgets
+from ..budgets import budgets, n_keep
 from ..corpus import CorpusError
 from ..hooks import hooks
 from ..vocab import ALIASES, SITES
+from ..vocab import METHODS as TABLE
+from ..vocab import method as method_spec
 from .kept import Kept
 
 __all__ = [
@@ -52,13 +54,21 @@ METHODS: dict[str, Builder] = {}  # name -> builder; filled by the method module
 def register(name: str):
     """Decorator: make ``builder(ctx) -> [(hook name, fn), ...]`` the method ``name``.
 
-    >>> @register("nothing")
-    ... def _nothing(ctx):
-    ...     return []  # no hooks: runs dense
-    >>> "nothing" in METHODS
+    The method must have its row in :data:`dejavu_lab.vocab.METHODS` (what it keeps, what it
+    needs): the table and this registry name the same methods.
+
+    >>> import dejavu_lab.sparsify  # each method's module registers its builder
+    >>> sorted(METHODS) == sorted(TABLE)
     True
-    >>> del METHODS["nothing"]
+    >>> register("magic")
+    Traceback (most recent call last):
+    ...
+    ValueError: method 'magic' has no row in dejavu_lab.vocab.METHODS; add its Method there first.
     """
+    if name not in TABLE:
+        raise ValueError(
+            f"method {name!r} has no row in dejavu_lab.vocab.METHODS; add its Method there first."
+        )
 
     def deco(fn: Builder) -> Builder:
         METHODS[name] = fn
@@ -87,7 +97,7 @@ class SparseContext:
     dense: set[int] = field(default_factory=set)  # layers left dense
     static: object = None  # StaticSets (method "static")
     predictors: object = None  # Predictors (method "dejavu")
-    thresholds: object = None  # Calibration or Thresholds (methods "teal", "wina", "cats")
+    thresholds: object = None  # Calibration or Thresholds (the threshold methods)
     allocation: str = "uniform"  # threshold methods: "uniform" or "greedy"
     record: dict | None = None  # receives masks (unit methods), for inspection and tests
     kept: Kept | None = None  # receives realised kept counts per (layer, site)
@@ -125,8 +135,8 @@ def sparsified(
 ) -> Iterator[None]:
     """Inside this block every forward of ``model`` runs with a sparsity method applied.
 
-    ``method``: a key of :data:`METHODS` — ``"dense"``, ``"oracle"`` (default), ``"static"``,
-    ``"dejavu"`` (``mode="predicted"`` is the same), ``"teal"``, ``"wina"``, ``"cats"``;
+    ``method``: a method of the table :data:`dejavu_lab.vocab.METHODS` (each has its builder
+    in :data:`METHODS`), ``"oracle"`` by default (``mode="predicted"`` is ``"dejavu"``);
     ``mode`` is the older name of the same argument. Budgets are fractions REMOVED, a number
     or one per layer, in [0, 1). ``sparsity``: the method's budget — for the unit-mask methods
     the default of both ``mlp_sparsity`` (neurons) and ``head_sparsity`` (query heads), for
@@ -202,23 +212,25 @@ def _context(
 ) -> SparseContext:
     arch = arch or get_arch(model)
     name = _method_name(method, mode)
+    spec = method_spec(name)
     L = arch.n_layers
-    unit = name in ("dense", "oracle", "static", "dejavu")
-    if name == "static":
-        from .static import StaticSets
-
-        if not isinstance(static, StaticSets):
+    unit = spec.family != "threshold"  # dense and the unit masks take mlp/head budgets
+    if spec.needs == "static sets":
+        # duck-typed: the sets come from dejavu_lab.sparsify.static (which imports this module)
+        if not all(hasattr(static, a) for a in ("mlp_score", "head_score", "mlp_sparsity")):
             raise ValueError("mode='static' needs static=static_sets(model, windows, ...).")
         if sparsity is None:
             mlp_sparsity = static.mlp_sparsity if mlp_sparsity is None else mlp_sparsity
             head_sparsity = static.head_sparsity if head_sparsity is None else head_sparsity
-    if name == "dejavu":
+    if spec.needs == "predictors":
         if predictors is None:
             raise ValueError(
                 "mode='predicted' needs predictors=...; train them with "
                 "dejavu_lab.predictors.train_predictors or `dejavu-lab train-predictors`."
             )
         predictors.check_model(model, arch)
+    # the budgets' one check on the library's side (the CLI checks its flags while parsing):
+    # everything inward takes these per-layer lists as they are
     s = None if sparsity is None else budgets(sparsity, L, "sparsity")
     default = 0.0 if s is None or not unit else s
     ms = budgets(default if mlp_sparsity is None else mlp_sparsity, L, "mlp_sparsity")
@@ -228,11 +240,11 @@ def _context(
         if isinstance(i, bool) or not isinstance(i, int) or not -L <= i < L:
             raise ValueError(f"dense_layers must hold layer indices in 0..{L - 1}, got {i!r}.")
         dense.add(i % L)
-    for i in dense:
+    for i in dense:  # the one place dense layers lose their budget
         ms[i] = hs[i] = 0.0
         if s is not None:
             s[i] = 0.0
-    if name == "dense":
+    if spec.family == "dense":
         ms, hs = [0.0] * L, [0.0] * L
     if allocation not in ("uniform", "greedy"):
         raise ValueError(f"allocation must be 'uniform' or 'greedy', got {allocation!r}.")
@@ -280,8 +292,6 @@ def unit_mask_hooks(ctx: SparseContext, mlp_keep, head_keep) -> list:
     >>> [name for name, _ in unit_mask_hooks(ctx, first, None)]
     ['blocks.0.mlp.hook_post', 'blocks.1.mlp.hook_post']
     """
-    from ..budgets import n_keep
-
     arch, fns = ctx.arch, []
     for i in range(arch.n_layers):
         if ctx.mlp[i] > 0:
@@ -358,21 +368,23 @@ def column_norms(model: nn.Module, arch: Arch, layer: int, site: str) -> torch.T
     return sq.sqrt()
 
 
-def threshold_hooks(ctx: SparseContext, vectors: dict, site_of=None) -> list:
-    """Hooks zeroing entry ``i`` of a site's input where ``|x[..., i]| <= thr[i]``.
+def threshold_hooks(ctx: SparseContext, thresholds: dict) -> list:
+    """Hooks zeroing entry ``i`` of a site's input where ``|x[..., i]| <= thr`` (``thr[i]``).
 
-    ``vectors``: ``{(layer, site): fp32 [d_in]}`` (the engine's form; for ``"o_in"`` d_in is
-    ``h * dh``). Sites missing from the dict run dense.
+    ``thresholds``: ``{(layer, site): float or fp32 [d_in]}`` (a float for the whole site, a
+    tensor per input column; for ``"o_in"`` d_in is ``h * dh``), as
+    :meth:`~dejavu_lab.sparsify.thresholds.Thresholds.site_thresholds` gives them. Sites
+    missing from the dict run dense.
 
     >>> from dejavu_lab.models import random_model
     >>> m = random_model("tiny-llama")
     >>> ctx = SparseContext(m.model, m.arch, "teal", mlp=[0.0, 0.0], heads=[0.0, 0.0])
-    >>> fns = threshold_hooks(ctx, {(1, "mlp_in"): torch.full((64,), 0.5)})
+    >>> fns = threshold_hooks(ctx, {(1, "mlp_in"): 0.5})
     >>> [name for name, _ in fns]
     ['blocks.1.ln2.hook_normalized']
     """
     fns = []
-    for (i, site), thr in sorted(vectors.items()):
+    for (i, site), thr in sorted(thresholds.items()):
         if i in ctx.dense:
             continue
         fns.append((f"blocks.{i}.{SITES[site]}", _thresholder(ctx, i, site, thr)))
@@ -383,12 +395,12 @@ def _thresholder(ctx, i, site, thr):
     cache: dict = {}
 
     def fn(x: torch.Tensor, name: str) -> torch.Tensor:
-        t = cache.get(x.device)
+        t = cache.get(x.device) if isinstance(thr, torch.Tensor) else float(thr)
         if t is None:
             t = cache[x.device] = thr.to(x.device, torch.float32)
         shape = x.shape
         flat = x.reshape(*shape[:2], -1) if site == "o_in" else x  # heads -> h * dh columns
-        keep = flat.abs().float() > t
+        keep = flat.abs().float() > t  # torch compares a Python float in fp32, as an fp32 tensor
         if ctx.kept is not None:
             ctx.kept.add(i, site, keep)
         return _apply(flat, keep).reshape(shape)
@@ -407,16 +419,3 @@ def _check_windows(windows: torch.Tensor) -> torch.Tensor:
             f"windows must be a non-empty LongTensor [n, window] from token_windows, got {shape}."
         )
     return windows
-
-
-_MOVED = ("SparseResult", "sparse_eval", "sparse_perplexity")
-
-
-def __getattr__(name: str):
-    """The quality measurements, now in :mod:`dejavu_lab.sparsify.evaluate`, still resolve
-    here (imported on first use: that module imports this one)."""
-    if name in _MOVED:
-        from . import evaluate
-
-        return getattr(evaluate, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

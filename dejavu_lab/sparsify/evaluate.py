@@ -15,6 +15,7 @@ from torch import nn
 from ..arch import Arch, get_arch
 from ..corpus import perplexity
 from ..step_bytes import bytes_per_token_fraction
+from ..vocab import method
 from .core import _check_windows, _method_name, sparsified
 from .kept import Kept
 
@@ -94,7 +95,7 @@ def sparse_eval(
     name = _method_name(sparsified_kwargs.get("method"), sparsified_kwargs.get("mode"))
     extra = 0.0
     predictors = sparsified_kwargs.get("predictors")
-    if name == "dejavu" and predictors is not None:
+    if method(name).needs == "predictors" and predictors is not None:
         extra = _predictor_elements(predictors, kept, arch)
     frac = bytes_per_token_fraction(arch, kept.fractions(), extra_elements=extra)
     budget = sparsified_kwargs.get("sparsity")

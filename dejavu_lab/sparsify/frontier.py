@@ -28,7 +28,8 @@ import torch
 
 from ..arch import get_arch
 from ..corpus import load_text, token_windows
-from .calibration import calibrate
+from ..vocab import METHODS
+from .calibration import calibrate, greedy_allocates
 from .evaluate import sparse_eval
 
 __all__ = ["CALIBRATION_TOKENS", "SPARSITIES", "TRAIN_TOKENS", "VARIANTS", "at_bytes", "frontier",
@@ -53,7 +54,8 @@ VARIANTS: dict[str, dict] = {
     "teal (greedy)": {"method": "teal", "allocation": "greedy"},
     "wina (greedy)": {"method": "wina", "allocation": "greedy"},
 }
-TRAINING_FREE = ("static", "cats", "teal", "wina")  # methods that need no trained predictor
+# methods that need no trained predictor (but static sets or a calibration)
+TRAINING_FREE = tuple(m.name for m in METHODS.values() if m.needs in ("static sets", "calibration"))
 
 
 def study_windows(
@@ -117,19 +119,23 @@ def frontier(
     calib, held_out = study_windows(
         tokenizer, corpus, window, eval_windows, train_tokens, calibration_tokens
     )
-    methods = {s["method"] for s in specs.values()}
+    needs = {METHODS[m].needs for m in (s["method"] for s in specs.values()) if m in METHODS}
     greedy = sorted(
-        {s["method"] for s in specs.values() if s.get("allocation") == "greedy"} - {"cats"}
+        {
+            s["method"]
+            for s in specs.values()
+            if s.get("allocation") == "greedy" and greedy_allocates(s["method"])
+        }
     )
     cal = None
-    if methods & {"teal", "wina", "cats"}:
+    if "calibration" in needs:
         cal = calibrate(model, calib, greedy=greedy, arch=arch, progress=progress)
     static = None
-    if "static" in methods:
+    if "static sets" in needs:
         from .static import static_sets
 
         static = static_sets(model, calib, arch=arch, progress=progress)
-    if "dejavu" in methods and predictors is None:
+    if "predictors" in needs and predictors is None:
         predictors = _predictors(model, tokenizer, corpus, window, train_tokens, progress)
     rows = []
     t0 = time.perf_counter()
@@ -159,20 +165,20 @@ def _specs(variants) -> dict[str, dict]:
 
 
 def _kwargs(spec: dict, s: float, cal, static, predictors) -> dict:
-    method = spec["method"]
-    kw = {"method": method, "dense_layers": tuple(spec.get("dense_layers", ()))}
-    if method in ("oracle", "static", "dejavu"):
+    m = METHODS.get(spec["method"])  # None for a name outside the table: refused below
+    kw = {"method": spec["method"], "dense_layers": tuple(spec.get("dense_layers", ()))}
+    if m is not None and m.family == "unit":
         kw["sparsity"] = s
         for k in ("mlp_sparsity", "head_sparsity"):
             if k in spec:
                 kw[k] = spec[k]
-        if method == "static":
+        if m.needs == "static sets":
             kw["static"] = static
-        if method == "dejavu":
+        if m.needs == "predictors":
             kw["predictors"] = predictors
     else:
         kw["thresholds"] = cal.thresholds(
-            method,
+            spec["method"],
             s,
             allocation=spec.get("allocation", "uniform"),
             dense_layers=kw["dense_layers"],

@@ -45,22 +45,19 @@ class StaticSets:
     def mlp_keep(self, sparsity=None) -> torch.Tensor:
         """Bool [n_layers, d_mlp]: the kept neurons at ``sparsity`` (default: the set's own)."""
         s = self.mlp_sparsity if sparsity is None else budgets(sparsity, len(self.mlp_score))
-        return torch.stack(
-            [
-                topk_mask(sc, n_keep(si, sc.numel()))
-                for sc, si in zip(self.mlp_score, s, strict=True)
-            ]
-        )
+        return _top(self.mlp_score, s)
 
     def head_keep(self, sparsity=None) -> torch.Tensor:
         """Bool [n_layers, n_heads]: the kept heads at ``sparsity`` (default: the set's own)."""
         s = self.head_sparsity if sparsity is None else budgets(sparsity, len(self.head_score))
-        return torch.stack(
-            [
-                topk_mask(sc, n_keep(si, sc.numel()))
-                for sc, si in zip(self.head_score, s, strict=True)
-            ]
-        )
+        return _top(self.head_score, s)
+
+
+def _top(scores: torch.Tensor, sparsity: list[float]) -> torch.Tensor:
+    """Each layer's top units of ``scores`` [n_layers, n] at checked per-layer budgets."""
+    return torch.stack(
+        [topk_mask(sc, n_keep(si, sc.numel())) for sc, si in zip(scores, sparsity, strict=True)]
+    )
 
 
 @torch.no_grad()
@@ -128,8 +125,8 @@ def static_hooks(ctx: SparseContext) -> list:
     >>> bool((record["mlp"][1] == sets.mlp_keep()[1]).all())
     True
     """
-    mlp_sets = ctx.static.mlp_keep(ctx.mlp)
-    head_sets = ctx.static.head_keep(ctx.heads)
+    mlp_sets = _top(ctx.static.mlp_score, ctx.mlp)  # budgets sparsified has checked
+    head_sets = _top(ctx.static.head_score, ctx.heads)
 
     def mlp_keep(i, a, k):
         return mlp_sets[i].to(a.device)

@@ -34,4 +34,4 @@ def teal_hooks(ctx: SparseContext) -> list:
     >>> round(kept.fractions()[(0, "attn_in")], 2)  # layer 0 sees the calibration's inputs
     0.5
     """
-    return threshold_hooks(ctx, thresholds_for(ctx).engine_thresholds(ctx.model, ctx.arch))
+    return threshold_hooks(ctx, thresholds_for(ctx).site_thresholds(ctx.model, ctx.arch))

@@ -1,10 +1,11 @@
-"""Calibrated thresholds of TEAL, WINA and CATS, in the form sparse kernels use (issue 11).
+"""Calibrated thresholds of TEAL, WINA and CATS, in the form hooks and sparse kernels use.
 
-A :class:`Thresholds` holds one score threshold ``t`` per (layer, site) — the output of
-:meth:`dejavu_lab.sparsify.calibration.Calibration.thresholds` — and turns it into the engine's
-per-input-column form (:meth:`Thresholds.engine_thresholds`): column ``i`` of a site's weight is
-read for a token iff ``|x[i]| > thr[i]`` (TEAL and CATS: ``thr = t``; WINA:
-``thr[i] = t / ‖W[:, i]‖₂``). Thresholds and calibrations save as safetensors with the model
+A :class:`Thresholds` holds one score threshold ``t`` per (layer, site), a float — the output
+of :meth:`dejavu_lab.sparsify.calibration.Calibration.thresholds`. The hooks read it as it is
+(:meth:`Thresholds.site_thresholds`): entry ``i`` of a site's input is kept iff
+``|x[i]| > t`` (TEAL, CATS), or against a per-column tensor ``t / ‖W[:, i]‖₂`` (WINA). The
+engine takes the per-input-column form (:meth:`Thresholds.engine_thresholds`), one value per
+column of the site's weight. Thresholds and calibrations save as safetensors with the model
 fingerprint in the metadata; loading one for another model is a :class:`CalibrationError`.
 Files are written under a temporary name and renamed, so a crash never leaves half a file.
 """
@@ -43,7 +44,7 @@ class Thresholds:
     tensor([0.3000, 0.3000, 0.3000])
     """
 
-    method: str  # "teal", "wina" or "cats"
+    method: str  # a threshold method of dejavu_lab.vocab.METHODS
     values: dict[tuple[int, str], float]  # score threshold t: keep entry i iff score_i > t
     sparsity: dict[tuple[int, str], float]  # the share of entries t was calibrated to remove
     fingerprint: dict  # the model they were calibrated on
@@ -54,22 +55,45 @@ class Thresholds:
         """Raise :class:`CalibrationError` unless these thresholds belong to ``model``."""
         _check_fingerprint(self.fingerprint, model, arch, "These thresholds were calibrated")
 
-    def engine_thresholds(self, model, arch: Arch | None = None) -> dict:
-        """``{(layer, site): fp32 [d_in]}``: read column ``i`` iff ``|x[i]| > thr[i]``.
+    def __post_init__(self):
+        # one threshold per (layer, site) is a plain float, whatever it was computed or loaded as
+        self.values = {k: float(v) for k, v in self.values.items()}
 
-        TEAL and CATS: the constant ``t``; WINA: ``t / ‖W[:, i]‖₂`` of the site's stacked
-        weights (a zero column is never read). This is the dict the engine's
-        ``SparseConfig(method=..., thresholds=...)`` takes.
+    def site_thresholds(self, model, arch: Arch | None = None) -> dict:
+        """``{(layer, site): float | fp32 [d_in]}``: keep entry ``i`` iff ``|x[i]| > thr``.
+
+        TEAL and CATS: the float ``t`` itself; WINA: the per-column tensor ``t / ‖W[:, i]‖₂``
+        of the site's stacked weights (a zero column is never read). The hooks take this form.
+
+        >>> from dejavu_lab.models import random_model
+        >>> m = random_model("tiny-llama")
+        >>> Thresholds("teal", {(0, "mlp_in"): 0.3}, {}, {}).site_thresholds(m.model)
+        {(0, 'mlp_in'): 0.3}
+        >>> Thresholds("wina", {(0, "mlp_in"): 0.3}, {}, {}).site_thresholds(m.model)[
+        ...     (0, "mlp_in")].shape  # one per input column
+        torch.Size([64])
         """
+        if self.method != "wina":
+            return dict(sorted(self.values.items()))
         arch = arch or get_arch(model)
         out = {}
         for (i, site), t in sorted(self.values.items()):
-            n = site_width(arch, site)
-            if self.method == "wina":
-                c = column_norms(model, arch, i, site).cpu()
-                out[(i, site)] = torch.where(c > 0, t / c, torch.full_like(c, float("inf")))
-            else:
-                out[(i, site)] = torch.full((n,), float(t), dtype=torch.float32)
+            c = column_norms(model, arch, i, site).cpu()
+            out[(i, site)] = torch.where(c > 0, t / c, torch.full_like(c, float("inf")))
+        return out
+
+    def engine_thresholds(self, model, arch: Arch | None = None) -> dict:
+        """``{(layer, site): fp32 [d_in]}``: read column ``i`` iff ``|x[i]| > thr[i]``.
+
+        :meth:`site_thresholds` with every float spread over the site's ``d_in`` columns. This
+        is the dict the engine's ``SparseConfig(method=..., thresholds=...)`` takes.
+        """
+        arch = arch or get_arch(model)
+        out = {}
+        for (i, site), t in self.site_thresholds(model, arch).items():
+            if isinstance(t, float):
+                t = torch.full((site_width(arch, site),), t, dtype=torch.float32)
+            out[(i, site)] = t
         return out
 
     def save(self, path: str | os.PathLike) -> Path:

@@ -31,4 +31,4 @@ def wina_hooks(ctx: SparseContext) -> list:
     >>> round(r.bytes_per_token_fraction, 1)  # about half of every site's columns are read
     0.5
     """
-    return threshold_hooks(ctx, thresholds_for(ctx).engine_thresholds(ctx.model, ctx.arch))
+    return threshold_hooks(ctx, thresholds_for(ctx).site_thresholds(ctx.model, ctx.arch))

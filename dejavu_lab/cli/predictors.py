@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from .cli_args import _budget, _common, _count, _load, _windows
+from .args import budget, common_args, corpus_windows, count, load
 
 
 def add_parsers(sub) -> None:
@@ -27,40 +27,40 @@ def add_parsers(sub) -> None:
     'same'
     """
     p = sub.add_parser("collect", help="stream per-layer predictor training data to disk")
-    _common(p)
-    p.add_argument("--max-tokens", type=_count(2), default=8192, help="cap on collected tokens")
+    common_args(p)
+    p.add_argument("--max-tokens", type=count(2), default=8192, help="cap on collected tokens")
     p.add_argument(
         "--mlp-label-sparsity",
-        type=_budget("mlp_label_sparsity", per_layer=False),
+        type=budget("mlp_label_sparsity", per_layer=False),
         default=0.5,
         help="gated MLP labels",
     )
     p.add_argument("--out", type=Path, default=None, help="folder (default: the cache)")
 
     p = sub.add_parser("train-predictors", help="train DejaVu predictors (collects if needed)")
-    _common(p)
+    common_args(p)
     p.add_argument("--collection", type=Path, help="a folder from `collect` (default: cached)")
-    p.add_argument("--max-tokens", type=_count(2), default=8192, help="tokens to collect if needed")
+    p.add_argument("--max-tokens", type=count(2), default=8192, help="tokens to collect if needed")
     p.add_argument("--mode", choices=["same", "lookahead", "both"], default="both")
-    p.add_argument("--mlp-rank", type=_count(1), default=64)
-    p.add_argument("--head-rank", type=_count(1), default=32)
-    p.add_argument("--epochs", type=_count(1), default=8)
+    p.add_argument("--mlp-rank", type=count(1), default=64)
+    p.add_argument("--head-rank", type=count(1), default=32)
+    p.add_argument("--epochs", type=count(1), default=8)
     p.add_argument("--out", type=Path, default=None, help="file (one mode) or folder")
 
     p = sub.add_parser("eval", help="per-layer recall/precision/mass of trained predictors")
-    _common(p)
+    common_args(p)
     p.add_argument("--predictors", type=Path, nargs="+", required=True)
-    p.add_argument("--mlp-sparsity", type=_budget("mlp_sparsity", per_layer=False), default=0.5)
-    p.add_argument("--head-sparsity", type=_budget("head_sparsity", per_layer=False), default=0.3)
-    p.add_argument("--windows", type=_count(1), default=2, help="held-out windows to evaluate on")
-    p.add_argument("--skip-windows", type=_count(0), default=16, help="skip the training windows")
+    p.add_argument("--mlp-sparsity", type=budget("mlp_sparsity", per_layer=False), default=0.5)
+    p.add_argument("--head-sparsity", type=budget("head_sparsity", per_layer=False), default=0.3)
+    p.add_argument("--windows", type=count(1), default=2, help="held-out windows to evaluate on")
+    p.add_argument("--skip-windows", type=count(0), default=16, help="skip the training windows")
     p.add_argument("--per-layer", action="store_true", help="print every layer's row")
 
 
 def cmd_collect(args) -> None:
     """``dejavu-lab collect``: collect predictor training data and print its folder.
 
-    >>> from dejavu_lab.cli import parser
+    >>> from dejavu_lab.cli.main import parser
     >>> import os, tempfile
     >>> out = tempfile.mkdtemp()
     >>> cmd_collect(parser().parse_args(
@@ -69,9 +69,9 @@ def cmd_collect(args) -> None:
     >>> sorted(os.listdir(out))
     ['chunk_00000.safetensors', 'chunk_00001.safetensors', 'manifest.json']
     """
-    from .collect import CollectConfig, collect
+    from ..collect import CollectConfig, collect
 
-    model, tok, arch = _load(args)
+    model, tok, arch = load(args)
     cfg = CollectConfig(
         corpus=args.corpus,
         window=args.window,
@@ -85,7 +85,7 @@ def cmd_collect(args) -> None:
 def cmd_train(args) -> None:
     """``dejavu-lab train-predictors``: train, save and print each mode's file and recall.
 
-    >>> from dejavu_lab.cli import parser
+    >>> from dejavu_lab.cli.main import parser
     >>> import tempfile, torch
     >>> from dejavu_lab.collect import CollectConfig, collect
     >>> from dejavu_lab.models import random_model
@@ -96,10 +96,10 @@ def cmd_train(args) -> None:
     ...     "--collection", f"{tmp}/col", "--mode", "same", "--out", f"{tmp}/p.safetensors"]))
     same: /.../p.safetensors  mean validation recall: MLP ..., heads ...
     """
-    from .collect import CollectConfig, collect, open_collection
-    from .predictors import PredictorConfig, default_path, train_predictors
+    from ..collect import CollectConfig, collect, open_collection
+    from ..predictors import PredictorConfig, default_path, train_predictors
 
-    model, tok, arch = _load(args)
+    model, tok, arch = load(args)
     cfg_c = CollectConfig(corpus=args.corpus, window=args.window, max_tokens=args.max_tokens)
     t0 = time.perf_counter()
     if args.collection is not None:
@@ -137,7 +137,7 @@ def cmd_train(args) -> None:
 def cmd_eval(args) -> None:
     """``dejavu-lab eval``: print the mean recall, precision and mass kept per mode and kind.
 
-    >>> from dejavu_lab.cli import parser
+    >>> from dejavu_lab.cli.main import parser
     >>> import tempfile
     >>> from dejavu_lab.collect import fingerprint
     >>> from dejavu_lab.models import load_model
@@ -150,11 +150,11 @@ def cmd_eval(args) -> None:
     lookahead heads  ...
               mlp    ...
     """
-    from .predictors import evaluate, load_predictors
+    from ..predictors import evaluate, load_predictors
 
-    model, tok, arch = _load(args)
+    model, tok, arch = load(args)
     preds = [load_predictors(p, model, arch) for p in args.predictors]
-    windows = _windows(args, tok, args.windows, args.skip_windows)
+    windows = corpus_windows(args, tok, args.windows, args.skip_windows)
     df = evaluate(
         model,
         windows,

@@ -1,11 +1,14 @@
 """``dejavu-lab eval-tasks``: zero-shot tasks through lm-evaluation-harness, dense or with any
 sparsity method (:mod:`dejavu_lab.lm_eval_tasks`).
 
+What a method needs before it runs is read from its row of :data:`dejavu_lab.vocab.METHODS`
+(:func:`prepare`).
+
 >>> import argparse
 >>> sub = argparse.ArgumentParser().add_subparsers(dest="command")
 >>> add_parser(sub)
->>> list(sub.choices), EVAL_METHODS[:3]
-(['eval-tasks'], ('dense', 'oracle', 'static'))
+>>> list(sub.choices), sub.choices["eval-tasks"].parse_args(["--method", "predicted"]).method
+(['eval-tasks'], 'predicted')
 """
 
 from __future__ import annotations
@@ -13,10 +16,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from .cli_args import _budget, _common, _count, _layers, _load, _static_sets, _windows
-from .vocab import ALIASES, METHODS
+from ..vocab import ALIASES, method_names
+from ..vocab import method as method_spec
+from .args import budget, common_args, corpus_windows, count, layer_list, load, static_sets_for
 
-EVAL_METHODS = (*METHODS, *ALIASES)
+__all__ = ["add_parser", "cmd_eval_tasks", "prepare"]
 
 
 def add_parser(sub) -> None:
@@ -28,85 +32,90 @@ def add_parser(sub) -> None:
     >>> sub.choices["eval-tasks"].parse_args(["--method", "teal"]).method
     'teal'
     """
-    from .lm_eval_tasks import LOCAL_TASK
+    from ..lm_eval_tasks import LOCAL_TASK
 
     p = sub.add_parser("eval-tasks", help="zero-shot lm-eval tasks, dense or sparsified")
-    _common(p)  # --corpus / --window: the calibration text of static and threshold methods
+    common_args(p)  # --corpus / --window: the calibration text of static and threshold methods
     p.add_argument(
         "--tasks",
         type=lambda t: [x.strip() for x in t.split(",") if x.strip()],
         default=[LOCAL_TASK],
         help=f"comma-separated lm-eval task names (offline: {LOCAL_TASK})",
     )
-    p.add_argument("--method", choices=EVAL_METHODS, default="oracle", help="sparsity method")
+    p.add_argument(
+        "--method", choices=(*method_names(), *ALIASES), default="oracle", help="sparsity method"
+    )
     p.add_argument(
         "--sparsity",
-        type=_budget("sparsity"),
+        type=budget("sparsity"),
         default=0.0,
         help="fraction removed: heads and neurons (oracle, static, dejavu), the method's own "
         "budget (teal, wina, cats); 0 = dense",
     )
     for kind, what in (("mlp", "neurons"), ("head", "heads")):  # override --sparsity per kind
         p.add_argument(
-            f"--{kind}-sparsity", type=_budget(f"{kind}_sparsity"), default=None, help=what
+            f"--{kind}-sparsity", type=budget(f"{kind}_sparsity"), default=None, help=what
         )
-    p.add_argument("--dense-layers", type=_layers, default=[], help="e.g. 0,1 (left dense)")
-    p.add_argument("--limit", type=_count(1), default=None, help="examples per task")
-    p.add_argument("--num-fewshot", type=_count(0), default=0)
-    p.add_argument("--batch-size", type=_count(1), default=1)
+    p.add_argument("--dense-layers", type=layer_list, default=[], help="e.g. 0,1 (left dense)")
+    p.add_argument("--limit", type=count(1), default=None, help="examples per task")
+    p.add_argument("--num-fewshot", type=count(0), default=0)
+    p.add_argument("--batch-size", type=count(1), default=1)
     p.add_argument("--predictors", type=Path, help="predictor file (--method dejavu)")
     p.add_argument(
         "--calibration-windows",
-        type=_count(1),
+        type=count(1),
         default=4,
         help="windows of the corpus's start (training text) for static sets / thresholds",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def _eval_tasks_kwargs(args, model, tok, arch) -> dict:
-    """What :func:`dejavu_lab.sparsify.sparsified` gets for ``--method`` at ``--sparsity``."""
-    method = "dejavu" if args.method == "predicted" else args.method
-    if method == "dense":
+def prepare(args, model, tok, arch) -> dict:
+    """What :func:`dejavu_lab.sparsify.sparsified` gets for ``--method`` at ``--sparsity``.
+
+    The method's family says which budgets it takes, its ``needs`` what to build first from
+    the corpus's first ``--calibration-windows`` (static sets, a calibration) or to load
+    (``--predictors``). Thresholds spread uniformly over a layer's sites here.
+
+    >>> from dejavu_lab.cli.main import parser
+    >>> args = parser().parse_args("eval-tasks --method predicted --sparsity 0.5".split())
+    >>> prepare(args, None, None, None)
+    Traceback (most recent call last):
+    ...
+    ValueError: --method dejavu needs --predictors FILE (see train-predictors).
+    """
+    spec = method_spec(args.method)
+    if spec.family == "dense":
         return {}
     kw: dict = {"dense_layers": args.dense_layers}
-    if method in ("oracle", "static", "dejavu"):
+    if spec.family == "unit":
         kw["mlp_sparsity"] = args.sparsity if args.mlp_sparsity is None else args.mlp_sparsity
         kw["head_sparsity"] = args.sparsity if args.head_sparsity is None else args.head_sparsity
     else:
         kw["sparsity"] = args.sparsity
-    if method in ("static", "teal", "wina", "cats"):
-        calib = _windows(args, tok, args.calibration_windows)
-    if method == "static":
-        kw["static"] = _static_sets(model, calib, kw, args)
-    elif method == "dejavu":
-        from .predictors import load_predictors
+    if spec.needs in ("static sets", "calibration"):
+        calib = corpus_windows(args, tok, args.calibration_windows)
+    if spec.needs == "static sets":
+        kw["static"] = static_sets_for(model, calib, kw, args)
+    elif spec.needs == "predictors":
+        from ..predictors import load_predictors
 
         if args.predictors is None:
-            raise ValueError("--method dejavu needs --predictors FILE (see train-predictors).")
+            raise ValueError(
+                f"--method {spec.name} needs --predictors FILE (see train-predictors)."
+            )
         kw["predictors"] = load_predictors(args.predictors, model, arch)
-    elif method in ("teal", "wina", "cats"):
-        from . import sparsify
+    elif spec.needs == "calibration":
+        from ..sparsify import calibrate
 
-        if not hasattr(sparsify, "calibrate"):
-            raise ValueError(f"--method {method} needs a dejavu_lab.sparsify with calibration.")
-        kw["thresholds"] = sparsify.calibrate(
-            model, calib, arch=arch, progress=not args.no_progress
-        )
-    return {"method": "predicted" if method == "dejavu" and _old_sparsify() else method, **kw}
-
-
-def _old_sparsify() -> bool:
-    """True for the sparsify module without named methods (``mode=`` only)."""
-    from . import sparsify
-
-    return not hasattr(sparsify, "METHODS")
+        kw["thresholds"] = calibrate(model, calib, arch=arch, progress=not args.no_progress)
+    return {"method": spec.name, **kw}
 
 
 def cmd_eval_tasks(args) -> None:
     """``dejavu-lab eval-tasks``: lm-eval zero-shot scores, dense or with ``--method``.
 
-    >>> from dejavu_lab.cli import parser
+    >>> from dejavu_lab.cli.main import parser
     >>> import contextlib, io, json, pytest
     >>> _ = pytest.importorskip("lm_eval")  # the optional extra: pip install 'dejavu-lab[eval]'
     >>> out = io.StringIO()
@@ -119,17 +128,17 @@ def cmd_eval_tasks(args) -> None:
     """
     import json
 
-    from .lm_eval_tasks import lm_eval_tasks
+    from ..lm_eval_tasks import lm_eval_tasks
 
     if not args.tasks:
         raise ValueError("--tasks is empty; pass comma-separated lm-eval task names.")
-    model, tok, arch = _load(args)
+    model, tok, arch = load(args)
     if tok is None:
         raise ValueError(
             f"Model {args.model!r} has no tokenizer, so lm-eval cannot feed it text; use "
             "'demo', a Hugging Face id, a folder with tokenizer files or a GGUF file."
         )
-    kw = _eval_tasks_kwargs(args, model, tok, arch)
+    kw = prepare(args, model, tok, arch)
     t0 = time.perf_counter()
     results = lm_eval_tasks(
         model,
