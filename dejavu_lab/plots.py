@@ -1,7 +1,8 @@
 """Figure helpers shared by the chapters: captions that name model, text, tokens and hardware.
 
-Every figure in the book says what produced it (STYLE.md); these put :func:`book.caption`'s
-line under a plotly figure or a matplotlib/seaborn axes the same way in every chapter.
+Every figure in the book says what produced it (model, text, tokens, hardware); these put
+:func:`book.caption`'s line under a plotly figure or a matplotlib/seaborn axes the same way in
+every chapter.
 """
 
 from __future__ import annotations
