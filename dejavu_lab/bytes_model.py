@@ -1,4 +1,4 @@
-"""Predicted decoding speedup from bytes moved per token (Deja Vu §2.2, §4.4, Knowl 3, 8).
+"""Predicted decoding speedup from bytes moved per token (Deja Vu §2.2, §4.4, §5.1).
 
 Generating one token at batch size 1 is bound by memory bandwidth: the time is, to first order,
 the bytes read divided by the bandwidth. Contextual sparsity cuts those bytes — a skipped MLP
@@ -11,7 +11,7 @@ query head of its group is selected. The embedding row is negligible; the unembe
 
 an upper bound that real kernels approach but do not reach (the DESIGN notes measured a naive
 Triton gather-GEMV at 2.9× over dense at 90% sparsity where this model says 10×; DejaVu reports
-~2× end to end on OPT-175B at 75% overall sparsity, Knowl 8).
+~2× end to end on OPT-175B at 75% overall sparsity, §5.1).
 
 Which key/value heads are needed under grouped-query attention: with ``k`` of ``h`` query heads
 kept and ``g = h / kv`` query heads per KV head, a KV head is skipped only when none of its group

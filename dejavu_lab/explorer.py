@@ -1,4 +1,4 @@
-"""The budget explorer: quality and predicted speed of sparsity budgets (Deja Vu §5, Knowl 8, 9).
+"""The budget explorer: quality and predicted speed of sparsity budgets (Deja Vu §5).
 
 Pick a method — dense, the oracle, static sets, DejaVu's predictors, or the training-free
 thresholds CATS, TEAL and WINA (issue 11) — its budget and how many first layers stay dense,

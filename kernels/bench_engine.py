@@ -1,6 +1,6 @@
 """End-to-end batch-1 decoding: HF ``generate`` vs our engine, dense and every sparsity method (§5.1).
 
-Knowl 8: on OPT-175B (8x A100, fp16, batch 1, prompts 128-1024) DejaVu generates tokens
+Deja Vu §5.1: on OPT-175B (8x A100, fp16, batch 1, prompts 128-1024) DejaVu generates tokens
 1.8-2.0x faster than FasterTransformer and 4.8-6.0x faster than Hugging Face. Here, on one GPU,
 random-weight fp16 models at OPT-6.7B/13B/30B, Llama-2-13B and Llama-3-8B shapes (weights need
 not be trained to be timed), batch 1, for each prompt length, the variants of ``--methods``:

@@ -1,6 +1,6 @@
-"""Tensor-parallel batch-1 decoding across GPUs: dense vs DejaVu-sparse (Deja Vu §5.1, Knowl 8).
+"""Tensor-parallel batch-1 decoding across GPUs: dense vs DejaVu-sparse (Deja Vu §5.1).
 
-Paper (Knowl 8): OPT-175B on 8 A100-80GB, fp16, batch 1, prompts 128-1024: DejaVu generates
+Paper (§5.1): OPT-175B on 8 A100-80GB, fp16, batch 1, prompts 128-1024: DejaVu generates
 1.8-2.0x faster than FasterTransformer (a dense Megatron-style tensor-parallel engine with fused
 kernels) and 4.8-6.0x faster than Hugging Face. Here our dense tensor-parallel engine
 (:class:`dejavu_lab.engine.TPDecoder`, cuBLAS GEMVs, NCCL, the whole step with its collectives

@@ -1,4 +1,4 @@
-"""Bytes a batch-1 decode step reads, and the speedup they predict (Deja Vu §2.2, §4.4, Knowl 3).
+"""Bytes a batch-1 decode step reads, and the speedup they predict (Deja Vu §2.2, §4.4).
 
 At batch 1 a decode step is memory-bound: its time is (bytes read) / (bandwidth) plus the gaps
 between kernels. Counting the bytes of each part of :class:`dejavu_lab.engine.Decoder`'s step

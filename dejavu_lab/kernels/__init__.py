@@ -13,7 +13,7 @@ One kernel per module, each with a checking wrapper, a plain-PyTorch ``*_ref`` a
 - :func:`cats_mlp` — CATS: dense gate (cuBLAS), then up/down of the kept neurons only.
 - :func:`cats_up`  — CATS's thresholded up step: the up rows of the neurons the gate keeps.
 
-All take a union batch of 1-32 tokens that share one index set (Knowl 12). :mod:`.bench` is the
+All take a union batch of 1-32 tokens that share one index set (Appendix C.1). :mod:`.bench` is the
 timing harness of ``kernels/bench_*.py`` (recorded in ``results/``); :mod:`.report` draws those
 results for the chapter ``notebooks/60_sparse_kernels.md``.
 
