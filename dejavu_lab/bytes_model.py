@@ -9,8 +9,8 @@ query head of its group is selected. The embedding row is negligible; the unembe
 
     dense bytes / sparse bytes,
 
-an upper bound that real kernels approach but do not reach (the DESIGN notes measured a naive
-Triton gather-GEMV at 2.9× over dense at 90% sparsity where this model says 10×; DejaVu reports
+an upper bound that real kernels approach but do not reach (a naive Triton gather-GEMV measured
+2.9× over dense at 90% sparsity where this model says 10×; DejaVu reports
 ~2× end to end on OPT-175B at 75% overall sparsity, §5.1).
 
 Which key/value heads are needed under grouped-query attention: with ``k`` of ``h`` query heads

@@ -38,7 +38,7 @@ first (engine vs HF logits, sparse with everything kept vs dense, graph vs eager
 
     python kernels/bench_engine.py --models llama-2-13b,llama-3-8b,opt-30b --prompts 512 \
         --methods dense,dense_columns,dejavu,teal,wina,cats --sparsity 0.4,0.5 \
-        --baselines hf,hf_compiled --name engine_methods           # issues 11 and 12
+        --baselines hf,hf_compiled --name engine_methods           # the gated-MLP methods
     python kernels/bench_engine.py --models opt-30b --prompts 512 --hf-new-tokens 16
     python kernels/bench_engine.py --models facebook/opt-6.7b --prompts 512   # a real checkpoint
     python kernels/bench_engine.py --quick                    # CPU plumbing check, tiny shapes

@@ -1,4 +1,4 @@
-"""Sparse decoding in batches end to end: tokens/s of B = 1..32 sequences, dense vs sparse (issue 13).
+"""Sparse decoding in batches end to end: tokens/s of B = 1..32 sequences, dense vs sparse.
 
 ``python kernels/bench_engine.py --batch 1,4,8,16,32`` runs this file. Random-weight fp16 models
 at real shapes (OPT-30B, Llama-3-8B), one CUDA graph per batch size, per model and prompt:
@@ -42,7 +42,7 @@ from dejavu_lab.engine import BatchDecoder, Decoder, SparseConfig, decoder_weigh
 
 SPARSITY = {"opt": (0.85, 0.5), "llama": (0.5, 0.5)}  # per sequence (MLP, heads) removed
 UNION = {"opt": 0.3, "llama": 0.5}  # the union budget: fraction of MLP neurons a step reads
-TARGET_PROMPT = {"opt": 512, "llama": 2048}  # issue 13's targets (sparse_uncapped runs there)
+TARGET_PROMPT = {"opt": 512, "llama": 2048}  # speed targets' prompts (sparse_uncapped runs)
 ROWS: list[dict] = []
 
 
@@ -236,7 +236,7 @@ def bench_model(preset, prompts, batches, new, ceiling, device, *, union_budget=
 
 
 def print_table() -> None:
-    """Tokens/s per (model, prompt, batch): dense, sparse and the ratio; the issue's targets."""
+    """Tokens/s per (model, prompt, batch): dense, sparse and the ratio; our speed targets."""
     rows = [r for r in ROWS if r.get("kind") == "batch" and "error" not in r]
     by = {}
     for r in rows:

@@ -16,7 +16,7 @@ replay on weights rotated through more than 4x the L2:
 - ``ours``: the fused kernel; ``cats``: CATS with a threshold keeping the same fraction;
   ``cats_fg``: CATS's earlier path (gate and masked up rows in one Triton kernel).
 
-Targets (issue 12): at 10% kept the fused MLP within 1.3x of (bytes / copy ceiling) + 3 µs.
+Target: at 10% kept the fused MLP within 1.3x of (bytes / copy ceiling) + 3 µs.
 ``--tune`` sweeps tilings first (``results/tuning_fused_mlp.json``, read at run time; CATS's
 rows are the up kernel's and its down GEMV's, op ``cats_up``).
 Writes ``results/sparse_mlp_fused.json``.

@@ -1,4 +1,4 @@
-"""Where a decode step's time goes: per-kernel GPU times inside the CUDA graph (issue 12).
+"""Where a decode step's time goes: per-kernel GPU times inside the CUDA graph.
 
 ``bench_engine.py`` times whole steps; this script replays a captured decode step under
 ``torch.profiler`` (CUPTI sees the kernels of a graph replay) and groups the GPU time by kernel,

@@ -1,4 +1,4 @@
-"""Bad inputs through the public API (issue 15): each one is refused where it enters, with the
+"""Bad inputs through the public API: each one is refused where it enters, with the
 error type of the module it enters, in one sentence that says what to do, and no file changes.
 
 Each case is ``(id, make, error, words)``: ``make(w)`` builds the call from the shared objects

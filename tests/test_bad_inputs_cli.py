@@ -1,4 +1,4 @@
-"""Bad inputs through the CLI (issue 15): each one reaches the user as exactly one line
+"""Bad inputs through the CLI: each one reaches the user as exactly one line
 ``dejavu-lab: error: ...`` on stderr that says what to do, exit status 2, nothing on stdout, no
 traceback, and no file changed (the test folders and the cache).
 

@@ -1,4 +1,4 @@
-"""Tensor-parallel decoding (issue 14) on CPU: ``torchrun --nproc-per-node 2`` (gloo) runs every
+"""Tensor-parallel decoding on CPU: ``torchrun --nproc-per-node 2`` (gloo) runs every
 case of tests/_tp_worker.py in one launch — tiny OPT and Llama (GQA), TP=2 logits against TP=1,
 dense and sparse (every unit kept; a budget with fixed sets; TEAL and CATS thresholds), greedy
 tokens for 16 steps, the predictors' per-rank top-k, one-sentence errors, and

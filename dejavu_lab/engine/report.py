@@ -94,7 +94,7 @@ def latency_table(frame: pd.DataFrame, model: str) -> pd.DataFrame:
 
 
 def method_table(frame: pd.DataFrame, model: str, prompt: int) -> pd.DataFrame:
-    """Every variant at one model and prompt (issue 11's methods beside DejaVu): ms per token,
+    """Every variant at one model and prompt (the gated-MLP methods beside DejaVu): ms per token,
     the ratios to our dense engine and to both HF baselines, GB read per step (at the target
     kept fractions) and that over the copy ceiling.
 

@@ -1,4 +1,4 @@
-"""Tuned launch configurations, recorded on a GPU and read at run time (issue 12).
+"""Tuned launch configurations, recorded on a GPU and read at run time.
 
 ``kernels/bench_threshold_gemv.py --tune`` and ``kernels/bench_fused_mlp.py --tune`` time a few
 candidate tilings per (op, shape, kept fraction, batch) — d in {2048, 4096, 5120, 8192, 12288}

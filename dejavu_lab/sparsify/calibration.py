@@ -1,4 +1,4 @@
-"""Calibrated thresholds for TEAL, WINA and CATS, from streamed histograms (issue 11).
+"""Calibrated thresholds for TEAL, WINA and CATS, from streamed histograms.
 
 The threshold methods zero an input entry when its *score* is at or below a per-layer,
 per-site threshold ``t``. A target sparsity ``s`` (share of entries zeroed) fixes ``t`` as the

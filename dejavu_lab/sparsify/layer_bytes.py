@@ -1,4 +1,4 @@
-"""Bytes per token: which weight columns and rows a sparse decoder layer reads (issue 11).
+"""Bytes per token: which weight columns and rows a sparse decoder layer reads.
 
 Methods sparsify different matrices, so they are compared at equal *bytes*, not only at equal
 "sparsity". At batch size 1 a decoding step reads, per decoder layer,

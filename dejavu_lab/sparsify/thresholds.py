@@ -1,4 +1,4 @@
-"""Calibrated thresholds of TEAL, WINA and CATS, in the form sparse kernels use (issue 11).
+"""Calibrated thresholds of TEAL, WINA and CATS, in the form sparse kernels use.
 
 A :class:`Thresholds` holds one score threshold ``t`` per (layer, site) — the output of
 :meth:`dejavu_lab.sparsify.calibration.Calibration.thresholds` — and turns it into the engine's
