@@ -168,7 +168,7 @@ def test_deferred_kv_is_exact_per_sequence():
 
 def test_parts_run_whenever_the_window_is_full():
     """The benchmark times each part after decoding; with a full deferred-KV window the parts
-    flush first, as a step would (the H200 run of 691f74d stopped on that index)."""
+    flush first, as a step would (without the flush, a GPU run stops on an out-of-range index)."""
     m = model("tiny-llama-mha", dtype=HALF, seed=11)
     dec = BatchDecoder(m, max_seq_len=16, max_batch=2, sparse=SparseConfig(0.5, 0.75, kv_window=3))
     dec.prefill(rand_ids([3, 4], seed=15))

@@ -170,7 +170,7 @@ def test_qwen3_table_places_its_qk_norms():
 
 def test_llama_table_on_gemma3_is_refused(monkeypatch):
     model, _, arch = gemma()
-    # what the old error message invited: reuse the Llama table (the module names match)
+    # the tempting mistake: reuse the Llama table (the module names match)
     monkeypatch.setitem(arch_mod.ARCH_TABLES, "gemma3_text", ARCH_TABLES["llama"])
     with pytest.raises(ArchMismatchError) as e:
         get_arch(model)

@@ -1,5 +1,5 @@
 """CATS's thresholded up kernel (:mod:`dejavu_lab.kernels.cats_up`) against its reference, and
-the CATS MLP's earlier fused-gate path (TRITON_INTERPRET=1; tiny shapes, masked tails).
+the CATS MLP's fused-gate path (TRITON_INTERPRET=1; tiny shapes, masked tails).
 
     DEJAVU_TEST_DEVICE=cuda TRITON_INTERPRET=0 pytest tests/test_kernels_cats.py
 """
