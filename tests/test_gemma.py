@@ -290,8 +290,13 @@ def test_windows_start_with_bos_when_the_tokenizer_asks():
     tok = BosTokenizer()
     assert wants_bos(tok)
     w = token_windows(tok, "abcdefghij", window=3)  # BOS + 2 text tokens per window
-    assert w.add_bos and w.tolist() == [[0, 97, 98], [0, 99, 100], [0, 101, 102], [0, 103, 104],
-                                        [0, 105, 106]]  # fmt: skip
+    assert w.add_bos and w.tolist() == [
+        [0, 97, 98],
+        [0, 99, 100],
+        [0, 101, 102],
+        [0, 103, 104],
+        [0, 105, 106],
+    ]
     plain = token_windows(tok, "abcdefghij", window=3, add_bos=False)
     assert not plain.add_bos and plain.tolist()[0] == [97, 98, 99]
     model, _, _ = gemma()

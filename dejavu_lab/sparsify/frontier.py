@@ -31,8 +31,16 @@ from ..corpus import load_text, token_windows
 from .calibration import calibrate
 from .evaluate import sparse_eval
 
-__all__ = ["CALIBRATION_TOKENS", "SPARSITIES", "TRAIN_TOKENS", "VARIANTS", "at_bytes", "frontier",
-           "main", "study_windows"]  # fmt: skip
+__all__ = [
+    "CALIBRATION_TOKENS",
+    "SPARSITIES",
+    "TRAIN_TOKENS",
+    "VARIANTS",
+    "at_bytes",
+    "frontier",
+    "main",
+    "study_windows",
+]
 
 SPARSITIES = (0.25, 0.4, 0.5, 0.6, 0.7)  # the gated-MLP chapter's range, 25-70%
 TRAIN_TOKENS = 8192  # chapter 40's training text: the corpus's first tokens
