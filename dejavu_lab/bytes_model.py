@@ -5,9 +5,9 @@ sparse step is
 
     dense bytes / sparse bytes,
 
-an upper bound that real kernels approach but do not reach (the DESIGN notes measured a naive
-Triton gather-GEMV at 2.9× over dense at 90% sparsity where this model says 10×; DejaVu reports
-~2× end to end on OPT-175B at 75% overall sparsity).
+an upper bound that real kernels approach but do not reach (a naive Triton gather-GEMV measured
+2.9× over dense at 90% sparsity where this model says 10×; DejaVu reports
+~2× end to end on OPT-175B at 75% overall sparsity, §5.1).
 
 The bytes are counted by :func:`dejavu_lab.step_bytes.step_bytes`; this module reads a budget
 as the paper reasons about it: the kept counts :func:`~dejavu_lab.budgets.n_keep` gives, per

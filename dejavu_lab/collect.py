@@ -1,7 +1,7 @@
-"""Collect training data for DejaVu's sparsity predictors, streamed to disk (§4.1–4.2, Knowl 4).
+"""Collect training data for DejaVu's sparsity predictors, streamed to disk (§4.1–4.2).
 
 DejaVu trains one small classifier per layer on (block input, which units were active) pairs
-gathered by running the dense model over text ("500 token sequences", Knowl 4). Here one forward
+gathered by running the dense model over text (the paper's "500 token sequences"). Here one forward
 of ``chunk_windows`` windows writes one chunk file holding, for every layer ``l`` and token:
 
 ==========  ===================  ==========================================================

@@ -1,4 +1,4 @@
-"""Deferred KV for sparsely selected heads during generation (Deja Vu §4.2, Knowl 5).
+"""Deferred KV for sparsely selected heads during generation (Deja Vu §4.2).
 
 With contextual head sparsity a token computes only its selected heads, so it writes no key or
 value for the others. When a later token selects a head, the cache lacks that head's history;
@@ -149,7 +149,7 @@ def generate(
     """Greedy decoding with predicted (or static) contextual sparsity and deferred KV.
 
     ``deferred=False`` computes every head's K/V for every token (a dense KV cache) — the
-    outputs are the same, which is the point of Knowl 5.
+    outputs are the same, which is the point of deferring.
 
     >>> from dejavu_lab.collect import fingerprint
     >>> from dejavu_lab.models import random_model

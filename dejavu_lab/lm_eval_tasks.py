@@ -40,7 +40,7 @@ __all__ = [
     "local_task_dir",
 ]
 
-# The paper's zero-shot tasks (Knowl 8, 9; Table 4) under their lm-evaluation-harness names.
+# The paper's zero-shot tasks (§5.1–5.2, Table 4) under their lm-evaluation-harness names.
 PAPER_TASKS = ("cb", "copa", "lambada_openai", "openbookqa", "piqa", "rte", "winogrande")
 LOCAL_TASK = "dejavu_demo_lambada"  # the offline task built from the demo corpus
 TRAIN_ARTICLES = 40  # the demo corpus's first 40 articles (~9.3k tokens) are training text

@@ -170,7 +170,7 @@ PRESETS: dict[str, Shape] = {
         d_head=32,
         sliding_window=4,
         global_every=2,
-    ),  # fmt: skip
+    ),
 }
 
 

@@ -1,19 +1,19 @@
-"""DejaVu's sparsity predictors: low-rank two-layer classifiers per layer (§4.1–4.3, Knowl 2, 4).
+"""DejaVu's sparsity predictors: low-rank two-layer classifiers per layer (§4.1–4.3).
 
 For every layer ``l`` two small networks score the units of the block from a hidden state:
 ``SP_M^l: d → r → n_neurons`` and ``SP_A^l: d → r → n_heads`` (DejaVu's ``Linear(d, r)`` then
 ``Linear(r, n)``; we RMS-normalise the input first, so one learning rate fits every layer).
 At inference the top-k scores at the budget are the kept set (:mod:`dejavu_lab.sparsify`).
 
-Two modes (Knowl 2):
+Two modes (§4.3):
 
 - ``"same"`` — heads of layer ``l`` from its input ``resid_pre[l]``, neurons from the MLP input
   ``resid_mid[l]``: the most informed choice, but on the critical path.
 - ``"lookahead"`` — both from the previous layer's input ``resid_pre[l-1]`` (layer 0 uses its
   own input), so the prediction can run while layer ``l-1`` computes; it works because hidden
-  states change slowly across layers (Knowl 6, 7).
+  states change slowly across layers (§3.3, §4.3).
 
-Training (Knowl 4): BCE with each output's positives weighted by its negative/positive ratio,
+Training (§4.1): BCE with each output's positives weighted by its negative/positive ratio,
 Adam, early stopping on validation recall at the budget. Evaluation per layer (:func:`evaluate`):
 recall and precision of the oracle's set at the budget, the share of activation mass the
 predicted set keeps, and the predictor's cost in parameters and FLOPs beside its block

@@ -6,7 +6,7 @@ shape) ran at about 3.8 TB/s through cuBLAS, under the 4.2 TB/s that the thresho
 reaches on the same bytes. This bench times, at the Llama shapes, batch 1, fp16, in CUDA-graph
 replay with weights rotated past the L2:
 
-- ``cublas_fp32`` (``torch.mm(..., out_dtype=float32)``, the earlier gate), ``cublas_fp16``;
+- ``cublas_fp32`` (``torch.mm(..., out_dtype=float32)``, cuBLAS's fp32 sums), ``cublas_fp16``;
 - ``rows_sums`` at each candidate tiling (fp32 sums left in a workspace, as CATS reads them);
 - CATS's hidden activations (gate + threshold + kept up rows) and the whole CATS MLP at 50% kept,
   each with the cuBLAS gate and with the split-K gate.

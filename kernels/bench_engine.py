@@ -1,6 +1,6 @@
 """End-to-end batch-1 decoding: HF ``generate`` vs our engine, dense and every sparsity method (§5.1).
 
-Knowl 8: on OPT-175B (8x A100, fp16, batch 1, prompts 128-1024) DejaVu generates tokens
+Deja Vu §5.1: on OPT-175B (8x A100, fp16, batch 1, prompts 128-1024) DejaVu generates tokens
 1.8-2.0x faster than FasterTransformer and 4.8-6.0x faster than Hugging Face. Here, on one GPU,
 random-weight fp16 models at OPT-6.7B/13B/30B, Llama-2-13B and Llama-3-8B shapes (weights need
 not be trained to be timed), batch 1, for each prompt length, the variants of ``--methods``:
@@ -40,11 +40,14 @@ The models, variants, checks and timing loops live in :mod:`dejavu_lab.engine_be
 and :mod:`dejavu_lab.engine_bench_batch` (``--batch``); the clocks and the copy ceiling in
 :mod:`dejavu_lab.timing` (``triton.testing.do_bench``'s median of a 2 GiB device copy).
 
-    python kernels/bench_engine.py --models llama-2-13b,llama-3-8b,opt-30b --prompts 512         --methods dense,dense_columns,dejavu,teal,wina,cats --sparsity 0.4,0.5         --baselines hf,hf_compiled --name engine_methods           # issues 11 and 12
+    python kernels/bench_engine.py --models llama-2-13b,llama-3-8b,opt-30b --prompts 512 \
+        --methods dense,dense_columns,dejavu,teal,wina,cats --sparsity 0.4,0.5 \
+        --baselines hf,hf_compiled --name engine_methods           # the gated-MLP methods
     python kernels/bench_engine.py --models opt-30b --prompts 512 --hf-new-tokens 16
     python kernels/bench_engine.py --models facebook/opt-6.7b --prompts 512   # a real checkpoint
     python kernels/bench_engine.py --quick                    # CPU plumbing check, tiny shapes
-    python kernels/bench_engine.py --batch 1,4,8,16,32 --models llama-3-8b,opt-30b         --prompts 512,2048 --new-tokens 32              # batches: dejavu_lab/engine_bench_batch.py
+    python kernels/bench_engine.py --batch 1,4,8,16,32 --models llama-3-8b,opt-30b \
+        --prompts 512,2048 --new-tokens 32              # batches: dejavu_lab/engine_bench_batch.py
     python kernels/bench_engine.py --tp 8 --models opt-175b  # torchrun kernels/bench_engine_tp.py
 """
 

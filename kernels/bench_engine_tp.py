@@ -1,6 +1,6 @@
-"""Tensor-parallel batch-1 decoding across GPUs: dense vs DejaVu-sparse (Deja Vu §5.1, Knowl 8).
+"""Tensor-parallel batch-1 decoding across GPUs: dense vs DejaVu-sparse (Deja Vu §5.1).
 
-Paper (Knowl 8): OPT-175B on 8 A100-80GB, fp16, batch 1, prompts 128-1024: DejaVu generates
+Paper (§5.1): OPT-175B on 8 A100-80GB, fp16, batch 1, prompts 128-1024: DejaVu generates
 1.8-2.0x faster than FasterTransformer (a dense Megatron-style tensor-parallel engine with fused
 kernels) and 4.8-6.0x faster than Hugging Face. Here our dense tensor-parallel engine
 (:class:`dejavu_lab.engine.TPDecoder`, cuBLAS GEMVs, NCCL, the whole step with its collectives
@@ -27,8 +27,8 @@ What to expect (bytes per rank from :func:`~dejavu_lab.engine.step_bytes`, conte
 predictors aside); OPT-66B on 2 reads 66.3 / 18.5 GB (15.8 / 4.4 ms). The collectives cost the
 same in both — at OPT-175B 192 all-reduces of 24 KB per step, latency-bound at ~5-10 µs each over
 NVLink in a graph, i.e. 1-2 ms — so the ratio is ``(10.5 + c) / (2.9 + c)``: 2.4-3.0x at best,
-if every kernel ran at the ceiling (the paper measured 1.8-2.0x against FasterTransformer). The
-issue's target, sparse >= 2x over our dense TP engine at OPT-175B on 8 GPUs, needs the sparse
+if every kernel ran at the ceiling (the paper measured 1.8-2.0x against FasterTransformer). Our
+target, sparse >= 2x over our dense TP engine at OPT-175B on 8 GPUs, needs the sparse
 kernels near the ceiling and ``c`` small beside them: ``comm_share`` says which one is short.
 
     torchrun --nproc-per-node 8 kernels/bench_engine_tp.py                  # OPT-175B (auto)

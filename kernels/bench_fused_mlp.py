@@ -2,8 +2,8 @@
 
 Deja Vu §4.4 runs a sparse MLP as an up gather then a down gather:
 :func:`dejavu_lab.kernels.fused_sparse_mlp` reads the kept neurons' gate and up rows in one pass
-and applies the activation in one launch, then reduces their down rows in a second (the
-one-launch atomic variant was removed: slower, and wrong with tensor-core tiles, see
+and applies the activation in one launch, then reduces their down rows in a second (a
+one-launch atomic variant is slower, and wrong with tensor-core tiles: see
 :mod:`dejavu_lab.kernels.mlp.fused`). :func:`~dejavu_lab.kernels.cats_mlp`
 is CATS (cuBLAS dense gate, then the up and down rows of the kept neurons only). For Llama SwiGLU
 shapes (d, n) = (4096, 11008), (5120, 13824), (4096, 14336) plus d = 2048, 8192 and OPT-175B's
@@ -14,9 +14,9 @@ replay on weights rotated through more than 4x the L2:
 - ``contig``: the same on the kept neurons' rows stored contiguously (gather-free layout);
 - ``two``: our ``sparse_mlp_up`` then ``sparse_mlp_down`` (two launches over ``idx``);
 - ``ours``: the fused kernel; ``cats``: CATS with a threshold keeping the same fraction;
-  ``cats_fg``: CATS's earlier path (gate and masked up rows in one Triton kernel).
+  ``cats_fg``: CATS's one-kernel path (gate and masked up rows in one Triton kernel).
 
-Targets (issue 12): at 10% kept the fused MLP within 1.3x of (bytes / copy ceiling) + 3 µs.
+Target: at 10% kept the fused MLP within 1.3x of (bytes / copy ceiling) + 3 µs.
 ``--tune`` sweeps tilings first (``dejavu_lab/kernels/tuned/tuning_fused_mlp.json``, read at run time; CATS's
 rows are the up kernel's and its down GEMV's, op ``cats_up``).
 Writes ``results/sparse_mlp_fused.json``.

@@ -16,7 +16,7 @@ set), this times in CUDA-graph replay, on weights rotated through more than 4x t
   (:mod:`dejavu_lab.kernels.threshold.tile`, TEAL's grid of one masked tile per program with
   fp32 atomics), for union batches the compacting kernel's tuned config.
 
-TEAL's own split-K kernel, measured on this H200 for issue 11 (fp16, batch 1, graph replay,
+TEAL's own split-K kernel, measured on this H200 (fp16, batch 1, graph replay,
 11008->4096): 17.7 / 15.4 / 14.8 µs at 50 / 20 / 10% kept against a 25.4 µs dense GEMV (rerun
 in this harness, weights rotated, on 2026-12-01: 17.7 / 15.3 / 14.7 µs; a scratch script that
 imported TEAL's file, which is not part of this project).
@@ -67,7 +67,7 @@ BATCHES = [1, 16]
 ENGINE_SHAPES = [(5120, 15360), (5120, 5120), (5120, 27648), (13824, 5120),
                  (4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # fmt: skip
 ENGINE_KEPT = [0.5, 0.6]  # TEAL at 50% and 40% sparsity
-TEAL_US = {0.5: 17.7, 0.2: 15.4, 0.1: 14.8}  # issue 11: TEAL's kernel, 11008->4096, batch 1
+TEAL_US = {0.5: 17.7, 0.2: 15.4, 0.1: 14.8}  # TEAL's kernel, 11008->4096, batch 1
 TEAL_DENSE_US = 25.4
 
 

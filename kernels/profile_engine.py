@@ -1,4 +1,4 @@
-"""Where a decode step's time goes: per-kernel GPU times inside the CUDA graph (issue 12).
+"""Where a decode step's time goes: per-kernel GPU times inside the CUDA graph.
 
 ``bench_engine.py`` times whole steps; this script replays a captured decode step under
 ``torch.profiler`` (CUPTI sees the kernels of a graph replay) and groups the GPU time by kernel,
@@ -77,8 +77,15 @@ def profile_step(dec, replays: int = 20) -> tuple[dict, float, float]:
     return kernels, wall_us, sum(t for t, _, _ in kernels.values())
 
 
-def run(preset: str, methods, sparsity: float, prompt: int, ceiling: float, device: str,
-        with_predictors: bool) -> None:  # fmt: skip
+def run(
+    preset: str,
+    methods,
+    sparsity: float,
+    prompt: int,
+    ceiling: float,
+    device: str,
+    with_predictors: bool,
+) -> None:
     model, arch = build(preset, device)
     vocab, d_embed = model.get_output_embeddings().weight.shape
     ms_, hs_ = SPARSITY[arch.family]
@@ -89,8 +96,9 @@ def run(preset: str, methods, sparsity: float, prompt: int, ceiling: float, devi
         if m == "dense":
             v = Variant("dense")
         elif m == "dejavu":
-            v = Variant("sparse", "dejavu", sparse=SparseConfig(ms_, hs_),
-                        predictors=preds is not None)  # fmt: skip
+            v = Variant(
+                "sparse", "dejavu", sparse=SparseConfig(ms_, hs_), predictors=preds is not None
+            )
         else:
             v = Variant(m, m, sparsity=sparsity)
         thr = calibrate_thresholds(w, ids, sparsity, method=m) if m in SITES else None
@@ -103,9 +111,15 @@ def run(preset: str, methods, sparsity: float, prompt: int, ceiling: float, devi
             kept = dict(site_kept=dict.fromkeys(SITES[m], 1 - sparsity))
         nbytes = step_bytes(arch, vocab=vocab, context=prompt, d_embed=d_embed, **kept)["total"]
         floor_us = nbytes / (ceiling * 1e12) * 1e6 if cuda() else float("nan")
-        base = {"model": preset, "method": m, "prompt": prompt, "n_layers": arch.n_layers,
-                "sparsity": sparsity if m in SITES else (ms_ if m == "dejavu" else 0.0),
-                "bytes_per_step": nbytes, "floor_us": floor_us}  # fmt: skip
+        base = {
+            "model": preset,
+            "method": m,
+            "prompt": prompt,
+            "n_layers": arch.n_layers,
+            "sparsity": sparsity if m in SITES else (ms_ if m == "dejavu" else 0.0),
+            "bytes_per_step": nbytes,
+            "floor_us": floor_us,
+        }
         if not cuda():  # plumbing only: one eager step
             dec.step()
             ROWS.append({**base, "kind": "step", "wall_us": None})
@@ -113,12 +127,30 @@ def run(preset: str, methods, sparsity: float, prompt: int, ceiling: float, devi
             continue
         dec.capture()
         kernels, wall, ksum = profile_step(dec)
-        ROWS.append({**base, "kind": "step", "wall_us": wall, "kernel_sum_us": ksum,
-                     "idle_us": wall - ksum, "launches": sum(c for _, c, _ in kernels.values()),
-                     "of_floor": floor_us / wall})  # fmt: skip
+        ROWS.append(
+            {
+                **base,
+                "kind": "step",
+                "wall_us": wall,
+                "kernel_sum_us": ksum,
+                "idle_us": wall - ksum,
+                "launches": sum(c for _, c, _ in kernels.values()),
+                "of_floor": floor_us / wall,
+            }
+        )
         for name, (t, c, full) in sorted(kernels.items(), key=lambda kv: -kv[1][0]):
-            ROWS.append({**base, "kind": "kernel", "kernel": name, "full_name": full, "us_per_step": t,
-                         "launches": c, "per_layer": c / arch.n_layers, "share": t / wall})  # fmt: skip
+            ROWS.append(
+                {
+                    **base,
+                    "kind": "kernel",
+                    "kernel": name,
+                    "full_name": full,
+                    "us_per_step": t,
+                    "launches": c,
+                    "per_layer": c / arch.n_layers,
+                    "share": t / wall,
+                }
+            )
         print_table(ROWS[-len(kernels) - 1 :])
         del dec
         gc.collect()
@@ -131,14 +163,18 @@ def run(preset: str, methods, sparsity: float, prompt: int, ceiling: float, devi
 
 def print_table(rows) -> None:
     s = rows[0]
-    print(f"\n{s['model']} {s['method']} (sparsity {s['sparsity']:.0%}), prompt {s['prompt']}: "
-          f"step {s['wall_us']:.0f} us, kernels {s['kernel_sum_us']:.0f} us, idle "
-          f"{s['idle_us']:.0f} us, {s['launches']:.0f} launches "
-          f"({s['launches'] / s['n_layers']:.1f}/layer), floor {s['floor_us']:.0f} us "
-          f"({s['of_floor']:.2f} of it)")  # fmt: skip
+    print(
+        f"\n{s['model']} {s['method']} (sparsity {s['sparsity']:.0%}), prompt {s['prompt']}: "
+        f"step {s['wall_us']:.0f} us, kernels {s['kernel_sum_us']:.0f} us, idle "
+        f"{s['idle_us']:.0f} us, {s['launches']:.0f} launches "
+        f"({s['launches'] / s['n_layers']:.1f}/layer), floor {s['floor_us']:.0f} us "
+        f"({s['of_floor']:.2f} of it)"
+    )
     for r in rows[1:13]:
-        print(f"  {r['kernel']:<58} {r['us_per_step']:8.1f} us {r['share']:6.1%} "
-              f"{r['per_layer']:5.1f}/layer")  # fmt: skip
+        print(
+            f"  {r['kernel']:<58} {r['us_per_step']:8.1f} us {r['share']:6.1%} "
+            f"{r['per_layer']:5.1f}/layer"
+        )
 
 
 def main(argv=None) -> int:
@@ -161,8 +197,7 @@ def main(argv=None) -> int:
     for preset in models:
         run(preset, methods, a.sparsity, a.prompt, ceiling, device, a.predictors)
     if not a.quick:
-        results.save(a.name, ROWS, command=" ".join(sys.argv),
-                     extra={"copy_ceiling_tbps": ceiling})  # fmt: skip
+        results.save(a.name, ROWS, command=" ".join(sys.argv), extra={"copy_ceiling_tbps": ceiling})
     return 0
 
 

@@ -3,7 +3,7 @@ expected type whose message is one sentence saying what is wrong and what to do,
 changed (the test's folder, the cache and the results folder are hashed before and after).
 
 With ``DEJAVU_AUDIT_LOG=file.tsv`` every refusal appends ``test id<TAB>error type<TAB>message``
-to that file: the list of bad inputs tried, with their messages, for the issue's closing note.
+to that file: the list of bad inputs tried, with their messages, for a report.
 """
 
 from __future__ import annotations

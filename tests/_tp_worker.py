@@ -32,8 +32,12 @@ T0 = time.perf_counter()
 
 def log(*what) -> None:
     """Progress on stderr (the test shows it when the launch fails)."""
-    print(f"[rank {dist.get_rank()} {time.perf_counter() - T0:6.1f} s, cpu {time.process_time():.1f} s]", *what, file=sys.stderr,
-          flush=True)  # fmt: skip
+    print(
+        f"[rank {dist.get_rank()} {time.perf_counter() - T0:6.1f} s, cpu {time.process_time():.1f} s]",
+        *what,
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def relerr(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -53,10 +57,14 @@ def fixed_sets(dec_tp, world: int, n_layers: int, n: int, h: int) -> list[tuple]
     g = torch.Generator().manual_seed(1)
     out = []
     for _ in range(n_layers):
-        mlp = [r * (n // world) + torch.randperm(n // world, generator=g)[: dec_tp.k_mlp]
-               for r in range(world)]  # fmt: skip
-        heads = [r * (h // world) + torch.randperm(h // world, generator=g)[: dec_tp.k_heads]
-                 for r in range(world)]  # fmt: skip
+        mlp = [
+            r * (n // world) + torch.randperm(n // world, generator=g)[: dec_tp.k_mlp]
+            for r in range(world)
+        ]
+        heads = [
+            r * (h // world) + torch.randperm(h // world, generator=g)[: dec_tp.k_heads]
+            for r in range(world)
+        ]
         out.append((torch.cat(mlp), torch.cat(heads)))
     return out
 
@@ -68,9 +76,15 @@ def compare(name, preset, ref, tp, ids, rank) -> dict:
     gen_ref = ref.generate(ids[:, :PROMPT], NEW)[0, PROMPT:].tolist()
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, gen_tp)  # every rank must decode the same tokens
-    return {"model": preset, "case": name, "relerr": relerr(a, b),
-            "max_abs": (a - b).abs().max().item(), "tokens_tp": gen_tp, "tokens_ref": gen_ref,
-            "ranks_agree": all(t == gen_tp for t in every)}  # fmt: skip
+    return {
+        "model": preset,
+        "case": name,
+        "relerr": relerr(a, b),
+        "max_abs": (a - b).abs().max().item(),
+        "tokens_tp": gen_tp,
+        "tokens_ref": gen_ref,
+        "ranks_agree": all(t == gen_tp for t in every),
+    }
 
 
 def cases(rank: int, world: int) -> list[dict]:
@@ -79,12 +93,23 @@ def cases(rank: int, world: int) -> list[dict]:
         ids = torch.randint(0, 128, (1, PROMPT + STEPS), generator=torch.Generator().manual_seed(2))
         m = random_model(preset, seed=0).model  # fp32: the dense path
         L = 32
-        rows.append(compare("dense", preset, Decoder(m, max_seq_len=L),
-                            TPDecoder(m, max_seq_len=L), ids, rank))  # fmt: skip
+        rows.append(
+            compare(
+                "dense", preset, Decoder(m, max_seq_len=L), TPDecoder(m, max_seq_len=L), ids, rank
+            )
+        )
         m16 = random_model(preset, seed=0, dtype=torch.float16).model  # the sparse kernels
         keep = SparseConfig(0.0, 0.0)
-        rows.append(compare("sparse_keep_all", preset, Decoder(m16, max_seq_len=L, sparse=keep),
-                            TPDecoder(m16, max_seq_len=L, sparse=keep), ids, rank))  # fmt: skip
+        rows.append(
+            compare(
+                "sparse_keep_all",
+                preset,
+                Decoder(m16, max_seq_len=L, sparse=keep),
+                TPDecoder(m16, max_seq_len=L, sparse=keep),
+                ids,
+                rank,
+            )
+        )
         sp = SparseConfig(0.5, 0.5, kv_window=4)  # deferred KV (MHA) with a flush every 4 tokens
         ref, tp = Decoder(m16, max_seq_len=L, sparse=sp), TPDecoder(m16, max_seq_len=L, sparse=sp)
         a = ref.arch
@@ -99,16 +124,40 @@ def cases(rank: int, world: int) -> list[dict]:
         method = "teal" if preset == "tiny-llama" else "cats"
         thr = calibrate_thresholds(m16, ids[:, :PROMPT], 0.5, method=method)
         sp = SparseConfig(method=method, thresholds=thr)
-        rows.append(compare(f"{method}_calibrated", preset, Decoder(m16, max_seq_len=L, sparse=sp),
-                            TPDecoder(m16, max_seq_len=L, sparse=sp), ids, rank))  # fmt: skip
+        rows.append(
+            compare(
+                f"{method}_calibrated",
+                preset,
+                Decoder(m16, max_seq_len=L, sparse=sp),
+                TPDecoder(m16, max_seq_len=L, sparse=sp),
+                ids,
+                rank,
+            )
+        )
     # post-LN OPT with project_in/out and an odd vocabulary (the last lm_head shard padded)
     m = random_model("tiny-opt-postln", seed=0, vocab_size=127).model
     ids = torch.randint(0, 127, (1, PROMPT + STEPS), generator=torch.Generator().manual_seed(2))
-    rows.append(compare("dense_odd_vocab", "tiny-opt-postln", Decoder(m, max_seq_len=32),
-                        TPDecoder(m, max_seq_len=32), ids, rank))  # fmt: skip
+    rows.append(
+        compare(
+            "dense_odd_vocab",
+            "tiny-opt-postln",
+            Decoder(m, max_seq_len=32),
+            TPDecoder(m, max_seq_len=32),
+            ids,
+            rank,
+        )
+    )
     m = random_model("tiny-llama", seed=0).model  # lm_head replicated instead of vocab-parallel
-    rows.append(compare("dense_replicated_head", "tiny-llama", Decoder(m, max_seq_len=32),
-                        TPDecoder(m, max_seq_len=32, vocab_parallel=False), ids, rank))  # fmt: skip
+    rows.append(
+        compare(
+            "dense_replicated_head",
+            "tiny-llama",
+            Decoder(m, max_seq_len=32),
+            TPDecoder(m, max_seq_len=32, vocab_parallel=False),
+            ids,
+            rank,
+        )
+    )
     return rows
 
 
@@ -149,8 +198,10 @@ def errors(world: int) -> dict:
     """One-sentence errors: world sizes that do not divide, unbalanced fixed sets."""
     log("errors")
     out = {}
-    for name, preset, kw in (("kv_heads", "tiny-llama", {"num_key_value_heads": 1}),
-                             ("neurons", "tiny-opt", {"ffn_dim": 255})):  # fmt: skip
+    for name, preset, kw in (
+        ("kv_heads", "tiny-llama", {"num_key_value_heads": 1}),
+        ("neurons", "tiny-opt", {"ffn_dim": 255}),
+    ):
         try:
             TPDecoder(random_model(preset, **kw).model, max_seq_len=16)
             out[name] = None
@@ -180,8 +231,13 @@ def bench(out_dir: Path) -> dict:
 def main() -> None:
     out = Path(sys.argv[1])
     rank, world, _ = init_tp("gloo")  # CPU tensors, even on a machine with GPUs
-    result = {"world_size": world, "backend": dist.get_backend(), "cases": cases(rank, world),
-              "errors": errors(world), "bench": bench(out.parent)}  # fmt: skip
+    result = {
+        "world_size": world,
+        "backend": dist.get_backend(),
+        "cases": cases(rank, world),
+        "errors": errors(world),
+        "bench": bench(out.parent),
+    }
     log("done")
     if rank == 0:
         out.write_text(json.dumps(result, indent=1))

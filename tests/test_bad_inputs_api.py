@@ -1,4 +1,4 @@
-"""Bad inputs through the public API (issue 15): each one is refused where it enters, with the
+"""Bad inputs through the public API: each one is refused where it enters, with the
 error type of the module it enters, in one sentence that says what to do, and no file changes.
 
 Each case is ``(id, make, error, words)``: ``make(w)`` builds the call from the shared objects
@@ -50,8 +50,14 @@ def w(tmp_path_factory):
     root = tmp_path_factory.mktemp("bad-inputs-api")
     llama = random_model("tiny-llama")
     ids = torch.randint(0, 128, (4, W), generator=torch.Generator().manual_seed(0))
-    col = collect(llama.model, None, CollectConfig(window=W, max_tokens=4 * W), root / "col",
-                  windows=ids, progress=False)  # fmt: skip
+    col = collect(
+        llama.model,
+        None,
+        CollectConfig(window=W, max_tokens=4 * W),
+        root / "col",
+        windows=ids,
+        progress=False,
+    )
     pred = Predictors(fingerprint(llama.model), PredictorConfig(mlp_rank=4, head_rank=2))
     return SimpleNamespace(
         root=root,
@@ -935,8 +941,9 @@ ENGINE = [
 ]
 
 
-@pytest.mark.parametrize("make,error,words", [pytest.param(c[1], c[2], c[3:], id=c[0])
-                                              for c in TOKENS])  # fmt: skip
+@pytest.mark.parametrize(
+    "make,error,words", [pytest.param(c[1], c[2], c[3:], id=c[0]) for c in TOKENS]
+)
 def test_token_ids_and_windows(w, make, error, words):
     refuse([w.root], make(w), error, *words)
 
@@ -949,27 +956,31 @@ def test_config_dataclasses(fields, words, tmp_path):
     refuse([tmp_path], lambda: cls(**fields), error, words)
 
 
-@pytest.mark.parametrize("make,error,words", [pytest.param(c[1], c[2], c[3:], id=c[0])
-                                              for c in HOOKS])  # fmt: skip
+@pytest.mark.parametrize(
+    "make,error,words", [pytest.param(c[1], c[2], c[3:], id=c[0]) for c in HOOKS]
+)
 def test_hooks(w, make, error, words):
     refuse([w.root], make(w), error, *words)
     assert sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in w.llama.modules()) == 0
 
 
-@pytest.mark.parametrize("make,error,words", [pytest.param(c[1], c[2], c[3:], id=c[0])
-                                              for c in MODELS])  # fmt: skip
+@pytest.mark.parametrize(
+    "make,error,words", [pytest.param(c[1], c[2], c[3:], id=c[0]) for c in MODELS]
+)
 def test_model_specs_and_folders(w, make, error, words):
     refuse([w.root], make(w), error, *words)
 
 
-@pytest.mark.parametrize("make,error,words", [pytest.param(c[1], c[2], c[3:], id=c[0])
-                                              for c in FILES])  # fmt: skip
+@pytest.mark.parametrize(
+    "make,error,words", [pytest.param(c[1], c[2], c[3:], id=c[0]) for c in FILES]
+)
 def test_predictor_files_and_collections(w, make, error, words):
     refuse([w.root], make(w), error, *words)
 
 
-@pytest.mark.parametrize("make,error,words", [pytest.param(c[1], c[2], c[3:], id=c[0])
-                                              for c in ENGINE])  # fmt: skip
+@pytest.mark.parametrize(
+    "make,error,words", [pytest.param(c[1], c[2], c[3:], id=c[0]) for c in ENGINE]
+)
 def test_engine(w, make, error, words):
     refuse([w.root], make(w), error, *words)
 

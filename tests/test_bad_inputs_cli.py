@@ -1,4 +1,4 @@
-"""Bad inputs through the CLI (issue 15): each one reaches the user as exactly one line
+"""Bad inputs through the CLI: each one reaches the user as exactly one line
 ``dejavu-lab: error: ...`` on stderr that says what to do, exit status 2, nothing on stdout, no
 traceback, and no file changed (the test folders and the cache).
 
@@ -43,8 +43,14 @@ def world(tmp_path_factory):
     p["col"] = root / "col"
     other = random_model("tiny-llama").model
     ids = torch.randint(0, 128, (2, 16))
-    p["other-col"] = collect(other, None, CollectConfig(window=16, max_tokens=32),
-                             root / "other-col", windows=ids, progress=False).path  # fmt: skip
+    p["other-col"] = collect(
+        other,
+        None,
+        CollectConfig(window=16, max_tokens=32),
+        root / "other-col",
+        windows=ids,
+        progress=False,
+    ).path
     model = load_model(tiny).model
     p["pred"] = Predictors(fingerprint(model), PredictorConfig()).save(root / "p.safetensors")
     p["other-pred"] = Predictors(fingerprint(other), PredictorConfig()).save(root / "o.safetensors")
@@ -279,9 +285,14 @@ def test_collect_into_a_busy_folder(world, capsys, monkeypatch):
     try:
         assert p.stdout.readline().strip() == b"held"
         args = argv(world, "collect --model {tiny} --window 16 --max-tokens 32 --no-progress")
-        refused_by_the_cli(world, capsys, monkeypatch, [*args, "--out", str(busy)],
-                           "Another process is collecting into this folder",
-                           env={"DEJAVU_LAB_LOCK_TIMEOUT": "0.2"})  # fmt: skip
+        refused_by_the_cli(
+            world,
+            capsys,
+            monkeypatch,
+            [*args, "--out", str(busy)],
+            "Another process is collecting into this folder",
+            env={"DEJAVU_LAB_LOCK_TIMEOUT": "0.2"},
+        )
     finally:
         p.kill()
         p.wait()
@@ -322,8 +333,11 @@ def test_the_console_script_prints_no_traceback(tmp_path):
 def test_train_with_a_collection_does_not_touch_the_default_key(world, capsys, monkeypatch):
     """Not a bad input, the fix it relies on: ``--collection`` saves under that collection's key."""
     monkeypatch.setenv("DEJAVU_LAB_CACHE", str(world["cache"]))
-    args = argv(world, "train-predictors --model {tiny} --collection {col} --mode same "
-                "--epochs 1 --mlp-rank 4 --head-rank 2 --no-progress")  # fmt: skip
+    args = argv(
+        world,
+        "train-predictors --model {tiny} --collection {col} --mode same "
+        "--epochs 1 --mlp-rank 4 --head-rank 2 --no-progress",
+    )
     assert main(args) == 0
     saved = Path(capsys.readouterr().out.split()[1])
     manifest = json.loads((world["col"] / "manifest.json").read_text())

@@ -119,8 +119,9 @@ def test_page_renders_offline(browser, page):
     SHOTS.mkdir(parents=True, exist_ok=True)
     # a full-page shot of the long API page took over playwright's 30 s default on a busy
     # 2-core machine: allow more (the shot is for people to look at, not a timing)
-    tab.screenshot(path=str(SHOTS / f"{page.replace('/', '__')}.png"), full_page=True,
-                   timeout=180_000)  # fmt: skip
+    tab.screenshot(
+        path=str(SHOTS / f"{page.replace('/', '__')}.png"), full_page=True, timeout=180_000
+    )
     figures = tab.locator(".plotly-graph-div")
     drawn = [figures.nth(i).locator(".main-svg").count() > 0 for i in range(figures.count())]
     views = tab.evaluate("""() => [...document.querySelectorAll(

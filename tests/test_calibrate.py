@@ -159,8 +159,14 @@ def test_cache_is_keyed_by_model_text_and_config(cache):
 
 def test_files_round_trip_and_refuse_another_model(tmp_path):
     model, _, arch = random_model("tiny-llama")
-    cal = calibrate(model, _ids(), CalibrationConfig(greedy_max=0.2), greedy=["wina"],
-                    cache=False, progress=False)  # fmt: skip
+    cal = calibrate(
+        model,
+        _ids(),
+        CalibrationConfig(greedy_max=0.2),
+        greedy=["wina"],
+        cache=False,
+        progress=False,
+    )
     back = load_calibration(cal.save(tmp_path / "c.safetensors"), model)
     assert back.text_sha == cal.text_sha and back.n_tokens == 64
     for k in KINDS:

@@ -154,7 +154,7 @@ def test_module_entry_point():
         assert cmd in proc.stdout
 
 
-# perplexity --method: the contract of issue 11 ------------------------------------------
+# perplexity --method: the JSON keys it prints, its refusals -----------------------------
 
 KEYS = {"perplexity", "tokens", "method", "sparsity", "bytes_per_token_fraction"}
 

@@ -125,8 +125,15 @@ def test_clear_errors():
         dec.generate(torch.arange(4)[None], max_new_tokens=6)
     with pytest.raises(EngineError, match="kv_window"):
         SparseConfig(kv_window=64)
-    qwen3 = Qwen3Config(hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
-                        num_key_value_heads=2, intermediate_size=128, vocab_size=64, head_dim=16)  # fmt: skip
+    qwen3 = Qwen3Config(
+        hidden_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=64,
+        head_dim=16,
+    )
     with pytest.raises(EngineError, match="q/k norms|not one"):
         Decoder(random_model(qwen3).model, max_seq_len=8)
 
@@ -136,8 +143,14 @@ def test_bytes_model():
     dense = step_bytes(arch, vocab=50272, context=0)
     # 59.9 GB: the blocks plus lm_head, as the H200 dense-decode probe of 2026-11-30 counted
     assert dense["total"] == pytest.approx(59.91e9, rel=0.005)
-    sparse = step_bytes(arch, vocab=50272, context=0, mlp_kept=0.15, head_kept=0.5,
-                        predictors=predictor_bytes(arch, 64, 32))  # fmt: skip
+    sparse = step_bytes(
+        arch,
+        vocab=50272,
+        context=0,
+        mlp_kept=0.15,
+        head_kept=0.5,
+        predictors=predictor_bytes(arch, 64, 32),
+    )
     assert sparse["mlp"] == pytest.approx(0.15 * dense["mlp"])
     assert sparse["attention"] == pytest.approx(0.5 * dense["attention"])  # deferred KV (MHA)
     assert 3.0 < dense["total"] / sparse["total"] < 3.6

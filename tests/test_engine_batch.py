@@ -97,8 +97,10 @@ def test_left_padded_batch_equals_hf_generate():
     ids = torch.stack(rand_ids([6, 6], seed=3))
     mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1] * 6], device=DEVICE)
     hf = m.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
-    assert BatchDecoder(m, max_seq_len=12, max_batch=2).generate(
-        ids, 4, attention_mask=mask).tolist() == hf.tolist()  # fmt: skip
+    assert (
+        BatchDecoder(m, max_seq_len=12, max_batch=2).generate(ids, 4, attention_mask=mask).tolist()
+        == hf.tolist()
+    )
 
 
 @pytest.mark.parametrize("preset", ["tiny-opt", "tiny-llama"])
@@ -106,8 +108,9 @@ def test_sparse_with_everything_kept_equals_dense(preset):
     m = model(preset, dtype=HALF, seed=2)
     prompts, cont = rand_ids([5, 2, 6]), torch.stack(rand_ids([4] * 3, seed=1))
     dense = forced(BatchDecoder(m, max_seq_len=16, max_batch=3), prompts, cont)
-    kept = forced(BatchDecoder(m, max_seq_len=16, max_batch=3, sparse=SparseConfig()), prompts,
-                  cont)  # fmt: skip
+    kept = forced(
+        BatchDecoder(m, max_seq_len=16, max_batch=3, sparse=SparseConfig()), prompts, cont
+    )
     assert relerr(kept, dense) < 2e-2
 
 
@@ -119,14 +122,20 @@ def test_threshold_methods_in_a_batch_keep_everything_at_threshold_minus_one(met
     prompts, cont = rand_ids([5, 2, 6], seed=16), torch.stack(rand_ids([3] * 3, seed=17))
     dense = forced(BatchDecoder(w, max_seq_len=12, max_batch=3), prompts, cont)
     sp = SparseConfig(method=method, thresholds=keep_all(w, method))
-    assert relerr(forced(BatchDecoder(w, max_seq_len=12, max_batch=3, sparse=sp), prompts, cont),
-                  dense) < 2e-2  # fmt: skip
+    assert (
+        relerr(
+            forced(BatchDecoder(w, max_seq_len=12, max_batch=3, sparse=sp), prompts, cont), dense
+        )
+        < 2e-2
+    )
 
 
 def head_sets(n_layers, n_heads, k, batch, seed):
     g = torch.Generator().manual_seed(seed)
-    return [torch.stack([torch.randperm(n_heads, generator=g)[:k] for _ in range(batch)])
-            for _ in range(n_layers)]  # fmt: skip
+    return [
+        torch.stack([torch.randperm(n_heads, generator=g)[:k] for _ in range(batch)])
+        for _ in range(n_layers)
+    ]
 
 
 @pytest.mark.parametrize("preset", ["tiny-opt", "tiny-llama"])  # MHA (deferred KV), GQA
@@ -156,8 +165,9 @@ def test_deferred_kv_is_exact_per_sequence():
     prompts, cont = rand_ids([4, 6], seed=5), torch.stack(rand_ids([7, 7], seed=6))
     logits = {}
     for window in (3, 0):
-        dec = BatchDecoder(m, max_seq_len=16, max_batch=2,
-                           sparse=SparseConfig(0.0, 0.75, kv_window=window))  # fmt: skip
+        dec = BatchDecoder(
+            m, max_seq_len=16, max_batch=2, sparse=SparseConfig(0.0, 0.75, kv_window=window)
+        )
         for i, s in enumerate(sets):
             dec.set_indices(i, heads=s)
         logits[window] = forced(dec, prompts, cont)
@@ -169,7 +179,7 @@ def test_deferred_kv_is_exact_per_sequence():
 
 def test_parts_run_whenever_the_window_is_full():
     """The benchmark times each part after decoding; with a full deferred-KV window the parts
-    flush first, as a step would (the H200 run of 691f74d stopped on that index)."""
+    flush first, as a step would (without the flush, a GPU run stops on an out-of-range index)."""
     m = model("tiny-llama-mha", dtype=HALF, seed=11)
     dec = BatchDecoder(m, max_seq_len=16, max_batch=2, sparse=SparseConfig(0.5, 0.75, kv_window=3))
     dec.prefill(rand_ids([3, 4], seed=15))
@@ -183,8 +193,9 @@ def test_union_sizes_and_the_union_budget():
     m = model("tiny-opt", dtype=HALF, seed=5)  # 256 neurons, 4 heads
     a, b = torch.arange(0, 64), torch.arange(32, 96)  # 32 shared: a union of 96
     for budget, read in ((None, 128), (0.3, 77)):
-        dec = BatchDecoder(m, max_seq_len=16, max_batch=2, union_budget=budget,
-                           sparse=SparseConfig(0.75, 0.5))  # fmt: skip
+        dec = BatchDecoder(
+            m, max_seq_len=16, max_batch=2, union_budget=budget, sparse=SparseConfig(0.75, 0.5)
+        )
         dec.set_indices(0, mlp=torch.stack([a, b]), heads=[[0, 1], [0, 1]])
         dec.set_indices(1, mlp=a, heads=[2, 3])  # the same set for both sequences
         dec.generate(rand_ids([3, 4]), 4)
@@ -241,13 +252,17 @@ def test_lookahead_predictors_choose_each_sequences_heads():
     pred = pred.to(DEVICE)
     sp = SparseConfig(0.0, 0.5)
     prompts, cont = rand_ids([4, 6], seed=9), torch.stack(rand_ids([4, 4], seed=10))
-    got = forced(BatchDecoder(lm.model, max_seq_len=16, max_batch=2, sparse=sp,
-                              predictors=pred), prompts, cont)  # fmt: skip
+    got = forced(
+        BatchDecoder(lm.model, max_seq_len=16, max_batch=2, sparse=sp, predictors=pred),
+        prompts,
+        cont,
+    )
     for b, p in enumerate(prompts):
         alone = Decoder(lm.model, max_seq_len=16, sparse=sp, predictors=pred)
         assert relerr(got[b], forced_alone(alone, p, cont[b])) < 1e-2
-    dec = BatchDecoder(lm.model, max_seq_len=16, max_batch=2, sparse=SparseConfig(0.75, 0.5),
-                       predictors=pred)  # fmt: skip
+    dec = BatchDecoder(
+        lm.model, max_seq_len=16, max_batch=2, sparse=SparseConfig(0.75, 0.5), predictors=pred
+    )
     dec.generate(prompts, 3)
     t = union_sizes_table(dec.union_sizes())
     assert (t[t.block == "mlp"].union >= 64).all() and (t.union <= t.read).all()
@@ -310,8 +325,12 @@ def test_bench_batch_quick_records_every_variant(tmp_path, monkeypatch):
     rows = json.loads((tmp_path / "engine_batch_quick.json").read_text())["rows"]
     assert not [r for r in rows if "error" in r]
     got = {(r["model"], r["engine"], r["batch"]) for r in rows if r["kind"] == "batch"}
-    want = {(m, e, b) for m in ("tiny-opt", "tiny-llama") for b in (1, 2)
-            for e in ("dense", "sparse", "sparse_uncapped")}  # fmt: skip
+    want = {
+        (m, e, b)
+        for m in ("tiny-opt", "tiny-llama")
+        for b in (1, 2)
+        for e in ("dense", "sparse", "sparse_uncapped")
+    }
     assert got == want
     sparse = [r for r in rows if r["kind"] == "batch" and r["engine"] == "sparse"]
     assert all(0 < r["mlp_union"] <= 1 and r["part_attention_ms"] > 0 for r in sparse)
@@ -322,17 +341,20 @@ def test_bad_inputs_are_one_sentence_engine_errors():
     dec = BatchDecoder(m, max_seq_len=8, max_batch=2)
     cases = {
         "decodes 1 to 2": lambda: dec.generate(rand_ids([2, 2, 2]), 2),
-        "prompt is empty": lambda: dec.prefill([torch.tensor([1]), torch.tensor([], dtype=torch.long)]),
+        "prompt is empty": lambda: dec.prefill(
+            [torch.tensor([1]), torch.tensor([], dtype=torch.long)]
+        ),
         "has 9 tokens but the cache holds 8": lambda: dec.prefill(rand_ids([2, 9])),
         "integer token ids": lambda: dec.prefill([torch.tensor([1.0, 2.0])]),
-        "attention_mask must be": lambda: dec.prefill(torch.ones(2, 3, dtype=torch.long),
-                                                      attention_mask=torch.ones(2, 4)),
+        "attention_mask must be": lambda: dec.prefill(
+            torch.ones(2, 3, dtype=torch.long), attention_mask=torch.ones(2, 4)
+        ),
         "exceed the cache": lambda: dec.generate(rand_ids([5]), 4),
         "max_batch must be": lambda: BatchDecoder(m, max_seq_len=8, max_batch=33),
         "temperature": lambda: dec.generate(rand_ids([2]), 2, do_sample=True, temperature=0),
         "union_budget caps": lambda: BatchDecoder(m, max_seq_len=8, union_budget=0.5),
         "before stepping": lambda: BatchDecoder(m, max_seq_len=8).step(),
-    }  # fmt: skip
+    }
     for match, call in cases.items():
         with pytest.raises(EngineError, match=match) as err:
             call()

@@ -27,8 +27,17 @@ def test_quick_run_records_every_variant(tmp_path, monkeypatch, capsys):
     e2e = [r for r in rows if r["kind"] == "e2e"]
     for model in ("tiny-opt", "tiny-llama"):
         got = {r["engine"] for r in e2e if r["model"] == model}
-        assert got >= {"hf", "hf_compiled", "dense", "dense_columns", "dense_auto", "sparse",
-                       "teal", "wina", "cats"}, got  # fmt: skip
+        assert got >= {
+            "hf",
+            "hf_compiled",
+            "dense",
+            "dense_columns",
+            "dense_auto",
+            "sparse",
+            "teal",
+            "wina",
+            "cats",
+        }, got
         cols = next(r for r in e2e if r["model"] == model and r["engine"] == "dense_columns")
         assert cols["keep_all_vs_dense"] < 3e-2  # every column read: the dense model's logits
     assert all(r["check_ok"] for r in e2e if "check_ok" in r)

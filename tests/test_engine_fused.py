@@ -14,8 +14,9 @@ from dejavu_lab.kernels._common import use_triton  # noqa: E402
 from dejavu_lab.models import random_model  # noqa: E402
 
 DEVICE = os.environ.get("DEJAVU_TEST_DEVICE", "cpu")
-pytestmark = pytest.mark.skipif(not use_triton(torch.device(DEVICE)),
-                                reason="the fused step runs the Triton kernels")  # fmt: skip
+pytestmark = pytest.mark.skipif(
+    not use_triton(torch.device(DEVICE)), reason="the fused step runs the Triton kernels"
+)
 
 
 def relerr(a, b):
@@ -42,8 +43,17 @@ def steps(dec, ids, n_prompt, fused):
 
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-opt"])
-@pytest.mark.parametrize("method,hidden", [("dense", False), ("teal", False), ("teal", True),
-                                           ("wina", True), ("cats", False), ("cats", True)])  # fmt: skip
+@pytest.mark.parametrize(
+    "method,hidden",
+    [
+        ("dense", False),
+        ("teal", False),
+        ("teal", True),
+        ("wina", True),
+        ("cats", False),
+        ("cats", True),
+    ],
+)
 def test_fused_step_gives_the_plain_steps_logits(preset, method, hidden):
     m = model_of(preset, seed=4)
     ids = torch.randint(0, 128, (1, 10), generator=torch.Generator().manual_seed(4)).to(DEVICE)

@@ -223,19 +223,27 @@ def test_clear_errors_for_methods():
     with pytest.raises(EngineError, match="apply to methods teal, wina and cats"):
         SparseConfig(0.5, thresholds={})
     with pytest.raises(EngineError, match="layout='columns'"):  # TEAL reads W_QKV^T
-        Decoder(decoder_weights(m), max_seq_len=8,
-                sparse=SparseConfig(method="teal", thresholds=keep_all(m)))  # fmt: skip
+        Decoder(
+            decoder_weights(m),
+            max_seq_len=8,
+            sparse=SparseConfig(method="teal", thresholds=keep_all(m)),
+        )
     with pytest.raises(EngineError, match="fp16/bf16"):
-        Decoder(random_model("tiny-llama").model, max_seq_len=8,
-                sparse=SparseConfig(method="cats", thresholds={}))  # fmt: skip
+        Decoder(
+            random_model("tiny-llama").model,
+            max_seq_len=8,
+            sparse=SparseConfig(method="cats", thresholds={}),
+        )
     with pytest.raises(EngineError, match="dense_ops"):
         Decoder(m, max_seq_len=8, dense_ops="mlp=cutlass")
     with pytest.raises(EngineError, match="sparsity"):
         calibrate_thresholds(m, ids_of(8), 1.0)
 
 
-@pytest.mark.skipif(type(threshold_gemv_kernel).__name__ != "InterpretedFunction",
-                    reason="the kernels were decorated without TRITON_INTERPRET=1")  # fmt: skip
+@pytest.mark.skipif(
+    type(threshold_gemv_kernel).__name__ != "InterpretedFunction",
+    reason="the kernels were decorated without TRITON_INTERPRET=1",
+)
 @pytest.mark.parametrize("method", ["teal", "cats", "dejavu"])
 def test_triton_kernels_under_the_interpreter(method, monkeypatch):
     """The same step through the Triton kernels (interpreter) as through their references."""
@@ -244,8 +252,9 @@ def test_triton_kernels_under_the_interpreter(method, monkeypatch):
     if method == "dejavu":
         sp = SparseConfig(0.5, 0.5)
     else:
-        sp = SparseConfig(method=method,
-                          thresholds=calibrate_thresholds(lm.model, ids[:, :6], 0.5, method=method))  # fmt: skip
+        sp = SparseConfig(
+            method=method, thresholds=calibrate_thresholds(lm.model, ids[:, :6], 0.5, method=method)
+        )
     ref = decode_logits(Decoder(lm.model, max_seq_len=12, sparse=sp), ids, 6)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     got = decode_logits(Decoder(lm.model, max_seq_len=12, sparse=sp, dense_ops="triton"), ids, 6)

@@ -1,4 +1,4 @@
-"""Tensor-parallel decoding (issue 14) on CPU: ``torchrun --nproc-per-node 2`` (gloo) runs every
+"""Tensor-parallel decoding on CPU: ``torchrun --nproc-per-node 2`` (gloo) runs every
 case of tests/_tp_worker.py in one launch — tiny OPT and Llama (GQA), TP=2 logits against TP=1,
 dense and sparse (every unit kept; a budget with fixed sets; TEAL and CATS thresholds), greedy
 tokens for 16 steps, the predictors' per-rank top-k, one-sentence errors, and
@@ -35,8 +35,13 @@ def run(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("tp") / "tp.json"
     # TRITON_INTERPRET=0: the kernels' torch references (the interpreter takes minutes for 16
     # tokens; tests/test_kernels*.py check the kernels against them): this tests the plumbing
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "DEJAVU_LAB_RESULTS": str(out.parent),
-           "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "0"}  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "DEJAVU_LAB_RESULTS": str(out.parent),
+        "OMP_NUM_THREADS": "1",
+        "TRITON_INTERPRET": "0",
+    }
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(WORKER),
            str(out)]  # fmt: skip
@@ -49,8 +54,11 @@ def _case(run, model, case) -> dict:
     return next(r for r in run["cases"] if r["model"] == model and r["case"] == case)
 
 
-CASES = [(m, c) for m in ("tiny-opt", "tiny-llama")
-         for c in ("dense", "sparse_keep_all", "sparse_fixed_sets")]  # fmt: skip
+CASES = [
+    (m, c)
+    for m in ("tiny-opt", "tiny-llama")
+    for c in ("dense", "sparse_keep_all", "sparse_fixed_sets")
+]
 CASES += [("tiny-opt", "cats_calibrated"), ("tiny-llama", "teal_calibrated")]  # cut thresholds
 CASES += [("tiny-opt-postln", "dense_odd_vocab"), ("tiny-llama", "dense_replicated_head")]
 

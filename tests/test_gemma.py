@@ -170,7 +170,7 @@ def test_qwen3_table_places_its_qk_norms():
 
 def test_llama_table_on_gemma3_is_refused(monkeypatch):
     model, _, arch = gemma()
-    # what the old error message invited: reuse the Llama table (the module names match)
+    # the tempting mistake: reuse the Llama table (the module names match)
     monkeypatch.setitem(arch_mod.ARCH_TABLES, "gemma3_text", ARCH_TABLES["llama"])
     with pytest.raises(ArchMismatchError) as e:
         get_arch(model)
@@ -290,8 +290,13 @@ def test_windows_start_with_bos_when_the_tokenizer_asks():
     tok = BosTokenizer()
     assert wants_bos(tok)
     w = token_windows(tok, "abcdefghij", window=3)  # BOS + 2 text tokens per window
-    assert w.add_bos and w.tolist() == [[0, 97, 98], [0, 99, 100], [0, 101, 102], [0, 103, 104],
-                                        [0, 105, 106]]  # fmt: skip
+    assert w.add_bos and w.tolist() == [
+        [0, 97, 98],
+        [0, 99, 100],
+        [0, 101, 102],
+        [0, 103, 104],
+        [0, 105, 106],
+    ]
     plain = token_windows(tok, "abcdefghij", window=3, add_bos=False)
     assert not plain.add_bos and plain.tolist()[0] == [97, 98, 99]
     model, _, _ = gemma()

@@ -166,8 +166,11 @@ def test_sparse_attention(dtype, heads_kv, batch, kept, seed):
     out = torch.full((batch, d), float("nan"), dtype=dtype)
     args = (x, w_qkv, w_o_t)
     kw = dict(n_heads=n_heads, b_qkv=b_qkv, b_o=b_o)
-    cfg = {"up": {"BLOCK_N": 32, "BLOCK_D": 32, "num_warps": 4}, "BLOCK_T": 16,
-           "kv_splits": 1 if batch == 1 else 3}  # fmt: skip
+    cfg = {
+        "up": {"BLOCK_N": 32, "BLOCK_D": 32, "num_warps": 4},
+        "BLOCK_T": 16,
+        "kv_splits": 1 if batch == 1 else 3,
+    }
     assert sparse_attention(*args, kc, vc, seqlens, heads, out=out, config=cfg, **kw) is out
     ref = sparse_attention_ref(*args, k_cache, v_cache, seqlens, heads, **kw)
     assert_close(out, ref, dtype, seed)
@@ -245,21 +248,26 @@ def test_sparse_attention_with_per_sequence_heads(seed):
     seqlens = torch.tensor([t_max, 5], dtype=torch.int32)
     kc, vc = (torch.randn(batch, n_heads, t_max, dh, dtype=dtype) for _ in range(2))
     heads, mask = torch.tensor([2, 0, 3]), torch.tensor([[1, 0, 1], [0, 1, 1]], dtype=torch.int8)
-    out = sparse_attention(x, w_qkv, w_o_t, kc.clone(), vc.clone(), seqlens, heads,
-                           n_heads=n_heads, head_mask=mask)  # fmt: skip
-    ref = sparse_attention_ref(x, w_qkv, w_o_t, kc, vc, seqlens, heads, n_heads=n_heads,
-                               head_mask=mask)  # fmt: skip
+    out = sparse_attention(
+        x, w_qkv, w_o_t, kc.clone(), vc.clone(), seqlens, heads, n_heads=n_heads, head_mask=mask
+    )
+    ref = sparse_attention_ref(
+        x, w_qkv, w_o_t, kc, vc, seqlens, heads, n_heads=n_heads, head_mask=mask
+    )
     assert_close(out, ref, dtype, seed)
     own = heads[mask[1].bool()]  # sequence 1 alone with its own heads: the same output
-    alone = sparse_attention_ref(x[1:], w_qkv, w_o_t, kc[1:].clone(), vc[1:].clone(),
-                                 seqlens[1:], own, n_heads=n_heads)  # fmt: skip
+    alone = sparse_attention_ref(
+        x[1:], w_qkv, w_o_t, kc[1:].clone(), vc[1:].clone(), seqlens[1:], own, n_heads=n_heads
+    )
     assert_close(out[1:], alone, dtype, seed)
     with pytest.raises(ValueError, match="head_mask has shape"):
-        sparse_attention(x, w_qkv, w_o_t, kc, vc, seqlens, heads, n_heads=n_heads,
-                         head_mask=mask[:, :2])  # fmt: skip
+        sparse_attention(
+            x, w_qkv, w_o_t, kc, vc, seqlens, heads, n_heads=n_heads, head_mask=mask[:, :2]
+        )
     with pytest.raises(TypeError, match="head_mask must be a bool or integer"):
-        sparse_attention(x, w_qkv, w_o_t, kc, vc, seqlens, heads, n_heads=n_heads,
-                         head_mask=mask.float())  # fmt: skip
+        sparse_attention(
+            x, w_qkv, w_o_t, kc, vc, seqlens, heads, n_heads=n_heads, head_mask=mask.float()
+        )
 
 
 # ------------------------------------------------------------------------------ KV window
@@ -324,7 +332,7 @@ def _mlp():
             lambda x, w, i: (x, w, torch.cat([i, torch.tensor([40], dtype=i.dtype)])),
             ValueError,
             "must lie in [0, 39]",
-        ),  # fmt: skip
+        ),
         (lambda x, w, i: (x, w, torch.cat([i, i[:1]])), ValueError, "duplicate"),
     ],
     ids=[
@@ -339,7 +347,7 @@ def _mlp():
         "index-dim",
         "out-of-range",
         "duplicate",
-    ],  # fmt: skip
+    ],
 )
 def test_up_rejects_bad_inputs(mutate, exc, message):
     x, w, idx = mutate(*_mlp())
@@ -403,10 +411,15 @@ def test_alternative_tilings(dtype, seed):
         assert_close(out, sparse_mlp_up_ref(x, w, idx, **kw), dtype, seed)
     h = torch.randn(1, idx.numel(), dtype=dtype)
     bias = torch.randn(d, dtype=dtype)
-    for split, extra in [(1, {"dot": True}), (2, {"dot": True}), (3, {"prefetch": True}),
-                         (1, {"prefetch": True}), (3, {"fused": False}),
-                         (19, {"BLOCK_R": 2, "fused": False}),  # 2 chunks of partials, each path
-                         (19, {"BLOCK_R": 2, "BLOCK_D": 64, "num_warps": 1})]:  # fmt: skip
+    for split, extra in [
+        (1, {"dot": True}),
+        (2, {"dot": True}),
+        (3, {"prefetch": True}),
+        (1, {"prefetch": True}),
+        (3, {"fused": False}),
+        (19, {"BLOCK_R": 2, "fused": False}),  # 2 chunks of partials, each path
+        (19, {"BLOCK_R": 2, "BLOCK_D": 64, "num_warps": 1}),
+    ]:
         out = torch.full((1, d), float("nan"), dtype=dtype)
         cfg = {"BLOCK_R": 16, "BLOCK_D": 32, "num_warps": 4, "split": split, **extra}
         sparse_mlp_down(h, w, idx, bias=bias, out=out, config=cfg)

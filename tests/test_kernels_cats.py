@@ -1,5 +1,5 @@
 """CATS's thresholded up kernel (:mod:`dejavu_lab.kernels.cats.up`) against its reference, and
-the CATS MLP's earlier fused-gate path (TRITON_INTERPRET=1; tiny shapes, masked tails).
+the CATS MLP's fused-gate path (TRITON_INTERPRET=1; tiny shapes, masked tails).
 
     DEJAVU_TEST_DEVICE=cuda TRITON_INTERPRET=0 pytest tests/test_kernels_cats.py
 """
@@ -54,8 +54,13 @@ def test_cats_up_one_token_and_gate_in_input_dtype(seed):
 def test_cats_mlp_fused_gate_path_still_matches(seed):
     x, w, b, _, thr = inputs(torch.float16, 2, True, biased=True)
     w_down_t = (torch.randn(N, D) / N**0.5).half()
-    cfg = {"fused_gate": True, "BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4,
-           "down": {"BLOCK_R": 16, "BLOCK_D": 32, "num_warps": 4, "programs": 4}}  # fmt: skip
+    cfg = {
+        "fused_gate": True,
+        "BLOCK_N": 16,
+        "BLOCK_K": 32,
+        "num_warps": 4,
+        "down": {"BLOCK_R": 16, "BLOCK_D": 32, "num_warps": 4, "programs": 4},
+    }
     y = cats_mlp(x, w, w_down_t, thr, activation="silu", b_in=b, config=cfg)
     ref = cats_mlp_ref(x, w, w_down_t, thr, activation="silu", b_in=b)
     assert_close(y, ref, torch.float16, seed)
@@ -78,8 +83,13 @@ def test_cats_up_rejects_bad_inputs():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("cfg", [{"BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 1},
-                                 {"BLOCK_N": 64, "BLOCK_K": 16, "num_warps": 2}])  # fmt: skip
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        {"BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 1},
+        {"BLOCK_N": 64, "BLOCK_K": 16, "num_warps": 2},
+    ],
+)
 def test_rows_sums_is_the_dense_gemv(dtype, cfg, seed):
     """Split-K tiles over a row-major weight (tails in both dimensions) sum to ``W x``."""
     from dejavu_lab.kernels.cats.sums import rows_sums
@@ -102,8 +112,9 @@ def test_cats_one_token_gate_sums_match_cublas_gate_call_after_call(gated, biase
     for _ in range(2):
         h = cats_hidden(x, w, thr, activation="silu", n=N, b_in=b, config=cfg)
         assert_close(h, ref, torch.float16, seed)
-    plain = cats_hidden(x, w, thr, activation="silu", n=N, b_in=b,
-                        config={**cfg, "cublas_gate": True})  # fmt: skip
+    plain = cats_hidden(
+        x, w, thr, activation="silu", n=N, b_in=b, config={**cfg, "cublas_gate": True}
+    )
     assert_close(plain, ref, torch.float16, seed)
 
 
@@ -122,8 +133,7 @@ def test_cats_sums_finished_by_the_down_gemv(gated, biased, seed):
         assert_close(gu[:N], gate[0] - (0 if b is None else b[:N].float()), torch.float16, seed)
         if gated:  # only the kept neurons' up rows were read
             assert bool((gu[N:][a.abs() <= thr] == 0).all()), f"seed={seed}"
-        y = threshold_sums(gu, w_down_t, thr, x_act="silu", x_gated=gated, x_bias=b,
-                           keep_gate=True)  # fmt: skip
+        y = threshold_sums(gu, w_down_t, thr, x_act="silu", x_gated=gated, x_bias=b, keep_gate=True)
         ref = cats_mlp_ref(x, w, w_down_t, thr, activation="silu", b_in=b)[0]
         assert_close(y.half(), ref, torch.float16, seed)
         y.zero_(), gu.zero_()

@@ -57,8 +57,9 @@ def test_residual_norm_adds_the_block_output_and_norms(dtype, kind, from_sums):
     want_h = x.float() + src.float().view(1, n) + bias.float()
     h, y = residual_norm(src, bias, x, (w, shift, 1e-5), kind=kind, from_sums=from_sums)
     torch.testing.assert_close(h.float(), want_h, atol=tol(dtype), rtol=tol(dtype))
-    want_y = row_norm_ref(h.float(), w.float(), None if shift is None else shift.float(),
-                          eps=1e-5, kind=kind)  # fmt: skip
+    want_y = row_norm_ref(
+        h.float(), w.float(), None if shift is None else shift.float(), eps=1e-5, kind=kind
+    )
     torch.testing.assert_close(y.float(), want_y, atol=tol(dtype), rtol=tol(dtype))
     if from_sums:
         assert bool((src == 0).all())

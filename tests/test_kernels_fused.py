@@ -68,8 +68,12 @@ def test_fused_sparse_mlp(dtype, batch, kept, case, seed):
         dense = torch.nn.functional.linear(
             x.float(), w_in.float(), None if kw["b_in"] is None else kw["b_in"].float()
         )
-        act = {"relu": torch.relu, "gelu": torch.nn.functional.gelu, "silu": torch.nn.functional.silu,
-               "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh")}[kw["activation"]]  # fmt: skip
+        act = {
+            "relu": torch.relu,
+            "gelu": torch.nn.functional.gelu,
+            "silu": torch.nn.functional.silu,
+            "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh"),
+        }[kw["activation"]]
         h = act(dense[:, :N]) * dense[:, N:] if gated else act(dense)
         y = h @ w_down_t.float() + (0 if kw["b_down"] is None else kw["b_down"].float())
         assert_close(out, y.to(dtype), dtype, seed)
@@ -112,8 +116,9 @@ def test_fused_batch_32_default_config_1d_and_empty(seed):
 def test_the_removed_one_launch_mode_is_refused():
     x, w_in, w_down_t, _, gated, kw = mlp(torch.float16, 1, "swiglu")
     with pytest.raises(ValueError, match="mode='atomic' was removed"):
-        fused_sparse_mlp(x, w_in, w_down_t, pick(N, 0.5), gated=gated,
-                         config=small(1, mode="atomic"), **kw)  # fmt: skip
+        fused_sparse_mlp(
+            x, w_in, w_down_t, pick(N, 0.5), gated=gated, config=small(1, mode="atomic"), **kw
+        )
     with pytest.raises(ValueError, match="mode='atomic' was removed"):
         cats_mlp(x, w_in, w_down_t, torch.zeros(N), config={"mode": "atomic"}, **kw)
 
@@ -131,8 +136,12 @@ def test_fused_deterministic_is_bitwise_repeatable(seed):
 def cats_thr(x, w_in, kw, kept):
     """A CATS threshold keeping about ``kept`` of the |act(gate)| entries."""
     gate = (x.float() @ w_in[:N].float().T) + (0 if kw["b_in"] is None else kw["b_in"][:N].float())
-    act = {"relu": torch.relu, "gelu": torch.nn.functional.gelu, "silu": torch.nn.functional.silu,
-           "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh")}[kw["activation"]]  # fmt: skip
+    act = {
+        "relu": torch.relu,
+        "gelu": torch.nn.functional.gelu,
+        "silu": torch.nn.functional.silu,
+        "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh"),
+    }[kw["activation"]]
     if kept >= 1:
         return torch.full((N,), -1.0)
     q = torch.quantile(act(gate).abs().flatten(), 1 - kept)
@@ -233,11 +242,19 @@ def test_fused_rejects_bad_inputs():
     with pytest.raises(ValueError, match="1 to 32 tokens"):
         fused_sparse_mlp(x[:1].expand(33, D), w_in, w_down_t, idx, activation="silu", gated=True)
     with pytest.raises(ValueError, match=r"b_down has shape \(79,\); expected \(80,\)"):
-        fused_sparse_mlp(x, w_in, w_down_t, idx, activation="silu", gated=True,
-                         b_down=torch.zeros(79, dtype=torch.float16))  # fmt: skip
+        fused_sparse_mlp(
+            x,
+            w_in,
+            w_down_t,
+            idx,
+            activation="silu",
+            gated=True,
+            b_down=torch.zeros(79, dtype=torch.float16),
+        )
     with pytest.raises(ValueError, match="BLOCK_N must be >= 16"):
-        fused_sparse_mlp(x, w_in, w_down_t, idx, activation="silu", gated=True,
-                         config={**small(2), "BLOCK_N": 4})  # fmt: skip
+        fused_sparse_mlp(
+            x, w_in, w_down_t, idx, activation="silu", gated=True, config={**small(2), "BLOCK_N": 4}
+        )
 
 
 def test_cats_rejects_bad_inputs():

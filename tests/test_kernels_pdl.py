@@ -36,9 +36,16 @@ def test_every_pdl_launch_waits_first():
     names = {n for _, n in launches}
     # the decode step's kernels: the tile GEMV and its finalize, both epilogues, RoPE,
     # attention and its combine, CATS's up rows
-    assert {"threshold_tile_kernel", "threshold_finalize_kernel", "rope_sums_kernel",
-            "residual_norm_kernel", "rope_kernel", "sparse_attention_kernel",
-            "sparse_attention_combine_kernel", "cats_up_kernel"} <= names  # fmt: skip
+    assert {
+        "threshold_tile_kernel",
+        "threshold_finalize_kernel",
+        "rope_sums_kernel",
+        "residual_norm_kernel",
+        "rope_kernel",
+        "sparse_attention_kernel",
+        "sparse_attention_combine_kernel",
+        "cats_up_kernel",
+    } <= names
     for module, name in launches:
         fn = getattr(importlib.import_module(f"dejavu_lab.kernels.{module}"), name).fn
         tree = ast.parse(inspect.getsource(fn).lstrip())

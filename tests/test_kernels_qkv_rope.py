@@ -47,8 +47,7 @@ def test_qkv_rope_matches_reference(case, dtype):
     blocks = torch.cat((kept, H + kv, H + Hkv + kv)).to(DEVICE)
     cos, sin = tables(24, dh, dtype) if with_rope else (None, None)
     pos = (torch.arange(batch) + 3).to(DEVICE)
-    kc, vc = (torch.zeros(2, Hkv, 24, dh, dtype=dtype, device=DEVICE) if caches
-              else (None, None))  # fmt: skip
+    kc, vc = torch.zeros(2, Hkv, 24, dh, dtype=dtype, device=DEVICE) if caches else (None, None)
     rk, rv = (kc.clone(), vc.clone()) if caches else (None, None)
     kw = dict(n_heads=H, n_kv_heads=Hkv, positions=pos, bias=bias, cos=cos, sin=sin)
     got = qkv_rope(x if batch > 1 else x[0], w, blocks, k_cache=kc, v_cache=vc, **kw)
@@ -68,8 +67,16 @@ def test_qkv_rope_is_the_unfused_chain():
     x = torch.randn(1, d).half().to(DEVICE)
     cos, sin = tables(8, dh, torch.float16)
     pos = torch.tensor([6], device=DEVICE)
-    y = qkv_rope(x, w, torch.tensor([1, 2], device=DEVICE), n_heads=H, n_kv_heads=1,
-                 positions=pos, cos=cos, sin=sin)  # fmt: skip
+    y = qkv_rope(
+        x,
+        w,
+        torch.tensor([1, 2], device=DEVICE),
+        n_heads=H,
+        n_kv_heads=1,
+        positions=pos,
+        cos=cos,
+        sin=sin,
+    )
     q, k = (x.float() @ w.float().T).view(4, dh)[[1, 2]].unbind()
     for got, want in ((y[0, :dh], q), (y[0, dh:], k)):
         half1, half2 = want.chunk(2)

@@ -203,7 +203,7 @@ def _ok():
         "thr-device",
         "thr-type",
         "thr-nan",
-    ],  # fmt: skip
+    ],
 )
 def test_rejects_bad_inputs(mutate, exc, message):
     x, w, t = mutate(*_ok())
@@ -234,11 +234,24 @@ def test_tuning_lookup_reads_recorded_tables(tmp_path, monkeypatch):
 
     fast, slow = {"BLOCK_R": 16, "tag": "fast"}, {"BLOCK_R": 32, "tag": "slow"}
     rows = [
-        {"op": "threshold_gemv", "d_in": 11008, "d_out": 4096, "batch": 1, "kept": kept,
-         "config": cfg, "us": us}
-        for kept, cfg, us in [(0.1, fast, 5.0), (0.1, slow, 6.0), (0.5, fast, 14.0),
-                              (0.5, slow, 12.0), (0.2, slow, 9.0), (0.2, fast, 7.0)]
-    ]  # fmt: skip
+        {
+            "op": "threshold_gemv",
+            "d_in": 11008,
+            "d_out": 4096,
+            "batch": 1,
+            "kept": kept,
+            "config": cfg,
+            "us": us,
+        }
+        for kept, cfg, us in [
+            (0.1, fast, 5.0),
+            (0.1, slow, 6.0),
+            (0.5, fast, 14.0),
+            (0.5, slow, 12.0),
+            (0.2, slow, 9.0),
+            (0.2, fast, 7.0),
+        ]
+    ]
     monkeypatch.setenv(results.ENV_DIR, str(tmp_path))
     path = results.save("tuning_test", rows, command="test")
     gpu = results.provenance("x")["gpu"]
@@ -258,8 +271,10 @@ def test_tuning_lookup_reads_recorded_tables(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("activation, gated", [("silu", True), ("gelu", True), ("relu", False),
-                                               ("gelu", False), ("none", False)])  # fmt: skip
+@pytest.mark.parametrize(
+    "activation, gated",
+    [("silu", True), ("gelu", True), ("relu", False), ("gelu", False), ("none", False)],
+)
 @pytest.mark.parametrize("batch", [1, 3])
 def test_threshold_gemv_act(dtype, activation, gated, batch, seed):
     """The activation fused into the tile kernel's finalize equals the GEMV then torch."""

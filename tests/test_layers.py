@@ -95,18 +95,27 @@ def _in(module: str, *prefixes: str) -> bool:
 P = "dejavu_lab."
 # (who, may not import, why)
 RULES = [
-    ((P + "kernels",), (P + m for m in ("models", "hooks", "results", "report", "engine", "cli")),
-     "kernels know tensors only"),
-    ((P + "measure",), (P + m for m in ("kernels", "engine", "report", "cli")),
-     "the paper's observations run on any CPU"),
-    ((P + m for m in ("engine", "kernels", "sparsify", "measure")), (P + "report", P + "cli"),
-     "compute never draws or parses arguments"),
+    (
+        (P + "kernels",),
+        (P + m for m in ("models", "hooks", "results", "report", "engine", "cli")),
+        "kernels know tensors only",
+    ),
+    (
+        (P + "measure",),
+        (P + m for m in ("kernels", "engine", "report", "cli")),
+        "the paper's observations run on any CPU",
+    ),
+    (
+        (P + m for m in ("engine", "kernels", "sparsify", "measure")),
+        (P + "report", P + "cli"),
+        "compute never draws or parses arguments",
+    ),
     ((P + "report",), (P + "cli",), "the book's tables and figures never parse arguments"),
     ((P + "checks",), None, "checks read only errors and vocab"),
     ((P + "step_bytes",), None, "the byte model is arithmetic on the vocabulary's sites"),
     ((P + "engine",), (P + "sparsify",), "the engine counts its bytes without the quality path"),
     ((P + "errors", P + "vocab"), (P,), "the base layer imports nothing of ours"),
-]  # fmt: skip
+]
 
 
 def test_no_import_cycle_counting_imports_inside_functions():

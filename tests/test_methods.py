@@ -40,8 +40,9 @@ def _keep_all(model, method):
     sites = ("gate",) if method == "cats" else tuple(SITES)
     n = model.config.num_hidden_layers
     keys = [(i, s) for i in range(n) for s in sites]
-    return Thresholds(method, dict.fromkeys(keys, -1.0), dict.fromkeys(keys, 0.0),
-                      fingerprint(model))  # fmt: skip
+    return Thresholds(
+        method, dict.fromkeys(keys, -1.0), dict.fromkeys(keys, 0.0), fingerprint(model)
+    )
 
 
 def test_every_method_is_registered():
@@ -67,8 +68,11 @@ def test_unit_methods_share_the_sparsity_budget():
     ids = _ids()
     pred = Predictors(fingerprint(model), PredictorConfig(mode="same")).eval()
     st = static_sets(model, ids, progress=False)
-    for kw in (dict(method="oracle"), dict(method="dejavu", predictors=pred),
-               dict(method="static", static=st)):  # fmt: skip
+    for kw in (
+        dict(method="oracle"),
+        dict(method="dejavu", predictors=pred),
+        dict(method="static", static=st),
+    ):
         record = {}
         _logits(model, ids, sparsity=0.5, record=record, **kw)
         assert (record["mlp"][1].sum(-1) == 96).all() and (record["heads"][0].sum(-1) == 2).all()
@@ -145,8 +149,9 @@ def test_dense_layers_and_per_layer_sparsity_for_threshold_methods():
     cal = calibrate(model, ids, cache=False, progress=False)
     for method in ("teal", "wina", "cats"):
         kept = Kept()
-        _logits(model, ids, method=method, thresholds=cal, sparsity=0.5, dense_layers=[1],
-                kept=kept)  # fmt: skip
+        _logits(
+            model, ids, method=method, thresholds=cal, sparsity=0.5, dense_layers=[1], kept=kept
+        )
         assert {k[0] for k in kept.counts} == {0}
         kept = Kept()
         _logits(model, ids, method=method, thresholds=cal, sparsity=[0.0, 0.6], kept=kept)
@@ -163,8 +168,9 @@ def test_bytes_per_token_by_method():
     )
     r = sparse_eval(model, ids, method="dense", progress=False)
     assert r.bytes_per_token_fraction == 1.0 and r.kept == {}
-    r = sparse_eval(model, ids, method="oracle", mlp_sparsity=0.5, head_sparsity=0.5,
-                    progress=False)  # fmt: skip
+    r = sparse_eval(
+        model, ids, method="oracle", mlp_sparsity=0.5, head_sparsity=0.5, progress=False
+    )
     want = 1 - (0.5 * e["mlp"] + 0.5 * e["heads"] + (1 - r.kept["kv"]) * e["kv"]) / dense
     assert r.bytes_per_token_fraction == pytest.approx(want)
     cal = calibrate(model, ids, cache=False, progress=False)
@@ -172,16 +178,14 @@ def test_bytes_per_token_by_method():
     gate = r.kept["gate"]
     assert r.bytes_per_token_fraction == pytest.approx(1 - (1 - gate) * e["gate"] / dense)
     kept = Kept()
-    with torch.no_grad(), sparsified(model, method="teal", sparsity=0.5, thresholds=cal,
-                                     kept=kept):  # fmt: skip
+    with torch.no_grad(), sparsified(model, method="teal", sparsity=0.5, thresholds=cal, kept=kept):
         ppl = sparse_perplexity(model, ids, progress=False)  # adds no hooks of its own
     r = sparse_eval(model, ids, method="teal", sparsity=0.5, thresholds=cal, progress=False)
     saved = sum(e[site] * (1 - f) for (_, site), f in kept.fractions().items())
     assert r.bytes_per_token_fraction == pytest.approx(1 - saved / (arch.n_layers * dense))
     assert ppl > 0
     pred = Predictors(fingerprint(model), PredictorConfig(mlp_rank=8, head_rank=4)).eval()
-    r = sparse_eval(model, ids, method="dejavu", predictors=pred, mlp_sparsity=0.5,
-                    progress=False)  # fmt: skip
+    r = sparse_eval(model, ids, method="dejavu", predictors=pred, mlp_sparsity=0.5, progress=False)
     extra = arch.n_layers * (64 * 8 + 8 * 192)  # the MLP predictors' weights, every layer
     base = bytes_per_token_fraction(arch, {(i, "mlp"): 0.5 for i in range(arch.n_layers)})
     assert r.bytes_per_token_fraction == pytest.approx(base + extra / (arch.n_layers * dense))
@@ -192,8 +196,9 @@ def test_per_token_kept_fractions_vary_under_a_threshold():
     ids = _ids(b=2, p=16)
     cal = calibrate(model, ids, cache=False, progress=False)
     kept = Kept(per_token=True)
-    r = sparse_eval(model, ids, method="teal", sparsity=0.5, thresholds=cal, kept=kept,
-                    progress=False)  # fmt: skip
+    r = sparse_eval(
+        model, ids, method="teal", sparsity=0.5, thresholds=cal, kept=kept, progress=False
+    )
     table = kept.per_token()
     assert len(table) == 2 * 4 * 32  # layers x sites x tokens
     one = table[(table.layer == 1) & (table.site == "mlp_in")]["kept"]
@@ -209,9 +214,15 @@ def test_at_bytes_reads_a_curve_by_interpolation_or_a_local_fit():
 
     x = np.array([0.7, 0.62, 0.6, 0.58, 0.5])
     ppl = 10 * np.exp(2 * (1 - x))  # exactly log-linear: both readings agree
-    df = pd.DataFrame({"variant": ["dense"] + ["a"] * 5, "method": ["dense"] + ["teal"] * 5,
-                       "sparsity": [0.0, 0.3, 0.38, 0.4, 0.42, 0.5],
-                       "bytes_per_token_fraction": [1.0, *x], "perplexity": [10.0, *ppl]})  # fmt: skip
+    df = pd.DataFrame(
+        {
+            "variant": ["dense"] + ["a"] * 5,
+            "method": ["dense"] + ["teal"] * 5,
+            "sparsity": [0.0, 0.3, 0.38, 0.4, 0.42, 0.5],
+            "bytes_per_token_fraction": [1.0, *x],
+            "perplexity": [10.0, *ppl],
+        }
+    )
     for window in (0.0, 0.05):
         assert at_bytes(df, [0.61], window).loc["a", 0.61] == pytest.approx(np.exp(0.78))
     bumped = df.copy()

@@ -29,7 +29,7 @@ def test_chapter_has_a_parameters_cell_and_is_in_the_toc(path):
     )
 
 
-# The chapter template (STYLE.md, practice 8), in the order a reader meets it.
+# The chapter template, in the order a reader meets it.
 TEMPLATE = (
     "**Objectives.**",
     "**The paper's claim",

@@ -22,9 +22,16 @@ from packaging.markers import Marker
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
-LINUX = {"platform_system": "Linux", "sys_platform": "linux", "python_version": "3.11",
-         "platform_machine": "x86_64", "os_name": "posix", "implementation_name": "cpython",
-         "platform_python_implementation": "CPython", "extra": ""}  # fmt: skip
+LINUX = {
+    "platform_system": "Linux",
+    "sys_platform": "linux",
+    "python_version": "3.11",
+    "platform_machine": "x86_64",
+    "os_name": "posix",
+    "implementation_name": "cpython",
+    "platform_python_implementation": "CPython",
+    "extra": "",
+}
 
 
 def our_pins() -> dict[str, Requirement]:

@@ -198,7 +198,7 @@ def test_hooks_are_removed_after_the_block():
     assert torch.equal(model(input_ids=ids).logits.detach(), dense)
 
 
-# deferred KV (Knowl 5) -------------------------------------------------------------------
+# deferred KV (§4.2) ----------------------------------------------------------------------
 
 
 def _random_predictors(model, arch, mode):

@@ -1,8 +1,8 @@
 """The config dataclasses, checked field by field in their ``__post_init__``.
 
-A ``PredictorConfig`` with rank 0 used to build a predictor that "trained" (its output was its
-bias) and an ``epochs=0`` run returned an untrained predictor; a ``CollectConfig`` with a window
-of 8.5 failed deep inside ``torch.view``. Each field is refused here instead, naming the field.
+Unchecked, a ``PredictorConfig`` with rank 0 builds a predictor that "trains" (its output is its
+bias) and an ``epochs=0`` run returns an untrained predictor; a ``CollectConfig`` with a window
+of 8.5 fails deep inside ``torch.view``. Each field is refused here instead, naming the field.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Files read back from disk: predictor files and collection manifests.
 
-A file edited by hand, written by another tool or version, or from another model used to fail
+Unchecked, a file edited by hand, written by another tool or version, or from another model fails
 as a ``KeyError: 'fingerprint'``, a ``JSONDecodeError``, a 20-line ``size mismatch`` from
-``load_state_dict``, an ``AttributeError: 'list' object has no attribute 'get'`` — or to load:
-NaN weights "predicted" every unit as active. Each is one sentence here naming the file:
+``load_state_dict``, an ``AttributeError: 'list' object has no attribute 'get'`` — or loads:
+NaN weights "predict" every unit as active. Each is one sentence here naming the file:
 ``PredictorError`` for predictor files, ``CollectionError`` for collections.
 """
 

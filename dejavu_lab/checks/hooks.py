@@ -1,11 +1,11 @@
 """Hook names and hook callbacks (:mod:`dejavu_lab.hooks`).
 
-A callback that returns the wrong thing used to fail far from its cause: a list or a numpy array
-as ``AttributeError: 'list' object has no attribute 'shape'``, a float64 tensor as a dtype error
-inside ``F.linear`` of the next layer, a CPU tensor on a GPU model as a device error there. Names
-that match nothing (an empty list, a predicate that is never true) used to return an empty cache
+Unchecked, a callback that returns the wrong thing fails far from its cause: a list or a numpy
+array as ``AttributeError: 'list' object has no attribute 'shape'``, a float64 tensor as a dtype
+error inside ``F.linear`` of the next layer, a CPU tensor on a GPU model as a device error there.
+Names that match nothing (an empty list, a predicate that is never true) return an empty cache
 silently. Each is one sentence here: :class:`HookError` (a ``ValueError``) for callbacks,
-``KeyError`` for names (as a glob that matches nothing already was).
+``KeyError`` for names (as for a glob that matches nothing).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ Sparse decoding in a batch (Polar Sparsity, Shrestha et al. 2025, makes the same
   cache (``head_mask``), so the KV-cache reads, which dominate at large batches and long
   prompts, shrink with each sequence's own head sparsity whatever the batch.
 
-Deferred KV (Knowl 5) needs the K/V of every token of the window recomputed for the kept heads
+Deferred KV (§4.2) needs the K/V of every token of the window recomputed for the kept heads
 in each step; in a batch that is ``B x W`` rows, and the gather-GEMVs take at most 32, so the
 window is ``W = min(kv_window, 32 // B)`` (4 or more, else no deferral): the heads outside the
 batch's union write no K/V for ``W`` steps, then one dense K/V pass over the window fills them

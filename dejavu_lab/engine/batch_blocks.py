@@ -8,7 +8,7 @@ cache and tables, and the batch's ``B``, ``W``, plans and per-sequence buffers):
   (:func:`~dejavu_lab.kernels.sparse_attention_core` with ``head_mask``), ``W_O``'s union rows;
 - ``_attn_all`` (dense, TEAL, WINA, CATS): every head of every sequence, through our attention
   kernel or PyTorch with a [B, T] mask of each sequence's own positions;
-- deferred KV (Knowl 5): the step recomputes the union heads' K/V over the window of each
+- deferred KV (§4.2): the step recomputes the union heads' K/V over the window of each
   sequence, ``B x W`` rows in one gather-GEMV (at most 32: ``W = min(kv_window, 32 // B)``, and
   no deferral below 4, nor when the union has room for every head), so a head outside the
   union writes no K/V until the window's flush (``_flush``: one dense K/V pass over every
@@ -126,7 +126,7 @@ class BatchBlocks:
         return self._out(i, o.reshape(B, H * dh))
 
     def _flush(self) -> None:
-        """Every KV head's K/V over the window of every sequence, then a new window (Knowl 5)."""
+        """Every KV head's K/V over the window of every sequence, then a new window (§4.2)."""
         B, W, H, dh = self.B, self.W, self.H, self.dh
         positions = (self.base_t[:B, None] + self.ar_w[None, :W]).reshape(-1)
         for i, lw in enumerate(self.w.layers):

@@ -1,4 +1,4 @@
-"""Does decoding in a batch cost quality? Each sequence's perplexity in a batch vs alone (issue 13).
+"""Does decoding in a batch cost quality? Each sequence's perplexity in a batch vs alone.
 
 At the same per-sequence budgets a sequence decoded in a batch keeps exactly its own heads (the
 attention kernel reads each sequence's own), and a superset of its own MLP neurons (the batch's

@@ -1,4 +1,4 @@
-"""Each sequence's kept sets and their union over a batch (Deja Vu Appendix C.1, Knowl 12).
+"""Each sequence's kept sets and their union over a batch (Deja Vu Appendix C.1).
 
 A mixin of :class:`dejavu_lab.engine.BatchDecoder`. Every sequence of a batch keeps its own top-k
 MLP neurons and heads per layer — given by hand (:meth:`BatchSets.set_indices`, one set for every

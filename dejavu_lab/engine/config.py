@@ -64,9 +64,9 @@ class SparseConfig:
     side_stream: bool = True  # lookahead predictors on a second CUDA stream (else inline)
     method: str = "dejavu"  # one of METHODS
     # dejavu: one-launch kernels (fused_sparse_mlp; qkv_rope = QKV + RoPE + KV write) instead of
-    # up+down and QKV, RoPE, kv_window_write apart. Off by default: on the H200 at 750793e the
-    # fused path was slower at OPT-30B (MLP 2.79 vs 2.19 ms, attention 5.23 vs 4.39 ms per step;
-    # results/engine_e2e.json) — the fused MLP runs two launches there (see its module).
+    # up+down and QKV, RoPE, kv_window_write apart. Off by default: on the H200 the fused path is
+    # slower at OPT-30B (MLP 2.79 vs 2.19 ms, attention 5.23 vs 4.39 ms per step; the fused run is
+    # results/engine_e2e_fused.json) — the fused MLP runs two launches there (see its module).
     fused: bool = False
     # {(layer, site): fp32 [d_in]} per-input-column thresholds (teal, wina, cats); not compared
     thresholds: dict | None = field(default=None, compare=False, repr=False)

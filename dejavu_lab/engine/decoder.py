@@ -11,10 +11,10 @@ the embedding, the norms (:func:`dejavu_lab.kernels.row_norm`), residual stream,
   (:func:`dejavu_lab.kernels.sparse_attention_core`) over the kept heads' cache only.
 
 The kept sets of layer ``l + 1`` are chosen by DejaVu's low-rank predictors from layer ``l``'s
-input (lookahead, Knowl 2) — on a second CUDA stream, so they leave the critical path — or set
+input (lookahead, §4.3) — on a second CUDA stream, so they leave the critical path — or set
 by hand (:meth:`Decoder.set_indices`: oracle or random sets, for timing). Skipped heads write no
-K/V (Knowl 5): the attention input of the last ``kv_window`` tokens is kept per layer, a kept
-head recomputes its K/V over that window in the same weight pass (a union batch, Knowl 12), and
+K/V (§4.2): the attention input of the last ``kv_window`` tokens is kept per layer, a kept
+head recomputes its K/V over that window in the same weight pass (a union batch, Appendix C.1), and
 every ``kv_window`` tokens one dense K/V pass over the window fills every head — memory stays
 ``n_layers x kv_window x d``. The whole step, predictors too, is one CUDA graph (gpt-fast's way).
 
@@ -226,7 +226,7 @@ class Decoder(KeptSets, ThresholdBlocks, FusedStep):
 
     def _attn_sparse(self, i: int, x: torch.Tensor) -> torch.Tensor:
         lw, heads = self.w.layers[i], self.head_idx[i]
-        if self.window:  # union batch: this token plus the window's stored inputs (Knowl 5)
+        if self.window:  # union batch: this token plus the window's stored inputs (§4.2)
             self.hwin[i].index_copy_(0, self._slot, x)
             xb = self.hwin[i]
         else:
@@ -272,7 +272,7 @@ class Decoder(KeptSets, ThresholdBlocks, FusedStep):
         return self._attend_kept(i, qkv, heads)
 
     def _flush(self) -> None:
-        """Dense K/V of every head for the window's tokens, then open a new window (Knowl 5):
+        """Dense K/V of every head for the window's tokens, then open a new window (§4.2):
         the step's own kernel over every K/V block, so both write the same numbers."""
         if not self.sparse.fused:  # the unfused step rotates in torch: so does its flush
             return self._flush_unfused()

@@ -1,4 +1,4 @@
-"""Which neurons and heads the sparse decoder keeps, per layer (Deja Vu §4.1–4.3, Knowl 2).
+"""Which neurons and heads the sparse decoder keeps, per layer (Deja Vu §4.1–4.3).
 
 A mixin of :class:`dejavu_lab.engine.Decoder`: static index buffers (one row per layer, fixed
 sizes, so a CUDA graph can replay them) filled either by hand (:meth:`KeptSets.set_indices`:

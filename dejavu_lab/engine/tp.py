@@ -2,7 +2,7 @@
 
 A 175B-parameter model is 350 GB in fp16: it does not fit one GPU. The paper runs OPT-175B on
 8 A100s with Megatron-style tensor parallelism (apex in its code) and reports DejaVu 1.8-2.0x
-faster than FasterTransformer there (Knowl 8). Here one process per GPU, started by
+faster than FasterTransformer there (§5.1). Here one process per GPU, started by
 ``torchrun``, holds one shard (:mod:`~dejavu_lab.engine.tp_weights`: heads with their KV cache,
 MLP neurons, ``lm_head`` rows) and runs the single-GPU :class:`~dejavu_lab.engine.Decoder`'s
 code on it — the same dense GEMVs or sparse kernels, over its own units and its share of the

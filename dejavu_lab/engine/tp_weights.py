@@ -1,4 +1,4 @@
-"""One tensor-parallel rank's share of a decoder's weights, Megatron layout (Deja Vu §5.1, Knowl 8).
+"""One tensor-parallel rank's share of a decoder's weights, Megatron layout (Deja Vu §5.1).
 
 The paper times OPT-175B on 8 A100s with tensor parallelism (Megatron-LM: Shoeybi et al. 2019,
 §3; apex in DejaVu's code). Rank ``r`` of ``W`` holds:

@@ -1,11 +1,11 @@
-"""Weights of a decoder, rearranged once at load time for batch-1 decoding (Deja Vu §4.4, Knowl 3).
+"""Weights of a decoder, rearranged once at load time for batch-1 decoding (Deja Vu §4.4).
 
 :func:`decoder_weights` reads a Hugging Face OPT or Llama-family model through its
 :class:`~dejavu_lab.arch.Arch` adapter and returns plain tensors laid out for the kernels:
 
 - ``w_qkv`` — ``cat(W_q, W_k, W_v)`` rows, one GEMV (dense) or one gather-GEMV (sparse) per step;
 - ``w_o_t`` and ``w_down_t`` — ``o_proj.weight.T`` and ``fc2/down_proj.weight.T`` made
-  contiguous, so the rows of one head / one neuron are contiguous (coalesced loads, Knowl 3);
+  contiguous, so the rows of one head / one neuron are contiguous (coalesced loads, §4.4);
 - ``w_in`` — ``fc1.weight`` (ReLU MLPs) or ``cat(gate, up)`` (SwiGLU): the sparse kernel reads
   the two halves as views, the dense path reads it as one matrix.
 

@@ -5,9 +5,9 @@ reduce them on the spot, so a long text never holds every layer at once.
 
 - :mod:`.sparsity`   — §3.1: per-token MLP-neuron and head sparsity per layer.
 - :mod:`.quality`    — §3.1, Fig. 3: perplexity under oracle contextual vs static sparsity.
-- :mod:`.embeddings` — §3.3, Knowl 6: cross-layer cosine, residual vs sub-block norms.
-- :mod:`.heads`      — §3.2, Knowl 11: head entropy / norm / kind, the mean-shift view.
-- :mod:`.union`      — Appendix C.1, Knowl 12: union sparsity across batch sizes.
+- :mod:`.embeddings` — §3.3, Fig. 5: cross-layer cosine, residual vs sub-block norms.
+- :mod:`.heads`      — §3.2: head entropy / norm / kind, the mean-shift view.
+- :mod:`.union`      — Appendix C.1: union sparsity across batch sizes.
 """
 
 from .embeddings import layer_cosine, residual_norms

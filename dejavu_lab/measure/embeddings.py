@@ -1,4 +1,4 @@
-"""Slowly changing embeddings (Deja Vu §3.3, Fig. 5, Knowl 6).
+"""Slowly changing embeddings (Deja Vu §3.3, Fig. 5).
 
 Two measurements of how little a block moves the residual stream:
 

@@ -1,6 +1,6 @@
-"""Attention as mean-shift clustering (Deja Vu §3.2, Knowl 11): which heads matter, and why.
+"""Attention as mean-shift clustering (Deja Vu §3.2): which heads matter, and why.
 
-Knowl 11: one attention head maps a query y to m(y) = Σ_j K(x_j, y) x_j / Σ_j K(x_j, y) with
+§3.2: one attention head maps a query y to m(y) = Σ_j K(x_j, y) x_j / Σ_j K(x_j, y) with
 K(x_j, y) = exp(y W_Q W_Kᵀ x_j) — one step of kernel mean-shift, pulling tokens towards local
 modes. Heads then come in two kinds: *uniform-mixing* heads (attention spread evenly; small
 output norm) and *heavy-hitter* heads (attention on a few tokens; large output norm), so pruning
@@ -164,7 +164,7 @@ def mean_shift_step(
     tokenizer=None,
     arch: Arch | None = None,
 ) -> pd.DataFrame:
-    """One head as a mean-shift step on real tokens (Knowl 11), in a 2-D PCA projection.
+    """One head as a mean-shift step on real tokens (§3.2), in a 2-D PCA projection.
 
     ``ids``: LongTensor [1, p]. x_j is what the attention sees (its norm's output for pre-LN
     models) and m(y_q) = Σ_j A[q, j] x_j the head's kernel-weighted mean, A its attention

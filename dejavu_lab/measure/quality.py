@@ -1,9 +1,9 @@
-"""What contextual sparsity costs in quality (Deja Vu §3.1, Fig. 3; Knowl 9).
+"""What contextual sparsity costs in quality (Deja Vu §3.1, Fig. 3; §5.2).
 
 The paper's point: dropping the units a *given token* does not need (oracle contextual sparsity)
 keeps quality far longer than dropping the same units for every token (static sparsity, chosen
 by average magnitude). OPT-175B keeps its perplexity with 85% of MLP neurons or 50% of heads
-removed per token (Knowl 9). :func:`perplexity_sweep` measures both curves with
+removed per token (§5.2). :func:`perplexity_sweep` measures both curves with
 :mod:`dejavu_lab.sparsify` (plus random head dropping as a control), and
 :func:`sparsity_at_rise` reads off the sparsity at which perplexity rises by 1% and 10%.
 """

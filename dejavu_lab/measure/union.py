@@ -1,4 +1,4 @@
-"""Union contextual sparsity across a batch (Deja Vu Appendix C.1, Knowl 12).
+"""Union contextual sparsity across a batch (Deja Vu Appendix C.1).
 
 A batched sparse kernel must load the union of the active sets of every sequence in the batch,
 so what a batch of B buys is::

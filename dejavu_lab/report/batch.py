@@ -1,7 +1,7 @@
 """Tables and figures of the batched-decoding chapter (Deja Vu Appendix C.1; Polar Sparsity).
 
 Reads what ``kernels/bench_engine.py --batch`` recorded (``results/engine_batch.json``) and
-shapes it: tokens/s against the batch size, dense vs sparse, beside issue 13's targets; the
+shapes it: tokens/s against the batch size, dense vs sparse, beside our speed targets; the
 realised MLP and head unions beside what independent uniform sets predict; where a step's time
 goes as the batch grows; and the CPU measurements of :mod:`dejavu_lab.engine.batch_quality`
 (:func:`batch_quality`, :func:`batch_unions`) and the engine's union log
@@ -37,7 +37,7 @@ NAME = "engine_batch"
 # Polar Sparsity (Shrestha et al. 2025): up to 2.2x end to end across batch sizes; Deja Vu
 # Appendix C.1: union sparsity shrinks with B but stays sub-linear on OPT-175B.
 PAPER = {"Polar Sparsity, across batch sizes": "up to 2.2x"}
-# issue 13: (model, prompt, batch) -> sparse / dense tokens per second at least
+# our speed targets: (model, prompt, batch) -> sparse / dense tokens per second at least
 TARGETS = {("llama-3-8b", 2048, 16): 1.5, ("llama-3-8b", 2048, 32): 1.3,
            ("opt-30b", 512, 1): 2.0, ("opt-30b", 512, 4): 1.5}  # fmt: skip
 ENGINES = {
@@ -88,7 +88,7 @@ def throughput_table(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def targets(frame: pd.DataFrame) -> pd.DataFrame:
-    """Issue 13's targets beside the recorded ratios (NaN where the run has no such row).
+    """Our speed targets beside the recorded ratios (NaN where the run has no such row).
 
     >>> targets(load()[0]).columns.tolist()
     ['target', 'measured', 'met']

@@ -1,4 +1,4 @@
-"""Tables and figures of the end-to-end decoding chapter (Deja Vu §5.1, Knowl 8).
+"""Tables and figures of the end-to-end decoding chapter (Deja Vu §5.1).
 
 Reads what ``kernels/bench_engine.py`` recorded (``results/engine_e2e.json``) — or runs it live
 on a GPU box — and shapes it: the latency table beside the paper's ratios, where a token's time
@@ -29,7 +29,7 @@ __all__ = [
     "summary",
 ]
 
-# Knowl 8 (OPT-175B, 8x A100 80GB, fp16, batch 1, prompts 128-1024): ratios only, as reported.
+# Deja Vu §5.1 (OPT-175B, 8x A100 80GB, fp16, batch 1, prompts 128-1024): ratios only, as reported.
 PAPER = {"vs FasterTransformer": "1.8-2.0x", "vs Hugging Face": "4.8-6.0x"}
 NAME = "engine_e2e"
 
@@ -65,7 +65,7 @@ def _e2e(frame: pd.DataFrame) -> pd.DataFrame:
 
 def latency_table(frame: pd.DataFrame, model: str) -> pd.DataFrame:
     """ms per token by prompt length: HF (eager; compiled when recorded), dense, sparse, and the
-    ratios, beside Knowl 8.
+    ratios, beside the paper's (§5.1).
 
     >>> t = latency_table(load(live=False)[0], "opt-6.7b")
     >>> t.index.name, list(t.columns)
@@ -94,7 +94,7 @@ def latency_table(frame: pd.DataFrame, model: str) -> pd.DataFrame:
 
 
 def method_table(frame: pd.DataFrame, model: str, prompt: int) -> pd.DataFrame:
-    """Every variant at one model and prompt (issue 11's methods beside DejaVu): ms per token,
+    """Every variant at one model and prompt (the gated-MLP methods beside DejaVu): ms per token,
     the ratios to our dense engine and to both HF baselines, GB read per step (at the target
     kept fractions) and that over the copy ceiling.
 
@@ -220,7 +220,7 @@ def speedup_table(frame: pd.DataFrame, prompt: int) -> pd.DataFrame:
 
 
 def summary(frame: pd.DataFrame, model: str, prompt: int) -> pd.DataFrame:
-    """Our headline ratios at one model and prompt, beside the paper's (Knowl 8).
+    """Our headline ratios at one model and prompt, beside the paper's (§5.1).
 
     >>> s = summary(load(live=False)[0], "opt-6.7b", 512)
     >>> s.loc["sparse vs Hugging Face"].tolist()

@@ -1,7 +1,7 @@
-"""The budget explorer: quality and predicted speed of sparsity budgets (Deja Vu §5, Knowl 8, 9).
+"""The budget explorer: quality and predicted speed of sparsity budgets (Deja Vu §5).
 
 Pick a method — dense, the oracle, static sets, DejaVu's predictors, or the training-free
-thresholds CATS, TEAL and WINA (issue 11) — its budget and how many first layers stay dense,
+thresholds CATS, TEAL and WINA — its budget and how many first layers stay dense,
 and see perplexity, a sample generation and the ideal decoding speedup. Two forms:
 
 - :func:`budget_grid` + :func:`grid_figure`: a precomputed grid drawn as a plotly figure with a

@@ -1,4 +1,4 @@
-"""Tables and figures of the gated-MLP chapter: CATS, TEAL and WINA beside DejaVu (issue 11).
+"""Tables and figures of the gated-MLP chapter: CATS, TEAL and WINA beside DejaVu.
 
 The quality side comes from :mod:`dejavu_lab.sparsify.frontier` (perplexity against sparsity
 and against the decoder-layer weight bytes read per token); this module adds what the chapter
@@ -6,7 +6,7 @@ draws around it:
 
 - :func:`cached_frontier` — the study, cached (it is minutes of CPU);
 - :func:`frontier_figure` and :func:`crossings` — the curves, each started at the dense point,
-  and where they cross given byte fractions (issue 11's targets: :data:`TARGETS`);
+  and where they cross given byte fractions (our quality targets: :data:`TARGETS`);
 - :func:`threshold_table` and :func:`threshold_heatmap` — the calibrated threshold and the share
   removed per layer and site;
 - :class:`TokenKept`, :func:`token_kept` and :func:`token_bytes` — what each token kept: a
@@ -50,7 +50,7 @@ __all__ = [
     "token_kept",
 ]
 
-# Issue 11's quality targets: bytes per token fraction -> at most this perplexity ratio to dense.
+# Our quality targets: bytes per token fraction -> at most this perplexity ratio to dense.
 TARGETS = {0.75: 1.02, 0.6: 1.10, 0.5: 1.25}
 
 
@@ -171,7 +171,7 @@ def frontier_figure(
     df: pd.DataFrame, caption: str, *, ymax: float | None = None, targets: dict = TARGETS
 ) -> go.Figure:
     """Perplexity ratio to dense against each method's sparsity (left) and against the weight
-    bytes read per token (right), one line per variant, with issue 11's targets on the right.
+    bytes read per token (right), one line per variant, with our quality targets on the right.
 
     ``ymax``: top of the (log) ratio axis, to zoom in near dense; default: the largest ratio
     measured, capped at 1000.

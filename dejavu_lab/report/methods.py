@@ -1,4 +1,4 @@
-"""GPU time per token of every sparsity method in our engine (issue 11's speed side).
+"""GPU time per token of every sparsity method in our engine (the gated-MLP chapter's speed side).
 
 :func:`load_engine_methods` reads ``results/engine_methods.json`` (recorded by
 ``kernels/bench_engine.py``) or measures live on a GPU box; :func:`engine_methods_table` puts
@@ -94,7 +94,7 @@ def _timed(frame: pd.DataFrame) -> pd.DataFrame:
 
 def engine_methods_table(frame: pd.DataFrame, prompt: int = 512) -> pd.DataFrame:
     """Every engine variant per model: ms per token, the ratio to our dense engine (cuBLAS
-    GEMVs: issue 11's reference) and to the fastest of our dense steps in the run
+    GEMVs: what our speed targets are set against) and to the fastest of our dense steps in the run
     (:data:`DENSE_ENGINES`), to compiled Hugging Face ``generate``, the floor ratio (dense bytes
     per step / its bytes: the speedup the bytes allow) and the measured time over its own floor.
 

@@ -1,10 +1,10 @@
 """Figure helpers shared by the chapters: one colour per method, and captions that name model,
 text, tokens and hardware.
 
-Every figure in the book says what produced it; these put :func:`~dejavu_lab.report.book.caption`'s
-line under a plotly figure or a matplotlib/seaborn axes the same way in every chapter.
-:data:`COLORS` gives each sparsity method the same colour in the explorer, the gated-MLP
-chapter's frontier and the engine's per-method timings.
+Every figure in the book says what produced it (model, text, tokens, hardware); these put
+:func:`~dejavu_lab.report.book.caption`'s line under a plotly figure or a matplotlib/seaborn axes
+the same way in every chapter. :data:`COLORS` gives each sparsity method the same colour in the
+explorer, the gated-MLP chapter's frontier and the engine's per-method timings.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Inside the decode step's CUDA graph: GPU time per kernel, grouped by what it does (issue 12).
+"""Inside the decode step's CUDA graph: GPU time per kernel, grouped by what it does.
 
 Reads what ``kernels/profile_engine.py`` recorded (``results/engine_profile.json``: a captured
 decode step replayed under ``torch.profiler``, each kernel's time and launch count per step) and

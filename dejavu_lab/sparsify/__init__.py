@@ -1,4 +1,4 @@
-"""Run a Hugging Face model with contextual sparsity applied (Deja Vu §4, Knowl 1, 5, 9).
+"""Run a Hugging Face model with contextual sparsity applied (Deja Vu §2.3, §4, §5.2).
 
 One context manager, :func:`sparsified`, applies any registered method; each method is one
 module that registers a builder of hook callbacks (:func:`~dejavu_lab.sparsify.core.register`),
@@ -25,7 +25,7 @@ every method on that axis), the speed side lives in
 :mod:`dejavu_lab.bytes_model`, the kernels and the engine; :mod:`~dejavu_lab.sparsify.kept`
 collects the kept fractions.
 
-Deferred KV (Knowl 5) for token-by-token generation is in :mod:`dejavu_lab.deferred_kv`.
+Deferred KV (§4.2) for token-by-token generation is in :mod:`dejavu_lab.deferred_kv`.
 """
 
 from ..budgets import budgets, head_gram, head_output_norms, n_keep, topk_mask
@@ -43,7 +43,7 @@ from .calibration import (
 from .core import METHODS, MODES, SITES, register, sparsified
 from .evaluate import SparseResult, sparse_eval, sparse_perplexity
 from .kept import Kept
-from .paper import PAPER_KNOWL9, PAPER_TASKS
+from .paper import PAPER_ABLATION, PAPER_TASKS
 from .static import StaticSets, static_sets
 
 __all__ = [
@@ -56,7 +56,7 @@ __all__ = [
     "load_thresholds",
     "METHODS",
     "MODES",
-    "PAPER_KNOWL9",
+    "PAPER_ABLATION",
     "PAPER_TASKS",
     "SITES",
     "Kept",

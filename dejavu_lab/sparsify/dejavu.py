@@ -1,7 +1,7 @@
 """DejaVu's predicted sets: low-rank predictors choose neurons and heads (Deja Vu §4.1–4.3).
 
 The sets the predictors of :mod:`dejavu_lab.predictors` choose from the layer input
-(``"same"``) or from the previous layer's input (``"lookahead"``, Knowl 2). Method ``"dejavu"``;
+(``"same"``) or from the previous layer's input (``"lookahead"``, §4.3). Method ``"dejavu"``;
 ``mode="predicted"`` is its older name.
 """
 
@@ -23,7 +23,7 @@ def _store(inputs: dict, kind: str):
 
 
 def _predictor_input(predictors, inputs: dict, layer: int, kind: str) -> torch.Tensor:
-    """The tensor a predictor of ``layer`` reads (Knowl 2): same-layer or lookahead."""
+    """The tensor a predictor of ``layer`` reads (§4.3): same-layer or lookahead."""
     if predictors.mode == "lookahead":
         return inputs[f"pre{max(layer - 1, 0)}"]
     return inputs[f"pre{layer}"] if kind == "heads" else inputs[f"mid{layer}"]

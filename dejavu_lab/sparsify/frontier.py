@@ -8,7 +8,7 @@ text — calibration reads its first ``calibration_tokens``, DejaVu's predictors
 it — and perplexity is measured on the ``eval_windows`` windows right after it.
 
 :func:`frontier` returns one row per (variant, sparsity); :func:`at_bytes` reads each curve at
-given byte fractions, the form of issue 11's targets. From a shell::
+given byte fractions, the form of our quality targets. From a shell::
 
     python -m dejavu_lab.sparsify.frontier --json > frontier.json
 """
@@ -32,10 +32,18 @@ from ..vocab import METHODS
 from .calibration import calibrate, greedy_allocates
 from .evaluate import sparse_eval
 
-__all__ = ["CALIBRATION_TOKENS", "SPARSITIES", "TRAIN_TOKENS", "VARIANTS", "at_bytes", "frontier",
-           "main", "study_windows"]  # fmt: skip
+__all__ = [
+    "CALIBRATION_TOKENS",
+    "SPARSITIES",
+    "TRAIN_TOKENS",
+    "VARIANTS",
+    "at_bytes",
+    "frontier",
+    "main",
+    "study_windows",
+]
 
-SPARSITIES = (0.25, 0.4, 0.5, 0.6, 0.7)  # issue 11's range, 25-70%
+SPARSITIES = (0.25, 0.4, 0.5, 0.6, 0.7)  # the gated-MLP chapter's range, 25-70%
 TRAIN_TOKENS = 8192  # chapter 40's training text: the corpus's first tokens
 # the thresholds calibrate on all of it (the CLI's default too). On the demo model, TEAL
 # (greedy) at 50% (0.49 of the bytes) calibrated on the first 2048 tokens gave +36% perplexity

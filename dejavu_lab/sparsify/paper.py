@@ -1,18 +1,18 @@
-"""The paper's reported numbers: its ablation table and its zero-shot tasks (Knowl 8, 9).
+"""The paper's reported numbers: its ablation table and its zero-shot tasks (§5.1–5.2).
 
-:data:`PAPER_KNOWL9` is Deja Vu's ablation table for the chapters to print beside our numbers;
+:data:`PAPER_ABLATION` is Deja Vu's ablation table for the chapters to print beside our numbers;
 :data:`PAPER_TASKS` names its zero-shot tasks in lm-evaluation-harness, which
 :func:`dejavu_lab.lm_eval_tasks.lm_eval_tasks` runs with any sparsity method applied.
 """
 
 from __future__ import annotations
 
-__all__ = ["PAPER_KNOWL9", "PAPER_TASKS"]
+__all__ = ["PAPER_ABLATION", "PAPER_TASKS"]
 
 
-# The paper's ablation (Knowl 9, Table: OPT-175B, separate MLP / attention sparsity), for the
+# The paper's ablation (§5.2: OPT-175B, MLP and attention sparsified separately), for the
 # chapters to print beside our numbers. Perplexity on WikiText and C4; accuracies zero-shot.
-PAPER_KNOWL9 = [
+PAPER_ABLATION = [
     {
         "model": "OPT-175B dense",
         "mlp_sparsity": 0.0,
@@ -43,5 +43,5 @@ PAPER_KNOWL9 = [
 ]
 
 
-# The paper's zero-shot tasks (Knowl 8, 9) under their lm-evaluation-harness names.
+# The paper's zero-shot tasks (§5.1–5.2) under their lm-evaluation-harness names.
 PAPER_TASKS = ("cb", "copa", "lambada_openai", "openbookqa", "piqa", "rte", "winogrande")

@@ -1,6 +1,6 @@
 """Write the kept heads' keys and values of the deferred-KV window into the cache, in one launch.
 
-Deja Vu's Knowl 5: a head skipped for a token writes no K/V for it; when the head is next kept,
+Deja Vu §4.2: a head skipped for a token writes no K/V for it; when the head is next kept,
 its K/V over the recent tokens are computed then. The engine projects the kept heads' K/V for
 the whole window (the last ``W`` tokens) in one gather-GEMV and must scatter them to cache
 positions ``base .. base + W - 1`` of each kept head. In PyTorch that is two ``index_put_`` with

@@ -14,7 +14,7 @@ query heads ``heads`` (shared by a union batch of 1-32 sequences, each with its 
 3. Output projection over the selected heads' rows of ``W_O^T`` (stored transposed at load
    time, like W2) with :func:`sparse_mlp_down`.
 
-Skipped heads' keys and values are not written (Deja Vu defers them; see Knowl 5).
+Skipped heads' keys and values are not written (Deja Vu defers them, §4.2).
 
 In a batch each sequence keeps its own heads (attention needs no union: each sequence reads
 only its own cache). ``head_mask`` [B, h] says which of the ``heads`` (the batch's union, whose

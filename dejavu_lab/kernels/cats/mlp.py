@@ -17,15 +17,15 @@ launches, each streaming one contiguous weight block at close to the copy ceilin
    order the programs add in); a union batch the compacting kernel, reduced in a fixed order.
 
 Launch shapes fixed by the shapes, no host sync (CUDA-graph capturable). With the split-K gate
-and the tile kernel's down step, the H200 ran the whole MLP at 50% kept in 73.4 µs at
+and the tile kernel's down step, the H200 runs the whole MLP at 50% kept in 73.4 µs at
 Llama-2-13B's shape and 62.2 at Llama-3-8B's (cuBLAS's gate: 75.8 / 66.9;
-``results/cats_gate.json``). Earlier, with the down step on the compacting kernel: 84 µs
+``results/cats_gate.json``). With the down step on the compacting kernel: 84 µs
 against the dense MLP's 110 at Llama-2-13B (gate 37 + up 21 + down 24 µs), 71 against 94 at
-Llama-3-8B; the earlier path, whose one Triton kernel computed the gate and the masked up rows
+Llama-3-8B; with one Triton kernel computing the gate and the masked up rows
 together (:func:`~dejavu_lab.kernels.mlp.fused.fused_mlp_kernel` with ``CATS=True``, ~2.5
-TB/s on the gate rows against cuBLAS's ~3.8), took 113 / 95 µs. ``config={"fused_gate":
-True}`` still runs it, for comparison. Union batches are not tuned: at 16 tokens (spread
-around one input) both paths took about twice the dense MLP (235 and 230 against 120 µs).
+TB/s on the gate rows against cuBLAS's ~3.8), 113 / 95 µs. ``config={"fused_gate":
+True}`` runs that path, for comparison. Union batches are not tuned: at 16 tokens (spread
+around one input) both paths take about twice the dense MLP (235 and 230 against 120 µs).
 """
 
 from __future__ import annotations

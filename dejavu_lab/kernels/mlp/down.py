@@ -1,6 +1,6 @@
 """Sparse MLP down-projection over W2 stored transposed: ``y = h @ W2T[idx] + b``.
 
-Deja Vu §4.4 and Appendix E (Knowl 3, memory coalescing): nn.Linear keeps ``fc2.weight`` as
+Deja Vu §4.4 and Appendix E (memory coalescing): nn.Linear keeps ``fc2.weight`` as
 [d, 4d], so the weights of one neuron form a *column* — a strided gather of 2-byte elements.
 Stored transposed once at load time (``W2T = fc2.weight.T.contiguous()``, [4d, d]), each
 selected neuron's output weights become one contiguous row and every warp issues full 128-byte

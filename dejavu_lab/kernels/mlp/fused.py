@@ -10,8 +10,8 @@ them in a fixed order. Each byte of the kept weights is read once. Batch 1 uses 
 batches (2-32 tokens, one kept set) ``tl.dot``. CATS runs through the same kernel
 (:mod:`~dejavu_lab.kernels.cats.mlp`).
 
-A one-launch variant that accumulated the down rows with fp32 atomics (the last program to
-arrive converting the sums) was removed: measured on an H200 (Triton 3.6) it was slower than
+There is no one-launch variant that accumulates the down rows with fp32 atomics (the last
+program to arrive converting the sums): measured on an H200 (Triton 3.6) it is slower than
 the two launches at every point checked (29.7 against 18.0 µs at Llama-2-7B, 10% kept,
 batch 1) and wrong with the tensor-core tiles (relative errors 0.2-0.4, see
 :mod:`~dejavu_lab.kernels.threshold.gemv` for the same defect in its atomic mode).

@@ -1,12 +1,12 @@
 """Sparse MLP up-projection: gather the selected rows of W1, multiply, add bias, activate.
 
-Deja Vu §4.4 and Appendix E (Knowl 3): batch-1 decoding is memory-bound, so a kernel that
+Deja Vu §4.4 and Appendix E: batch-1 decoding is memory-bound, so a kernel that
 reads only the selected rows of ``W1`` (``fc1.weight``, shape [4d, d], one row per neuron,
 already contiguous in the nn.Linear layout) can approach ``kept fraction x dense time``. The
 gather is fused into the multiply: each row is read once from HBM into registers, never
 written back as a gathered copy (a gather-then-matmul moves those bytes three times).
 
-One call serves a union batch (Knowl 12): 1-32 tokens share one index set, each token brings
+One call serves a union batch (Appendix C.1): 1-32 tokens share one index set, each token brings
 its own activations. Batch 1 uses plain FMAs over a [BLOCK_N, BLOCK_D] tile and reduces once at
 the end; larger batches pad the token tile to 16 and use ``tl.dot`` (tensor cores), so the
 arithmetic never becomes the bottleneck. fp32 accumulation throughout.

@@ -1,6 +1,6 @@
 """The kept heads' QKV projection with RoPE and the KV-cache write fused, one launch per layer.
 
-Deja Vu's sparse attention block (§4.3, Knowl 5) starts with a gather-GEMV over the kept heads'
+Deja Vu's sparse attention block (§4.2, §4.4) starts with a gather-GEMV over the kept heads'
 rows of ``W_QKV`` for a union batch (this token, or the deferred-KV window's last ``W`` tokens);
 the query and key heads are then rotated (RoPE, HF's half-split form) and, with deferred KV, the
 kept heads' keys and values over the window are written to the cache. Unfused that is one

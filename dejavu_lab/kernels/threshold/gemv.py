@@ -24,11 +24,12 @@ Reduction over the splits, fp32 throughout: ``reduce="serial"`` (default, determ
 fp32 partials and the last program of each column tile to arrive (an arrival counter, as
 CUTLASS's serial split-K) sums them in split order; ``reduce="atomic"`` adds into an fp32
 buffer with atomics and the last program converts it (order-dependent rounding, like TEAL's
-atomic split-K). One split writes the output directly. The atomic mode is opt-in only: on
-the H200 with Triton 3.6 it failed correctness checks with the tensor-core tiles (batch > 1,
-``dot``). The cause was the last program's load of the sums followed by its store of zeros,
-which raced across its threads; :func:`~dejavu_lab.kernels._reduce.take_zero` now does both in one atomic and
-the GPU tests pass, but the tuned tables still skip atomic configs (:mod:`~dejavu_lab.kernels.tuning`).
+atomic split-K). One split writes the output directly. The atomic mode is opt-in only, and
+the tuned tables skip it (:mod:`~dejavu_lab.kernels.tuning`): with the tensor-core tiles
+(batch > 1, ``dot``), a load of the sums followed by a store of zeros races across the last
+program's threads (it failed correctness checks on the H200 with Triton 3.6), so
+:func:`~dejavu_lab.kernels._reduce.take_zero` does both in one atomic, and with it the GPU
+tests pass.
 """
 
 from __future__ import annotations
