@@ -181,7 +181,7 @@ def frontier_figure(
     ...                    "perplexity": [10.0, 11.0, 14.0]})
     >>> fig = frontier_figure(df, "A hand-made frontier.")
     >>> [t.name for t in fig.data], list(fig.data[1].x)  # each curve starts at dense
-    (['cats', 'cats', 'issue 11 targets'], [1.0, 0.8, 0.6])
+    (['cats', 'cats', 'our targets'], [1.0, 0.8, 0.6])
     """
     full = _with_dense_start(df)
     full["ratio"] = full.perplexity / float(df.loc[df.variant == "dense", "perplexity"].iloc[0])
@@ -214,7 +214,7 @@ def frontier_figure(
                 x=list(targets),
                 y=list(targets.values()),
                 mode="markers",
-                name="issue 11 targets",
+                name="our targets",
                 marker=dict(symbol="x", size=11, color="black"),
                 hovertemplate="target: at most × %{y:.2f} at %{x:.2f} of the bytes<extra></extra>",
             ),
