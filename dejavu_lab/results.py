@@ -155,6 +155,29 @@ def _path(name_or_path: str | os.PathLike) -> Path:
     return results_dir() / f"{text}.json"
 
 
+def _check(name: str, rows) -> None:
+    if not name or "/" in name or os.sep in name or name.endswith(".json"):
+        raise ValueError(f"results name {name!r} must be a bare name such as 'sparse_mlp'.")
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise TypeError("rows must be a list of dicts (one flat dict per measurement).")
+
+
+def _with_extra(prov: dict, extra: dict | None) -> dict:
+    for key, value in (extra or {}).items():
+        if key in REQUIRED_PROVENANCE:
+            raise ValueError(f"extra key {key!r} would overwrite recorded provenance; rename it.")
+        prov[key] = value
+    return prov
+
+
+def _write(path: Path, prov: dict, rows: list[dict]) -> Path:
+    payload = json.dumps(
+        {"provenance": _clean(prov), "rows": _clean(rows)}, indent=1, allow_nan=False
+    )
+    hint = f"set {ENV_DIR} to a writable folder with free space"
+    return write_text(path, payload + "\n", hint=hint)
+
+
 def save(name: str, rows: list[dict], *, command: str, extra: dict | None = None,
          folder: str | os.PathLike | None = None) -> Path:  # fmt: skip
     """Write ``rows`` with provenance to ``results_dir()/{name}.json`` atomically; return the path.
@@ -170,21 +193,44 @@ def save(name: str, rows: list[dict], *, command: str, extra: dict | None = None
     >>> path.name, load(path)[1]["command"]
     ('my_bench.json', 'python my_bench.py')
     """
-    if not name or "/" in name or os.sep in name or name.endswith(".json"):
-        raise ValueError(f"results name {name!r} must be a bare name such as 'sparse_mlp'.")
-    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
-        raise TypeError("rows must be a list of dicts (one flat dict per measurement).")
-    prov = provenance(command)
-    for key, value in (extra or {}).items():
-        if key in REQUIRED_PROVENANCE:
-            raise ValueError(f"extra key {key!r} would overwrite recorded provenance; rename it.")
-        prov[key] = value
-    payload = json.dumps(
-        {"provenance": _clean(prov), "rows": _clean(rows)}, indent=1, allow_nan=False
-    )
-    hint = f"set {ENV_DIR} to a writable folder with free space"
+    _check(name, rows)
     where = Path(folder).expanduser() if folder is not None else results_dir()
-    return write_text(where / f"{name}.json", payload + "\n", hint=hint)
+    return _write(where / f"{name}.json", _with_extra(provenance(command), extra), rows)
+
+
+def add_repeat(name: str, rows: list[dict], *, command: str, extra: dict | None = None,
+               recorded: dict | None = None) -> Path:  # fmt: skip
+    """Add one more run of a benchmark to ``results_dir()/{name}.json``, as rows of the same
+    file: its rows are tagged ``repeat`` = 1, 2, ... (the file's first run is repeat 0) and its
+    provenance goes to the file's ``provenance["repeats"]`` (index = repeat); the file's own
+    provenance stays the first run's. With no file yet, the run becomes repeat 0.
+
+    ``recorded`` is the run's own provenance when its rows come from another recording (a
+    results file written on a GPU box); by default it is taken now, as :func:`save` does.
+
+    >>> import tempfile
+    >>> from unittest import mock
+    >>> with mock.patch.dict(os.environ, {ENV_DIR: tempfile.mkdtemp()}):
+    ...     for ms in (0.42, 0.43):
+    ...         path = add_repeat("my_bench", [{"ms": ms}], command="python my_bench.py")
+    ...     frame, prov = load(path)
+    >>> frame.to_dict("records"), len(prov["repeats"])
+    ([{'ms': 0.42, 'repeat': 0}, {'ms': 0.43, 'repeat': 1}], 2)
+    """
+    _check(name, rows)
+    run = dict(recorded) if recorded is not None else _with_extra(provenance(command), extra)
+    run.pop("repeats", None)
+    path = results_dir() / f"{name}.json"
+    if not path.is_file():
+        return _write(path, {**run, "repeats": [run]}, [{**r, "repeat": 0} for r in rows])
+    data = json.loads(path.read_text())
+    first = {k: v for k, v in data["provenance"].items() if k != "repeats"}
+    old = [{**r, "repeat": r.get("repeat", 0)} for r in data["rows"]]
+    k = 1 + max(r["repeat"] for r in old) if old else 0
+    runs = list(data["provenance"].get("repeats") or [first])
+    runs += [first] * (k - len(runs))  # repeats recorded without their own provenance
+    prov = {**first, "repeats": [*runs[:k], run]}
+    return _write(path, prov, old + [{**r, "repeat": k} for r in rows])
 
 
 def load(name_or_path: str | os.PathLike):

@@ -202,6 +202,8 @@ def main(argv=None):
                     "; '' for none")  # fmt: skip
     ap.add_argument("--parts-at", type=int, default=512, help="prompt of the time breakdown")
     ap.add_argument("--no-check", action="store_true", help="skip the small-model check")
+    ap.add_argument("--repeat", action="store_true", help="add this run to results/<name>.json "
+                    "as one more repeat (rows tagged repeat=k) instead of replacing it")  # fmt: skip
     ap.add_argument("--name", default=None, help="results/<name>.json (default engine_e2e, "
                     "with --batch engine_batch)")  # fmt: skip
     ap.add_argument(
@@ -297,9 +299,11 @@ def main(argv=None):
             gc.collect()
             torch.cuda.empty_cache() if cuda() else None
         print(f"{preset}: {time.perf_counter() - t0:.0f} s")
-        results.save(args.name, rows, command=command, extra={"copy_tbps": ceiling})
+        if not args.repeat:  # a killed run keeps the models it finished
+            results.save(args.name, rows, command=command, extra={"copy_tbps": ceiling})
     engine_bench.print_table(rows, ceiling)
-    path = results.save(args.name, rows, command=command, extra={"copy_tbps": ceiling})
+    save = results.add_repeat if args.repeat else results.save
+    path = save(args.name, rows, command=command, extra={"copy_tbps": ceiling})
     print(f"wrote {path}")
 
 

@@ -23,14 +23,14 @@ from ..engine.config import DENSE_ENGINES
 from .engine import method_table
 from .plots import COLORS, wrap_caption
 
-__all__ = ["DENSE_ENGINES", "ENGINE_ARGS", "ENGINE_NAME", "KEEPALL_NAME", "LABELS", "REPEATS",
+__all__ = ["DENSE_ENGINES", "ENGINE_ARGS", "ENGINE_NAME", "KEEPALL_NAME", "LABELS",
            "engine_figure", "engine_methods_table", "keepall_table", "load_engine_methods",
            "repeat_table"]  # fmt: skip
 
-ENGINE_NAME = "engine_methods"  # results/engine_methods.json
-# the same run repeated in fresh processes (new random weights, no HF baselines): the ratios'
-# spread from run to run; results/engine_methods.json is the first of them
-REPEATS = (ENGINE_NAME, ENGINE_NAME + "_2", ENGINE_NAME + "_3")
+# results/engine_methods.json: repeat 0 is the run with the HF baselines; repeats 1, 2, ... the
+# same run again in fresh processes (new random weights, no HF baselines; bench_engine.py
+# --repeat), for the ratios' spread from run to run
+ENGINE_NAME = "engine_methods"
 # our dense steps: cuBLAS GEMVs, row-gather kernels, TEAL's threshold kernels with every column
 # read, the faster of torch and ours per op
 KEEPALL_NAME = "engine_keepall"  # dense, and TEAL / CATS at 0% and 50%, in one run
@@ -57,6 +57,8 @@ def load_engine_methods(live: bool | None = None):
         cmd = [sys.executable, str(script), *ENGINE_ARGS, "--no-check", "--name", name]
         subprocess.run(cmd, check=True)
     frame, prov = results.load(name)
+    if "repeat" in frame:  # the first run: the one with the HF baselines
+        frame = frame[frame["repeat"] == 0].drop(columns="repeat").reset_index(drop=True)
     return frame, prov, live
 
 
@@ -220,11 +222,12 @@ def keepall_table(name: str = KEEPALL_NAME) -> tuple[pd.DataFrame, dict]:
     return pd.DataFrame.from_dict(rows, orient="index"), prov
 
 
-def repeat_table(names=REPEATS, prompt: int = 512) -> tuple[pd.DataFrame, list[dict]]:
+def repeat_table(name: str = ENGINE_NAME, prompt: int = 512) -> tuple[pd.DataFrame, list[dict]]:
     """(table, provenances): per model and sparse variant, the median, lowest and highest ratio
-    to our dense engine and to our fastest dense step over the recordings ``names`` (the same
-    run repeated in fresh processes, each timing its own dense steps); recordings not on disk
-    are skipped. A target that one run meets and another misses sits within the noise.
+    to our dense engine and to our fastest dense step over the repeats recorded in
+    ``results/{name}.json`` (the same run repeated in fresh processes, each timing its own
+    dense steps), and each repeat's provenance. A target that one run meets and another misses
+    sits within the noise.
 
     >>> t, provs = repeat_table()
     >>> list(t.columns)
@@ -232,16 +235,14 @@ def repeat_table(names=REPEATS, prompt: int = 512) -> tuple[pd.DataFrame, list[d
     >>> bool((t["vs dense (min)"] <= t["vs dense (median)"]).all())
     True
     """
-    tables, provs = [], []
-    for name in names:
-        if not (results.results_dir() / f"{name}.json").is_file():
-            continue
-        frame, prov = results.load(name)
-        t = engine_methods_table(frame, prompt)
+    frame, prov = results.load(name)
+    if "repeat" not in frame:
+        frame = frame.assign(repeat=0)
+    tables = []
+    for _, run in frame.groupby("repeat", sort=True):
+        t = engine_methods_table(run.drop(columns="repeat"), prompt)
         tables.append(t[~t.engine.isin(DENSE_ENGINES + ("hf", "hf_compiled"))])
-        provs.append(prov)
-    if not tables:
-        raise FileNotFoundError(f"none of the recordings {', '.join(names)} is in results/.")
+    provs = prov.get("repeats") or [prov]
     g = pd.concat(tables).groupby(["model", "method", "budget"], sort=False)
     out = pd.DataFrame({"runs": g.size(), "vs dense (median)": g["vs dense"].median(),
                         "vs dense (min)": g["vs dense"].min(),
