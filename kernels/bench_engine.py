@@ -272,12 +272,12 @@ def pick_dense_ops(w, arch, ids, base: dict) -> str:
 
     def over_layers(dec, op):
         if op == "qkv":
-            return lambda: [dec._qkv(i, x) for i in L]
+            return lambda: [dec.attn[i].qkv(x) for i in L]
         if op == "o":
-            return lambda: [dec._out(i, o) for i in L]
+            return lambda: [dec.attn[i].out(o) for i in L]
         if op == "mlp":
-            return lambda: [dec._mlp(i, x) for i in L]
-        return lambda: (dec._per_step(), [dec._attn(i, x) for i in L])
+            return lambda: [dec.mlp[i](x) for i in L]
+        return lambda: (dec._per_step(), [dec.attn[i](x) for i in L])
 
     spec = []
     for op in ("qkv", "attn", "o", "mlp"):
@@ -632,7 +632,7 @@ def main(argv=None):
         "--no-fuse-hidden",
         action="store_true",
         help="TEAL/WINA: finish the gate/up sums in their own launch "
-        "(FusedStep.fuse_hidden = False; by default the down GEMV does it as it loads them)",
+        "(Decoder.fuse_hidden = False; by default the down GEMV does it as it loads them)",
     )
     ap.add_argument("--quick", action="store_true", help="CPU plumbing check at tiny shapes")
     args = ap.parse_args(argv)
