@@ -52,7 +52,8 @@ def hf_io(lm, ids, i=0):
         mod = lm.arch.part(lm.model, i, name)
         # [1, S, d], or [S, d] where OPT flattens the batch before its MLP
         hook = lambda m, a, out, name=name: seen.__setitem__(  # noqa: E731
-            name, out.detach().reshape(-1, out.shape[-1]))
+            name, out.detach().reshape(-1, out.shape[-1])
+        )
         handles.append(mod.register_forward_hook(hook))
     try:
         with torch.no_grad():
