@@ -33,7 +33,7 @@ from ..kernels import (
     threshold_sums,
 )
 
-__all__ = ["DenseAttention", "StepState", "ThresholdAttention", "rotate"]
+__all__ = ["DenseAttention", "StepState", "ThresholdAttention", "every_head", "rotate"]
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -171,3 +171,12 @@ class ThresholdAttention(DenseAttention):
         if ws is not None:
             return ws, self.lw.b_o, True
         return self.out(o), None, False
+
+
+def every_head(lw, kv: torch.Tensor, st: StepState, thresholds: dict) -> DenseAttention:
+    """The block over every head of layer ``lw``: thresholded where ``thresholds`` (the layer's
+    ``{site: Threshold or None}``) has attn_in or o_in, else dense."""
+    t_in, t_o = thresholds["attn_in"], thresholds["o_in"]
+    if t_in is None and t_o is None:
+        return DenseAttention(lw, kv, st)
+    return ThresholdAttention(lw, kv, st, t_in, t_o)

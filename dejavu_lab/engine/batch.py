@@ -46,12 +46,13 @@ import contextlib
 import torch
 
 from ..checks import engine as check_engine
+from .attention import every_head
 from .batch_blocks import BatchAttention, BatchKeptHeads
 from .batch_prompts import batch_prompts
 from .batch_sets import BatchSets
 from .config import EngineError, SparseConfig
 from .decoder import Decoder, _norm
-from .greedy import argmax_rows
+from .greedy import argmax_rows, sample_rows
 from .mlp import KeptMLP
 
 __all__ = ["MAX_BATCH", "BatchDecoder"]
@@ -135,7 +136,8 @@ class BatchDecoder(Decoder):
     def _new_blocks(self) -> tuple[list, list]:
         """The batch-1 decoder's blocks, with each sequence's own heads and cache slots."""
         L, st, w = range(self.arch.n_layers), self.st, self.w
-        proj = [self._every_head(i, self.kv[i]) for i in L]  # every head: the projections
+        t = self.site_thresholds  # every head (thresholded or not): the projections
+        proj = [every_head(w.layers[i], self.kv[i], st, t[i]) for i in L]
         if self.sets is None:
             _, mlp = super()._new_blocks()
             return [BatchAttention(proj[i], self.kv[i], st) for i in L], mlp
@@ -178,9 +180,7 @@ class BatchDecoder(Decoder):
         """Next tokens [B]: argmax, or Gumbel-max sampling at temperature (no host sync)."""
         if not self._sample:
             return argmax_rows(logits)
-        u = torch.rand(logits.shape, generator=self._gen, device=logits.device)
-        gumbel = -torch.log(-torch.log(u.clamp(1e-20, 1.0 - 1e-7)))
-        return (logits.float() / self._temp_t + gumbel).argmax(-1)
+        return sample_rows(logits, self._temp_t, self._gen)
 
     def _accept(self, nxt: torch.Tensor, at: torch.Tensor) -> None:
         """Record next tokens [B] at positions ``at``; a finished sequence emits eos only."""

@@ -37,15 +37,15 @@ import torch.nn.functional as F
 
 from ..checks import engine as check_engine
 from ..kernels import row_norm, use_triton
-from .attention import DenseAttention, StepState, ThresholdAttention, rotate
+from .attention import StepState, every_head, rotate
 from .config import EngineError, SparseConfig, default_ops
 from .config import dense_ops as resolve_ops
 from .fused_step import fused_layers
 from .greedy import argmax_rows
 from .kept_heads import KeptHeads
-from .mlp import CatsMLP, DenseMLP, KeptMLP, ThresholdMLP, gate_act
+from .mlp import KeptMLP, gate_act, mlp_block
 from .sets import KeptSets
-from .site_thresholds import layer_thresholds
+from .site_thresholds import keep_sites, layer_thresholds
 from .weights import DecoderWeights, check_layout, decoder_weights, layout_for
 
 __all__ = ["Decoder"]
@@ -156,7 +156,10 @@ class Decoder:
         # the one-token step finishing each block in its residual add + norm (module doc)
         self._fusable_blocks = (method != "dejavu" and a.pre_ln
                                 and self.w.dtype in (torch.float16, torch.bfloat16))  # fmt: skip
-        self.site_thresholds = self._thresholds()
+        # per layer, each site's Threshold or None; dense ops through the threshold kernels -1
+        given = (sparse.thresholds or {}) if sparse is not None else {}
+        keep = keep_sites(self.ops, rows=self.w.layers[0].w_qkv is not None)
+        self.site_thresholds = layer_thresholds(given, a, dev, keep)
         self.sets = None
         if method == "dejavu":
             self.sets = self._new_sets(sparse)
@@ -174,24 +177,6 @@ class Decoder:
         return KeptSets(self.arch, sparse, self.w.device, window=self.window,
                         predictors=self.predictors)  # fmt: skip
 
-    def _thresholds(self) -> list[dict]:
-        """Per layer, each site's :class:`~dejavu_lab.engine.site_thresholds.Threshold` or None.
-        The dense ops chosen "triton" on the columns layout read every column (threshold -1); on
-        the rows layout our row-gather kernels read every row (W_O^T serves both layouts)."""
-        rows, sp = self.w.layers[0].w_qkv is not None, self.sparse
-        keep = [s for op, sites in (("qkv", ("attn_in",)), ("o", ("o_in",)),
-                                    ("mlp", ("mlp_in", "down_in")))
-                if self.ops[op] == "triton" and not (rows and op != "o") for s in sites]  # fmt: skip
-        given = (sp.thresholds or {}) if sp is not None else {}
-        return layer_thresholds(given, self.arch, self.w.device, keep)
-
-    def _every_head(self, i: int, kv: torch.Tensor) -> DenseAttention:
-        """Layer i's attention over every head (thresholded where a site has a threshold)."""
-        lw, t = self.w.layers[i], self.site_thresholds[i]
-        if t["attn_in"] is None and t["o_in"] is None:
-            return DenseAttention(lw, kv, self.st)
-        return ThresholdAttention(lw, kv, self.st, t["attn_in"], t["o_in"])
-
     def _new_blocks(self) -> tuple[list, list]:
         """Each layer's attention and MLP blocks, chosen once for the method (see
         :mod:`~dejavu_lab.engine.attention`, :mod:`~dejavu_lab.engine.mlp`)."""
@@ -201,17 +186,10 @@ class Decoder:
             attn = [KeptHeads(w.layers[i], self.kv[i], self.st, i, self.sets, fused=fused)
                     for i in L]  # fmt: skip
             return attn, [KeptMLP(w.layers[i], w, i, self.sets, fused=fused) for i in L]
-        every = torch.arange(self.arch.d_mlp, device=w.device, dtype=torch.int32)
-        mlp = []
-        for lw, t in zip(w.layers, self.site_thresholds, strict=True):
-            if self.method == "cats" and t["gate"] is not None:
-                mlp.append(CatsMLP(lw, w, t["gate"]))
-            elif t["mlp_in"] is None and t["down_in"] is None:
-                mlp.append(DenseMLP(lw, w, triton=self.ops["mlp"] == "triton", every=every))
-            else:  # a CATS layer without a gate threshold finishes its own output
-                mlp.append(ThresholdMLP(lw, w, t["mlp_in"], t["down_in"],
-                                        sums=self.method != "cats"))  # fmt: skip
-        return [self._every_head(i, self.kv[i]) for i in L], mlp
+        every = torch.arange(self.arch.d_mlp, device=w.device, dtype=torch.int32)  # int32: shared
+        cats, triton, t = self.method == "cats", self.ops["mlp"] == "triton", self.site_thresholds
+        mlp = [mlp_block(w.layers[i], w, t[i], cats=cats, triton=triton, every=every) for i in L]
+        return [every_head(w.layers[i], self.kv[i], self.st, t[i]) for i in L], mlp
 
     def set_indices(self, layer: int, *, mlp=None, heads=None) -> None:
         """Fix the kept neurons / heads of ``layer`` (used when no predictors are given)."""

@@ -35,7 +35,7 @@ from ..kernels import (
     threshold_sums,
 )
 
-__all__ = ["CatsMLP", "DenseMLP", "KeptMLP", "ThresholdMLP", "act", "gate_act"]
+__all__ = ["CatsMLP", "DenseMLP", "KeptMLP", "ThresholdMLP", "act", "gate_act", "mlp_block"]
 
 _ACT = {"relu": torch.relu, "gelu": F.gelu, "silu": F.silu}
 
@@ -204,3 +204,15 @@ class CatsMLP(DenseMLP):
         if ws is not None:
             return ws, lw.b_down, True, None
         return threshold_gemv(h, lw.w_down_t, 0.0, bias=lw.b_down), None, False, None
+
+
+def mlp_block(lw, w, thresholds: dict, *, cats: bool, triton: bool, every: torch.Tensor):
+    """The MLP block of layer ``lw`` for a dense, TEAL, WINA or CATS decoder (``thresholds``:
+    the layer's ``{site: Threshold or None}``; ``triton``: the dense MLP through our kernel)."""
+    t = thresholds
+    if cats and t["gate"] is not None:
+        return CatsMLP(lw, w, t["gate"])
+    if t["mlp_in"] is None and t["down_in"] is None:
+        return DenseMLP(lw, w, triton=triton, every=every)
+    # a CATS layer without a gate threshold finishes its own output
+    return ThresholdMLP(lw, w, t["mlp_in"], t["down_in"], sums=not cats)

@@ -16,7 +16,7 @@ import torch
 
 from .config import EngineError
 
-__all__ = ["Threshold", "layer_thresholds", "site_widths"]
+__all__ = ["Threshold", "keep_sites", "layer_thresholds", "site_widths"]
 
 _WHAT = {"attn_in": "d_model", "o_in": "n_heads x d_head", "mlp_in": "d_model",
          "down_in": "d_mlp", "gate": "d_mlp (one per neuron)"}  # fmt: skip
@@ -43,6 +43,19 @@ def site_widths(arch) -> dict[str, int]:
     """Entries of each site's input for a model of shape ``arch`` (a rank's, under TP)."""
     return {"attn_in": arch.d_model, "o_in": arch.n_heads * arch.d_head, "mlp_in": arch.d_model,
             "down_in": arch.d_mlp, "gate": arch.d_mlp}  # fmt: skip
+
+
+def keep_sites(ops: dict, rows: bool) -> tuple[str, ...]:
+    """The sites whose dense op runs through the threshold kernels with every column kept: the
+    ops chosen "triton" on the columns layout; on the rows layout (``rows``) our row-gather
+    kernels read every row instead, but for ``o`` (``W_O^T`` serves both layouts).
+
+    >>> keep_sites({"qkv": "triton", "attn": "torch", "o": "triton", "mlp": "torch"}, rows=True)
+    ('o_in',)
+    """
+    sites = {"qkv": ("attn_in",), "o": ("o_in",), "mlp": ("mlp_in", "down_in")}
+    return tuple(s for op, of in sites.items() if ops[op] == "triton" and not (rows and op != "o")
+                 for s in of)  # fmt: skip
 
 
 def layer_thresholds(given: dict, arch, device, keep_sites=()) -> list[dict]:
