@@ -7,11 +7,12 @@ from the activations of one dense prefill of the prompt, per layer and site:
 
 - TEAL: ``thr = q_s(|x|)`` over every token and entry of the site (one number per site);
 - WINA: ``t = q_s(|x_i| * ||W[:, i]||)`` and ``thr_i = t / ||W[:, i]||`` (the site's
-  concatenated weight: ``[Wq; Wk; Wv]``, ``W_O``, ``[W_gate; W_up]`` or ``fc1``, ``W_down``);
+  concatenated weight: ``[Wq; Wk; Wv]``, ``W_O``, ``[W_gate; W_up]`` or ``fc1``, ``W_down``;
+  where ``t = 0``, the number 0);
 - CATS: ``thr = q_s(|act(gate)|)`` per layer (``|relu(fc1 x)|`` for ReLU OPT), one number.
 
 The result is the dict :class:`~dejavu_lab.engine.SparseConfig` takes: a float per site for
-TEAL and CATS, fp32 [d_in] for WINA.
+TEAL and CATS, fp32 [d_in] for WINA (one number where it is 0 for every column).
 """
 
 from __future__ import annotations
@@ -99,7 +100,10 @@ def calibrate_thresholds(model_or_weights, ids: torch.Tensor, sparsity: float, *
         a = x.detach().float().abs()
         norms = column_norms(w, i, site) if method == "wina" else None
         t = _quantile((a * norms if norms is not None else a).flatten(), sparsity, g)
-        out[(i, site)] = (t / norms.clamp_min(1e-12)).contiguous() if norms is not None else t
+        # WINA's t / ||W[:, i]|| is one number where t = 0 (a ReLU MLP's down_in at 50%: most
+        # entries are zero): every column's threshold is 0
+        per_column = norms is not None and t != 0
+        out[(i, site)] = (t / norms.clamp_min(1e-12)).contiguous() if per_column else t
 
     dense = Decoder(w, max_seq_len=ids.numel() + 1)
     dense._taps = tap
