@@ -73,7 +73,8 @@ class Decoder:
     and every op through torch elsewhere (fastest at batch 1: ``"triton"`` over the ``"columns"``
     layout, ``dense_columns`` in ``results/engine_methods.json``). One-token steps of a pre-LN
     model finish each block in its residual add + norm (:mod:`~dejavu_lab.engine.fused_step`),
-    except DejaVu's.
+    except DejaVu's. Its parts: ``attn[i]`` and ``mlp[i]`` (layer i's blocks), ``sets``
+    (DejaVu's kept sets, else None), ``st`` (what every block of a step reads).
 
     >>> from dejavu_lab.models import random_model
     >>> m = random_model("tiny-opt").model
@@ -156,7 +157,7 @@ class Decoder:
         # the one-token step finishing each block in its residual add + norm (module doc)
         self._fusable_blocks = (method != "dejavu" and a.pre_ln
                                 and self.w.dtype in (torch.float16, torch.bfloat16))  # fmt: skip
-        # per layer, each site's Threshold or None; dense ops through the threshold kernels -1
+        # per layer, each site's Threshold or None (-1 where a dense op runs their kernels)
         given = (sparse.thresholds or {}) if sparse is not None else {}
         keep = keep_sites(self.ops, rows=self.w.layers[0].w_qkv is not None)
         self.site_thresholds = layer_thresholds(given, a, dev, keep)
@@ -186,7 +187,7 @@ class Decoder:
             attn = [KeptHeads(w.layers[i], self.kv[i], self.st, i, self.sets, fused=fused)
                     for i in L]  # fmt: skip
             return attn, [KeptMLP(w.layers[i], w, i, self.sets, fused=fused) for i in L]
-        every = torch.arange(self.arch.d_mlp, device=w.device, dtype=torch.int32)  # int32: shared
+        every = torch.arange(self.arch.d_mlp, device=w.device, dtype=torch.int32)  # all layers'
         cats, triton, t = self.method == "cats", self.ops["mlp"] == "triton", self.site_thresholds
         mlp = [mlp_block(w.layers[i], w, t[i], cats=cats, triton=triton, every=every) for i in L]
         return [every_head(w.layers[i], self.kv[i], self.st, t[i]) for i in L], mlp
