@@ -1,7 +1,8 @@
 """Decoding B = 1..32 sequences in lockstep, dense or contextually sparse (Deja Vu Appendix C.1).
 
 :class:`BatchDecoder` is the batch-1 :class:`~dejavu_lab.engine.Decoder` (same weights layout,
-blocks, kernels and CUDA-graph step) with one static KV-cache slot per sequence: a prompt of
+kernels and CUDA-graph step; batch-aware blocks and sets, :mod:`~dejavu_lab.engine.batch_blocks`,
+:mod:`~dejavu_lab.engine.batch_sets`) with one static KV-cache slot per sequence: a prompt of
 any length starts at position 0 of its own slot, positions and lengths are per sequence, and no
 padding token is ever attended. Prefill runs the batch-1 dense prefill on each slot; each decode
 step embeds B tokens and runs every block on [B, d] rows.
