@@ -154,12 +154,12 @@ def _pick_dense_ops(w, arch, ids, base: dict, rows: list[dict]) -> str:
 
     def over_layers(dec, op):
         if op == "qkv":
-            return lambda: [dec._qkv(i, x) for i in L]
+            return lambda: [dec.attn[i].qkv(x) for i in L]
         if op == "o":
-            return lambda: [dec._out(i, o) for i in L]
+            return lambda: [dec.attn[i].out(o) for i in L]
         if op == "mlp":
-            return lambda: [dec._mlp(i, x) for i in L]
-        return lambda: (dec._per_step(), [dec._attn(i, x) for i in L])
+            return lambda: [dec.mlp[i](x) for i in L]
+        return lambda: (dec._per_step(), [dec.attn[i](x) for i in L])
 
     spec = []
     for op in ("qkv", "attn", "o", "mlp"):

@@ -231,7 +231,7 @@ def main(argv=None):
         "--no-fuse-hidden",
         action="store_true",
         help="TEAL/WINA: finish the gate/up sums in their own launch "
-        "(FusedStep.fuse_hidden = False; by default the down GEMV does it as it loads them)",
+        "(Decoder.fuse_hidden = False; by default the down GEMV does it as it loads them)",
     )
     ap.add_argument("--quick", action="store_true", help="CPU plumbing check at tiny shapes")
     args = ap.parse_args(argv)

@@ -175,11 +175,14 @@ def predictor_case(preset, model, rank, world) -> dict:
     (n0, n1), (h0, h1) = dec.w.shard.neurons, dec.w.shard.heads
     ok = True
     for i in range(dec.arch.n_layers):
-        dec._predict(i, x)
+        dec.sets.predict(i, x)
         ms, hs = pred.mlp_scores(i, x.float())[0, n0:n1], pred.head_scores(i, x.float())[0, h0:h1]
         want_m = set(torch.topk(ms, dec.k_mlp).indices.tolist())
         want_h = set(torch.topk(hs, dec.k_heads).indices.tolist())
-        ok &= set(dec.mlp_idx[i].tolist()) == want_m and set(dec.head_idx[i].tolist()) == want_h
+        ok &= (
+            set(dec.sets.mlp_idx[i].tolist()) == want_m
+            and set(dec.sets.head_idx[i].tolist()) == want_h
+        )
     gen = dec.generate(torch.tensor([[5, 6, 7]]), NEW)[0].tolist()
     every = [None] * world
     dist.all_gather_object(every, gen)

@@ -100,13 +100,13 @@ def test_lookahead_predictors_in_the_loop():
     dec = Decoder(lm.model, max_seq_len=24, sparse=SparseConfig(0.75, 0.5), predictors=pred)
     x = torch.randn(1, lm.arch.d_model, dtype=torch.bfloat16)
     for i in range(lm.arch.n_layers):  # the fused evaluation equals the predictors' own
-        ms, hs = dec._scores(i, x)
+        ms, hs = dec.sets.scores(i, x)
         torch.testing.assert_close(ms, pred.mlp_scores(i, x), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(hs, pred.head_scores(i, x), atol=1e-5, rtol=1e-5)
     out = dec.generate(torch.tensor([[1, 2, 3, 4]]), max_new_tokens=6)
     assert out.shape == (1, 10)
-    assert dec.mlp_idx.shape == (lm.arch.n_layers, 64)  # 25% of 256 neurons kept
-    assert all(row.unique().numel() == 64 for row in dec.mlp_idx)
+    assert dec.sets.mlp_idx.shape == (lm.arch.n_layers, 64)  # 25% of 256 neurons kept
+    assert all(row.unique().numel() == 64 for row in dec.sets.mlp_idx)
 
 
 def test_clear_errors():

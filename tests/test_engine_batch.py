@@ -204,7 +204,7 @@ def test_union_sizes_and_the_union_budget():
         got = t.groupby(["layer", "block"]).union.unique().map(list).to_dict()
         assert got == {(0, "mlp"): [96], (1, "mlp"): [64], (0, "heads"): [2], (1, "heads"): [2]}
         assert set(t[t.block == "mlp"].read) == {read} and set(t[t.block == "heads"].read) == {4}
-        kept = set(dec.mlp_idx[0].tolist())
+        kept = set(dec.sets.mlp_idx[0].tolist())
         assert len(kept) == read
         shared = set(range(32, 64))
         assert shared <= kept and (budget is not None or set(range(96)) <= kept)

@@ -1,20 +1,28 @@
 """A static-KV-cache decoder built from Hugging Face weights, dense or contextually sparse (§5.1).
 
-One module per idea; the imports run one way (``config -> weights -> sets, threshold_blocks ->
-decoder -> thresholds``; ``weights -> tp_weights``, ``decoder, tp_weights -> tp``). The bytes a
-step reads come from :mod:`dejavu_lab.step_bytes`; its tables and figures live in
-:mod:`dejavu_lab.report` (the engine imports no pandas or plotly, so it runs on a bare GPU
-image):
+One module per idea; the imports run one way (``config -> weights -> site_thresholds, sets,
+attention, kept_heads, mlp, fused_step -> decoder -> thresholds``; ``sets -> batch_sets``,
+``attention -> batch_blocks``, ``decoder -> batch``; ``weights -> tp_weights``, ``decoder,
+tp_weights -> tp``). The bytes a step reads come from :mod:`dejavu_lab.step_bytes`; its tables
+and figures live in :mod:`dejavu_lab.report` (the engine imports no pandas or plotly, so it runs
+on a bare GPU image):
 
-- :mod:`~dejavu_lab.engine.config`  — :class:`SparseConfig` (what a step keeps) and
-  :class:`EngineError`;
+- :mod:`~dejavu_lab.engine.config`  — :class:`SparseConfig` (what a step keeps), :func:`dense_ops`
+  and :class:`EngineError`;
 - :mod:`~dejavu_lab.engine.weights` — :func:`decoder_weights`: the weights laid out once for the
   kernels (fused QKV, ``W_O`` and ``W2`` transposed);
+- :mod:`~dejavu_lab.engine.site_thresholds` — each layer's TEAL/WINA/CATS thresholds as the
+  kernels take them (a float stays a float);
+- :mod:`~dejavu_lab.engine.attention`, :mod:`~dejavu_lab.engine.kept_heads`,
+  :mod:`~dejavu_lab.engine.mlp` — one layer's blocks, chosen once per decoder: every head
+  (dense or thresholded), DejaVu's kept heads with deferred KV; the dense, kept-neuron,
+  thresholded and CATS MLPs;
 - :mod:`~dejavu_lab.engine.sets`    — :class:`KeptSets`: the kept neurons/heads per layer, set by
   hand or by DejaVu's lookahead predictors inside the step;
-- :mod:`~dejavu_lab.engine.threshold_blocks` — :class:`ThresholdBlocks`: attention over every
-  head and the MLP with TEAL/WINA/CATS thresholds, or dense (torch or our kernels per op);
-- :mod:`~dejavu_lab.engine.decoder` — :class:`Decoder`: prefill, the decode step, CUDA graphs;
+- :mod:`~dejavu_lab.engine.fused_step` — the one-token step with each block finished in its
+  residual add + norm;
+- :mod:`~dejavu_lab.engine.decoder` — :class:`Decoder`: the cache, prefill, the decode step,
+  CUDA graphs, generate;
 - :mod:`~dejavu_lab.engine.batch`   — :class:`BatchDecoder`: 1-32 sequences in lockstep, each with
   its own cache slot and heads, the MLP's union of their sets (:mod:`~dejavu_lab.engine.
   batch_sets`, :mod:`~dejavu_lab.engine.batch_blocks`);
@@ -40,10 +48,9 @@ from __future__ import annotations
 
 from ..step_bytes import predictor_bytes, step_bytes
 from .batch import MAX_BATCH, BatchDecoder
-from .config import DENSE_ENGINES, METHODS, SITES, EngineError, SparseConfig
+from .config import DENSE_ENGINES, DENSE_OPS, METHODS, SITES, EngineError, SparseConfig, dense_ops
 from .decoder import Decoder
 from .sets import KeptSets
-from .threshold_blocks import DENSE_OPS, ThresholdBlocks, dense_ops
 from .thresholds import calibrate_thresholds, column_norms, keep_all
 from .tp import NVLS_OFF, TPDecoder, init_tp, split_indices
 from .tp_weights import ShardedWeights, TPShard, random_shard, shard_weights, tp_shard
@@ -62,7 +69,6 @@ __all__ = [
     "KeptSets",
     "LayerWeights",
     "SparseConfig",
-    "ThresholdBlocks",
     "calibrate_thresholds",
     "column_norms",
     "decoder_weights",

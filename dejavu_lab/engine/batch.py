@@ -1,7 +1,8 @@
 """Decoding B = 1..32 sequences in lockstep, dense or contextually sparse (Deja Vu Appendix C.1).
 
 :class:`BatchDecoder` is the batch-1 :class:`~dejavu_lab.engine.Decoder` (same weights layout,
-blocks, kernels and CUDA-graph step) with one static KV-cache slot per sequence: a prompt of
+kernels and CUDA-graph step; batch-aware blocks and sets, :mod:`~dejavu_lab.engine.batch_blocks`,
+:mod:`~dejavu_lab.engine.batch_sets`) with one static KV-cache slot per sequence: a prompt of
 any length starts at position 0 of its own slot, positions and lengths are per sequence, and no
 padding token is ever attended. Prefill runs the batch-1 dense prefill on each slot; each decode
 step embeds B tokens and runs every block on [B, d] rows.
@@ -46,22 +47,27 @@ import contextlib
 import torch
 
 from ..checks import engine as check_engine
-from .batch_blocks import BatchBlocks
+from .attention import every_head
+from .batch_blocks import BatchAttention, BatchKeptHeads
 from .batch_prompts import batch_prompts
 from .batch_sets import BatchSets
 from .config import EngineError, SparseConfig
 from .decoder import Decoder, _norm
-from .greedy import argmax_rows
+from .greedy import argmax_rows, sample_rows
+from .mlp import KeptMLP
 
 __all__ = ["MAX_BATCH", "BatchDecoder"]
 
 MAX_BATCH = 32  # the decoding kernels take 1-32 rows (one union index set)
 
 
-class BatchDecoder(BatchSets, BatchBlocks, Decoder):
+class BatchDecoder(Decoder):
     """Lockstep decoding of up to ``max_batch`` (<= 32) sequences of up to ``max_seq_len`` tokens.
 
-    The arguments of :class:`~dejavu_lab.engine.Decoder`, plus ``max_batch`` (cache slots),
+    The batch-1 decoder's step, prefill and graphs with batch-aware blocks
+    (:mod:`~dejavu_lab.engine.batch_blocks`) and, for DejaVu, batch-aware sets
+    (:class:`~dejavu_lab.engine.batch_sets.BatchSets`). The arguments of
+    :class:`~dejavu_lab.engine.Decoder`, plus ``max_batch`` (cache slots),
     ``union_budget`` (DejaVu: the largest fraction of MLP neurons a step's union reads; None:
     the whole union) and ``eos_token_id`` (None: every sequence runs ``max_new_tokens``).
 
@@ -77,7 +83,7 @@ class BatchDecoder(BatchSets, BatchBlocks, Decoder):
     True
     """
 
-    fuse_epilogues = False  # its blocks are batched (BatchBlocks); the fused step is batch 1
+    fuse_epilogues = False  # its blocks are batched (batch_blocks); the fused step is batch 1
 
     def __init__(self, model, *, max_seq_len: int, max_batch: int = MAX_BATCH,
                  sparse: SparseConfig | None = None, predictors=None, arch=None,
@@ -87,6 +93,7 @@ class BatchDecoder(BatchSets, BatchBlocks, Decoder):
                                            hint="sequences decoded together")  # fmt: skip
         if sparse is not None and sparse.fused:
             raise EngineError("fused=True runs batch 1 only; use SparseConfig(fused=False).")
+        self._union_budget = union_budget  # read by _new_sets
         super().__init__(model, max_seq_len=max_seq_len, sparse=sparse, predictors=predictors,
                          arch=arch, dense_ops=dense_ops)  # fmt: skip
         bm, dev, T = self.max_batch, self.w.device, self.kv.shape[4]
@@ -96,6 +103,7 @@ class BatchDecoder(BatchSets, BatchBlocks, Decoder):
         self.eos = eos_token_id
         z = dict(dtype=torch.long, device=dev)
         self.tok_t, self.pos_t, self.base_t = (torch.zeros(bm, **z) for _ in range(3))  # [B]
+        self.st.pos_t, self.st.base_t = self.pos_t, self.base_t
         self.tokens = torch.zeros(bm, T + 1, **z)  # [B, T + 1] each sequence's tokens
         self.step_t, self.wstart_t = torch.zeros(1, **z), torch.zeros(1, **z)
         self._eos_t = torch.tensor(eos_token_id or 0, **z)
@@ -108,12 +116,11 @@ class BatchDecoder(BatchSets, BatchBlocks, Decoder):
         self._gen = torch.Generator(device=dev) if dev.type == "cpu" else None
         self.kv_window = self.window  # at batch 1; self.W is the current batch's
         if self.window:  # deferred KV: window rows (b, r) at b * W + r, at most 32 of them
-            self.hwin = torch.zeros(L, MAX_BATCH, self.arch.d_model, dtype=self.w.dtype, device=dev)
+            self.st.hwin = torch.zeros(L, MAX_BATCH, self.arch.d_model, dtype=self.w.dtype,
+                                       device=dev)  # fmt: skip
         self.B, self.W, self.lengths, self.n_steps, self.wstart = 0, 0, [], 0, 0
         self._sample, self._graphs = False, {}
-        if self.method == "dejavu":
-            self._init_batch_sets(union_budget)
-        elif union_budget is not None:
+        if self.sets is None and union_budget is not None:
             raise EngineError("union_budget caps DejaVu's MLP union; use method='dejavu'.")
 
     def _new_cache(self, t_alloc: int) -> torch.Tensor:
@@ -121,15 +128,60 @@ class BatchDecoder(BatchSets, BatchBlocks, Decoder):
         shape = (self.arch.n_layers, 2, self.max_batch, self.Hkv, t_alloc, self.dh)
         return torch.zeros(shape, dtype=self.w.dtype, device=self.w.device)
 
+    def _new_sets(self, sparse: SparseConfig) -> BatchSets:
+        """Each sequence's kept sets and the batch's unions (:mod:`~dejavu_lab.engine.batch_sets`)."""
+        return BatchSets(self.arch, sparse, self.w.device, window=self.window,
+                         predictors=self.predictors, max_batch=self.max_batch,
+                         max_seq_len=self.max_seq_len, union_budget=self._union_budget)  # fmt: skip
+
+    def _new_blocks(self) -> tuple[list, list]:
+        """The batch-1 decoder's blocks, with each sequence's own heads and cache slots."""
+        L, st, w = range(self.arch.n_layers), self.st, self.w
+        t = self.site_thresholds  # every head (thresholded or not): the projections
+        proj = [every_head(w.layers[i], self.kv[i], st, t[i]) for i in L]
+        if self.sets is None:
+            _, mlp = super()._new_blocks()
+            return [BatchAttention(proj[i], self.kv[i], st) for i in L], mlp
+        attn = [BatchKeptHeads(proj[i], self.kv[i], st, i, self.sets) for i in L]
+        # a union holding every neuron runs the dense MLP (cuBLAS)
+        mlp = [KeptMLP(w.layers[i], w, i, self.sets, fused=False, dense_when_full=True) for i in L]
+        return attn, mlp
+
+    def _window_for(self, B: int) -> int:
+        """The deferred-KV window at batch size B: B x W rows fit one gather-GEMV (<= 32)."""
+        return 0 if self.sets is None else self.sets.window_for(B)
+
+    def _per_step(self) -> None:
+        st, B, W = self.st, self.B, self.W
+        pos = self.pos_t[:B]
+        st.B, st.ar_b, st.live_heads = B, self._ar_b[:B], self._live_heads[:B]
+        st.seqlen = pos + 1  # [B] tokens in each cache with this one
+        self._live_heads[:B].copy_(self.live_t[:B, None].expand(B, self.H))
+        if self._masked:  # [B, T] own positions only
+            st.mask = torch.where(self.ar_t[None] <= pos[:, None], self._zero, self._ninf)
+        if W:  # window row b * W + slot holds this step's input of sequence b
+            st.rows = self._ar_b[:B] * W + (self.step_t - self.wstart_t)
+            st.positions = (self.base_t[:B, None] + self.ar_w[None, :W]).reshape(-1)
+        else:
+            st.positions = pos
+
+    def _flush(self) -> None:
+        """Every KV head's K/V over the window of every sequence, then a new window (§4.2)."""
+        B, W = self.B, self.W
+        positions = (self.base_t[:B, None] + self.ar_w[None, :W]).reshape(-1)
+        for attn in self.attn:
+            attn.flush(B, W, positions)
+        self.base_t[:B] += W
+        self.wstart += W
+        self.wstart_t.fill_(self.wstart)
+
     # ----------------------------------------------------------------------------- steps
 
     def _choose(self, logits: torch.Tensor) -> torch.Tensor:
         """Next tokens [B]: argmax, or Gumbel-max sampling at temperature (no host sync)."""
         if not self._sample:
             return argmax_rows(logits)
-        u = torch.rand(logits.shape, generator=self._gen, device=logits.device)
-        gumbel = -torch.log(-torch.log(u.clamp(1e-20, 1.0 - 1e-7)))
-        return (logits.float() / self._temp_t + gumbel).argmax(-1)
+        return sample_rows(logits, self._temp_t, self._gen)
 
     def _accept(self, nxt: torch.Tensor, at: torch.Tensor) -> None:
         """Record next tokens [B] at positions ``at``; a finished sequence emits eos only."""
@@ -148,11 +200,11 @@ class BatchDecoder(BatchSets, BatchBlocks, Decoder):
         self._live_log.index_copy_(0, self.step_t, self._live_f[:B].sum().int()[None])
         x = self._embed(self.tok_t[:B], self.pos_t[:B])  # [B, d]
         self._per_step()
-        if self.method == "dejavu" and self.predictors is None:
-            self._select()  # every layer's unions from the given sets, in a few launches
+        if self.sets is not None and self.predictors is None:
+            self.sets.select()  # every layer's unions from the given sets, in a few launches
         logits = self._head(self._layers(x))  # [B, V]
-        if self.method == "dejavu":
-            self._log_unions()
+        if self.sets is not None:
+            self.sets.log_unions(self.step_t)
         self._accept(self._choose(logits), self.pos_t[:B] + 1)
         self.pos_t[:B].add_(1)
         self.step_t.add_(1)
@@ -177,9 +229,8 @@ class BatchDecoder(BatchSets, BatchBlocks, Decoder):
     def _start(self, lengths: list[int]) -> None:
         B = self.B = len(lengths)
         self.W = self._window_for(B)
-        if self.method == "dejavu":
-            self._plan = self._plan_for(B)
-            self.mlp_idx, self.head_idx = self._plan.mlp_idx, self._plan.head_idx
+        if self.sets is not None:
+            self.sets.start(B, self._live_f)
         self.lengths, self.n_steps, self.wstart, self.graph = list(lengths), 0, 0, None
         lens = torch.tensor(lengths, device=self.w.device)
         self.pos_t[:B], self.base_t[:B] = lens, lens
@@ -391,10 +442,19 @@ class BatchDecoder(BatchSets, BatchBlocks, Decoder):
             return torch.cat((ids, new.to(ids.device)), 1)
         return [torch.cat((r, t)) for r, t in zip(rows, new, strict=True)]
 
+    def union_sizes(self):
+        """The realised union per layer and decode step since the last prefill, one row (dict)
+        each (:meth:`~dejavu_lab.engine.batch_sets.BatchSets.union_sizes`)."""
+        if self.sets is None:
+            raise EngineError("union sizes are recorded for DejaVu's kept sets (method='dejavu').")
+        if self.B == 0:
+            raise EngineError("call prefill(prompts) and decode before reading union sizes.")
+        return self.sets.union_sizes(self.n_steps, self._live_log)
+
     def parts(self) -> dict:
         """Zero-argument callables running one part of a decode step over every layer at the
         current batch size, for timing by :mod:`kernels.bench_engine` (``--batch``)."""
-        L, attn, mlp, B = self.arch.n_layers, self._attn, self._mlp, self.B
+        L, attn, mlp, B = self.arch.n_layers, self.attn, self.mlp, self.B
         if self.W and self.n_steps - self.wstart >= self.W:
             self._flush()  # the window is full: a step would flush first (its rows are [0, W))
         x = torch.randn(B, self.arch.d_model, dtype=self.w.dtype, device=self.w.device)
@@ -402,12 +462,12 @@ class BatchDecoder(BatchSets, BatchBlocks, Decoder):
         def run_attn():
             self._per_step()
             for i in range(L):
-                attn(i, _norm(x, self.w.layers[i].ln_attn, self.w.norm))
+                attn[i](_norm(x, self.w.layers[i].ln_attn, self.w.norm))
 
         out = {"attention": run_attn, "lm_head": lambda: self._head(x),
-               "mlp": lambda: [mlp(i, _norm(x, self.w.layers[i].ln_mlp, self.w.norm))
+               "mlp": lambda: [mlp[i](_norm(x, self.w.layers[i].ln_mlp, self.w.norm))
                                for i in range(L)]}  # fmt: skip
-        if self.method == "dejavu":
-            out["unions"] = (lambda: [self._predict(i, x) for i in range(L)]) if (
-                self.predictors is not None) else self._select  # fmt: skip
+        if self.sets is not None:
+            out["unions"] = (lambda: [self.sets.predict(i, x) for i in range(L)]) if (
+                self.predictors is not None) else self.sets.select  # fmt: skip
         return out

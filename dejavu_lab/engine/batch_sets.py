@@ -1,6 +1,6 @@
 """Each sequence's kept sets and their union over a batch (Deja Vu Appendix C.1).
 
-A mixin of :class:`dejavu_lab.engine.BatchDecoder`. Every sequence of a batch keeps its own top-k
+The sets of a DejaVu :class:`dejavu_lab.engine.BatchDecoder` (its ``sets``). Every sequence of a batch keeps its own top-k
 MLP neurons and heads per layer — given by hand (:meth:`BatchSets.set_indices`, one set for every
 sequence or one row per sequence) or chosen inside the step by DejaVu's lookahead predictors
 from the sequence's own hidden state. The kernels then read:
@@ -18,6 +18,9 @@ from the sequence's own hidden state. The kernels then read:
 The realised union sizes (how many distinct neurons / heads the live sequences asked for) are
 written per layer and step into a device buffer, with no host synchronisation in the step;
 :meth:`BatchSets.union_sizes` reads them back as rows (one dict each).
+
+The batch's blocks read ``mlp_idx``, ``head_idx`` and ``qkv_idx`` as the batch-1 blocks do:
+:meth:`BatchSets.start` points them at the union buffers of the batch size.
 """
 
 from __future__ import annotations
@@ -26,9 +29,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import EngineError
+from .config import EngineError, SparseConfig
+from .sets import KeptSets
 
-__all__ = ["BatchSets"]
+__all__ = ["MAX_ROWS", "BatchSets"]
+
+MAX_ROWS = 32  # the gather-GEMVs take 1-32 rows
 
 
 @dataclass
@@ -43,8 +49,9 @@ class _Plan:
     head_val: torch.Tensor  # [L, Uh]
 
 
-class BatchSets:
-    """Per-sequence kept sets and the batch's unions; expects the BatchDecoder's attributes.
+class BatchSets(KeptSets):
+    """Per-sequence kept sets and the batch's unions: :class:`~dejavu_lab.engine.sets.KeptSets`
+    (same ``k_mlp``, ``k_heads``, predictors) for ``max_batch`` sequences.
 
     >>> import torch
     >>> from dejavu_lab.engine import BatchDecoder, SparseConfig
@@ -60,8 +67,12 @@ class BatchSets:
     [['mlp', 96, 128, 256], ['heads', 3, 4, 4]]
     """
 
-    def _init_batch_sets(self, union_budget: float | None) -> None:
-        a, dev, L, bm = self.arch, self.w.device, self.arch.n_layers, self.max_batch
+    def __init__(self, arch, sp: SparseConfig, device, *, window: int, predictors=None,
+                 max_batch: int, max_seq_len: int, union_budget: float | None):  # fmt: skip
+        super().__init__(arch, sp, device, window=window, predictors=predictors)
+        a, dev, L, bm = arch, device, arch.n_layers, max_batch
+        self.max_batch, self._live_f = max_batch, None
+        self.B, self.W, self._plan = 0, 0, None
         n, k, kh = a.d_mlp, self.k_mlp, self.k_heads
         if union_budget is None:
             self.union_cap = n
@@ -86,15 +97,30 @@ class BatchSets:
         self._prio = (torch.randperm(n, generator=g).float() / n).to(dev)[None].repeat(L, 1)
         self._hprio = (torch.randperm(self.H, generator=g).float() / self.H).to(dev)[None]
         self._counts = torch.zeros(L, 2, dtype=torch.int32, device=dev)  # this step's unions
-        steps = self.max_seq_len + 1
+        steps = max_seq_len + 1
         self._union_log = torch.zeros(steps, L, 2, dtype=torch.int32, device=dev)
         self._plans: dict[int, _Plan] = {}
 
-    def _plan_for(self, B: int) -> _Plan:
+    def window_for(self, B: int) -> int:
+        """The deferred-KV window at batch size B: B x W rows fit one gather-GEMV (<= 32)."""
+        if min(self.H, B * self.k_heads) == self.H:
+            return 0  # the union can hold every head: nothing to defer
+        w = min(self.window, MAX_ROWS // B)
+        return w if (w == self.window or w >= 4) else 0
+
+    def start(self, B: int, live: torch.Tensor) -> None:
+        """Decode a batch of B sequences (``live`` [B_max]: 1.0 while sequence b generates, the
+        decoder's buffer): the blocks read its union buffers from now on."""
+        self.B, self.W, self._plan = B, self.window_for(B), self.plan_for(B)
+        self._live_f = live
+        self.mlp_idx, self.head_idx = self._plan.mlp_idx, self._plan.head_idx
+        self.qkv_idx, self.mask = self._plan.qkv_idx, self._plan.mask
+
+    def plan_for(self, B: int) -> _Plan:
         """The fixed-size union buffers of batch size B (made once, kept for its graph)."""
         if B in self._plans:
             return self._plans[B]
-        a, dev, L = self.arch, self.w.device, self.arch.n_layers
+        a, dev, L = self.arch, self.device, self.arch.n_layers
         n, k, kh, H = a.d_mlp, self.k_mlp, self.k_heads, self.H
         U, Uh = min(n, B * k, self.union_cap), min(H, B * kh)
         if U == n:
@@ -109,7 +135,7 @@ class BatchSets:
             head_idx = self.seq_heads[:, 0]
         else:
             head_idx = torch.zeros(L, Uh, dtype=torch.long, device=dev)
-        deferred = self._window_for(B) > 0  # K/V of the union's heads, else of every KV head
+        deferred = self.window_for(B) > 0  # K/V of the union's heads, else of every KV head
         qkv_idx = torch.zeros(L, Uh + 2 * (Uh if deferred else self.Hkv), dtype=torch.long,
                               device=dev)  # fmt: skip
         if not deferred:
@@ -122,10 +148,6 @@ class BatchSets:
     def set_indices(self, layer: int, *, mlp=None, heads=None) -> None:
         """Fix the kept neurons / heads of ``layer``: one set ``[k]`` for every sequence, or one
         row per sequence ``[B, k]`` (sequences ``0..B-1``; used when no predictors are given)."""
-        if self.method != "dejavu":
-            raise EngineError(
-                "set_indices fixes DejaVu's kept sets; pass sparse=SparseConfig(method='dejavu', ...)."
-            )
         if not 0 <= int(layer) < self.arch.n_layers:
             raise EngineError(f"layer {layer} is not in 0..{self.arch.n_layers - 1}.")
         for name, idx, buf, n in (("mlp", mlp, self.seq_mlp, self.arch.d_mlp),
@@ -154,7 +176,7 @@ class BatchSets:
 
     # ----------------------------------------------------------------------------- the unions
 
-    def _select(self, i: int | None = None, prio: torch.Tensor | None = None) -> None:
+    def select(self, i: int | None = None, prio: torch.Tensor | None = None) -> None:
         """The union buffers of layer i (None: every layer at once) from each live sequence's
         sets; ``prio`` [n] in [0, 1) breaks ties among equally voted neurons."""
         B, p, n, H = self.B, self._plan, self.arch.d_mlp, self.H
@@ -189,11 +211,11 @@ class BatchSets:
             q[:, Uh : 2 * Uh] = heads + H
             q[:, 2 * Uh :] = heads + H + self.Hkv
 
-    def _predict(self, i: int, x: torch.Tensor) -> None:
+    def predict(self, i: int, x: torch.Tensor) -> None:
         """Each sequence's top-k from its predictor scores at x [B, d] (layer i - 1's input:
         lookahead), then layer i's unions, ties broken by the batch's mean probability."""
         B = self.B
-        ms, hs = self._scores(i, x)  # [B, n], [B, H]
+        ms, hs = self.scores(i, x)  # [B, n], [B, H]
         live = self._live_f[:B]
         if self.k_mlp < self.arch.d_mlp:
             torch.topk(ms.float(), self.k_mlp, dim=-1, sorted=False,
@@ -202,25 +224,20 @@ class BatchSets:
             torch.topk(hs.float(), self.k_heads, dim=-1, sorted=False,
                        out=(self._seq_val[1][i, :B], self.seq_heads[i, :B]))  # fmt: skip
         prio = (torch.sigmoid(ms.float()) * live[:, None]).sum(0) / (live.sum() + 1.0)  # [0, 1)
-        self._select(i, prio[None])
+        self.select(i, prio[None])
 
-    def _log_unions(self) -> None:
-        """This step's union sizes into row ``step`` of the device log (no host sync)."""
-        self._union_log.index_copy_(0, self.step_t, self._counts[None])
+    def log_unions(self, step_t: torch.Tensor) -> None:
+        """This step's union sizes into row ``step_t`` of the device log (no host sync)."""
+        self._union_log.index_copy_(0, step_t, self._counts[None])
 
-    def union_sizes(self) -> list[dict]:
+    def union_sizes(self, steps: int, live_log: torch.Tensor) -> list[dict]:
         """The realised union per layer and decode step since the last prefill, one row (dict)
         each: ``step, layer, block ("mlp"/"heads"), union`` (distinct units the live sequences
         kept), ``read`` (the fixed buffer the kernels read), ``total``, ``batch``, ``live``.
-        Plain rows, so the engine needs no pandas: :func:`dejavu_lab.report.batch.union_table`
+        Plain rows, so the engine needs no pandas: :func:`dejavu_lab.report.batch.union_sizes_table`
         makes them a table."""
-        if self.method != "dejavu":
-            raise EngineError("union sizes are recorded for DejaVu's kept sets (method='dejavu').")
-        if self.B == 0:
-            raise EngineError("call prefill(prompts) and decode before reading union sizes.")
-        steps = self.n_steps
         log = self._union_log[:steps].cpu()  # [steps, L, 2]
-        live = self._live_log[:steps].cpu()
+        live = live_log[:steps].cpu()
         p, rows = self._plan, []
         for block, j, read, total in (("mlp", 0, p.mlp_idx.shape[1], self.arch.d_mlp),
                                       ("heads", 1, p.head_idx.shape[1], self.H)):  # fmt: skip

@@ -17,7 +17,8 @@ from ..errors import EngineError
 from ..vocab import METHODS as METHODS_TABLE
 from ..vocab import method_names
 
-__all__ = ["DENSE_ENGINES", "METHODS", "SITES", "EngineError", "SparseConfig"]
+__all__ = ["DENSE_ENGINES", "DENSE_OPS", "METHODS", "SITES", "EngineError", "SparseConfig",
+           "default_ops", "dense_ops"]  # fmt: skip
 
 
 METHODS = method_names(engine=True)  # what SparseConfig(method=...) runs
@@ -25,6 +26,8 @@ METHODS = method_names(engine=True)  # what SparseConfig(method=...) runs
 # through the row-gather kernels, through the threshold kernels with every column kept, or
 # each op the faster of the two; "vs best dense" compares with the fastest of them
 DENSE_ENGINES = ("dense", "dense_triton", "dense_columns", "dense_auto")
+# the decode step's dense ops; each runs through "torch" (cuBLAS, PyTorch) or "triton" (ours)
+DENSE_OPS = ("qkv", "attn", "o", "mlp")
 # the input-sparsity sites each threshold method thresholds (vocab.SITES; CATS: the neurons)
 SITES = {m: METHODS_TABLE[m].sites for m in method_names(family="threshold", engine=True)}
 
@@ -37,9 +40,11 @@ class SparseConfig:
     ``"teal"``/``"wina"`` read column i of a linear layer's weight only where the input entry
     passes its threshold, ``|x_i| > thr_i``, at the four sites of every layer (attention over every
     head); ``"cats"`` computes the gate densely and the up/down rows of the neurons with
-    ``|act(gate)| > thr`` only; ``"dense"`` runs the dense path. ``thresholds`` is the dict of the
-    calibrated object's ``engine_thresholds(model)``: ``{(layer, site): fp32 [d_in]}``; a layer
-    or site missing from it runs dense.
+    ``|act(gate)| > thr`` only; ``"dense"`` runs the dense path. ``thresholds`` maps
+    ``(layer, site)`` to one number (TEAL's and CATS's one threshold per site, passed to the
+    one-token kernels as a float) or to fp32 [d_in], one per input column (WINA's ``t /
+    ||W[:, i]||``; the calibrated object's ``engine_thresholds(model)``); a layer or site
+    missing from it runs dense.
 
     >>> import torch
     >>> from dejavu_lab.engine import Decoder
@@ -51,6 +56,8 @@ class SparseConfig:
     >>> dec.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3).shape  # the sparse kernels
     torch.Size([1, 6])
     >>> SparseConfig(method="teal", thresholds={(0, "mlp_in"): torch.zeros(64)}).method
+    'teal'
+    >>> SparseConfig(method="teal", thresholds={(0, "mlp_in"): 0.25}).method  # one number
     'teal'
     >>> SparseConfig(method="teal", thresholds={(0, "gate"): torch.zeros(256)})
     Traceback (most recent call last):
@@ -68,7 +75,7 @@ class SparseConfig:
     # slower at OPT-30B (MLP 2.79 vs 2.19 ms, attention 5.23 vs 4.39 ms per step; the fused run is
     # results/engine_e2e_fused.json) — the fused MLP runs two launches there (see its module).
     fused: bool = False
-    # {(layer, site): fp32 [d_in]} per-input-column thresholds (teal, wina, cats); not compared
+    # {(layer, site): float, or fp32 [d_in] per input column} (teal, wina, cats); not compared
     thresholds: dict | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
@@ -98,7 +105,8 @@ class SparseConfig:
             )
         if not isinstance(self.thresholds, dict):
             raise EngineError(
-                f"method {self.method!r} needs thresholds: a dict {{(layer, site): fp32 tensor}} "
+                f"method {self.method!r} needs thresholds: a dict {{(layer, site): float or fp32 "
+                "tensor}} "
                 "(e.g. calibrated.engine_thresholds(model), or engine.calibrate_thresholds)."
             )
         sites = SITES[self.method]
@@ -112,7 +120,49 @@ class SparseConfig:
                     f"thresholds has site {key[1]!r}, which method {self.method!r} does not use; "
                     f"its sites are {', '.join(sites)}."
                 )
-            if not isinstance(thr, torch.Tensor) or thr.dim() != 1:
+            one = isinstance(thr, (int, float)) and not isinstance(thr, bool)
+            if not (one and thr == thr) and not (isinstance(thr, torch.Tensor) and thr.dim() == 1):
                 raise EngineError(
-                    f"thresholds[{key!r}] must be a 1-D tensor (one threshold per input column)."
+                    f"thresholds[{key!r}] must be a number (one threshold for the site) or a 1-D "
+                    "tensor (one threshold per input column)."
                 )
+
+
+def dense_ops(spec: str | dict | None) -> dict[str, str]:
+    """Resolve a dense-op choice: ``"torch"``, ``"triton"``, ``"qkv=triton,mlp=triton"`` or a
+    dict; ops not named run through torch.
+
+    >>> dense_ops("triton")
+    {'qkv': 'triton', 'attn': 'triton', 'o': 'triton', 'mlp': 'triton'}
+    >>> dense_ops("mlp=triton")["mlp"], dense_ops({"o": "triton"})["qkv"]
+    ('triton', 'torch')
+    """
+    if spec is None or spec in ("torch", "triton"):
+        return dict.fromkeys(DENSE_OPS, spec or "torch")
+    if isinstance(spec, str):
+        try:
+            spec = dict(item.split("=") for item in spec.split(",") if item)
+        except ValueError:
+            spec = {"?": spec}
+    out = dict.fromkeys(DENSE_OPS, "torch")
+    for op, impl in dict(spec).items():
+        if op not in DENSE_OPS or impl not in ("torch", "triton"):
+            raise EngineError(
+                f"dense_ops {op}={impl!r} is not a choice; name ops among {', '.join(DENSE_OPS)} "
+                "with 'torch' or 'triton' (e.g. 'qkv=triton,mlp=triton')."
+            )
+        out[op] = impl
+    return out
+
+
+def default_ops(w) -> str:
+    """The dense ops a decoder over weights ``w`` runs by default: the attention core through
+    our kernel on a GPU with fp16/bf16 weights (one launch that appends K/V and attends, faster
+    than PyTorch's masked attention over the static cache), every op through torch elsewhere.
+
+    >>> from types import SimpleNamespace
+    >>> default_ops(SimpleNamespace(device=torch.device("cpu"), dtype=torch.float16))
+    'torch'
+    """
+    gpu = w.device.type == "cuda" and w.dtype in (torch.float16, torch.bfloat16)
+    return "attn=triton" if gpu else "torch"

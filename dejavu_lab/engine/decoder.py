@@ -1,14 +1,20 @@
 """A batch-1 decoder with a static KV cache, dense or contextually sparse (Deja Vu §4.3–4.4, §5.1).
 
 Built from a Hugging Face OPT or Llama-family model's weights (:mod:`dejavu_lab.engine.weights`
-lays them out once: fused QKV, ``W_O`` and ``W2`` transposed). Dense and sparse decoding share
-the embedding, the norms (:func:`dejavu_lab.kernels.row_norm`), residual stream, KV cache and
-``lm_head``; only the block internals differ:
+lays them out once: fused QKV, ``W_O`` and ``W2`` transposed). The decoder owns what every
+method shares: the embedding, the norms (:func:`dejavu_lab.kernels.row_norm`), the residual
+stream, the KV cache, ``lm_head``, the dense prefill, the decode step and its CUDA graph. Each
+layer's attention and MLP are block objects chosen once at construction (gpt-fast's
+Transformer / Attention / FeedForward split, the sparse variants as siblings):
 
-- dense: cuBLAS GEMVs over every row, attention over every head in PyTorch;
-- sparse: the Triton gather-GEMVs of :mod:`dejavu_lab.kernels` over the kept neurons (MLP) and
-  the kept heads' rows of ``W_QKV`` / ``W_O^T``, and the attention kernel
-  (:func:`dejavu_lab.kernels.sparse_attention_core`) over the kept heads' cache only.
+- dense: :class:`~dejavu_lab.engine.attention.DenseAttention`,
+  :class:`~dejavu_lab.engine.mlp.DenseMLP` (cuBLAS, or our kernels at 100% kept);
+- DejaVu: :class:`~dejavu_lab.engine.kept_heads.KeptHeads`, :class:`~dejavu_lab.engine.mlp.KeptMLP`
+  (the Triton gather-GEMVs over the kept heads' rows of ``W_QKV`` / ``W_O^T`` and the kept
+  neurons, the attention kernel over the kept heads' cache only), their sets in
+  :class:`~dejavu_lab.engine.sets.KeptSets`;
+- TEAL / WINA: :class:`~dejavu_lab.engine.attention.ThresholdAttention`,
+  :class:`~dejavu_lab.engine.mlp.ThresholdMLP`; CATS: :class:`~dejavu_lab.engine.mlp.CatsMLP`.
 
 The kept sets of layer ``l + 1`` are chosen by DejaVu's low-rank predictors from layer ``l``'s
 input (lookahead, §4.3) — on a second CUDA stream, so they leave the critical path — or set
@@ -26,28 +32,20 @@ torch.Size([1, 7])
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
 from ..checks import engine as check_engine
-from ..kernels import (
-    fused_sparse_mlp,
-    kv_window_write,
-    qkv_rope,
-    row_norm,
-    sparse_attention_core,
-    sparse_mlp_down,
-    sparse_mlp_up,
-)
-from .config import EngineError, SparseConfig
-from .fused_step import FusedStep
+from ..kernels import row_norm, use_triton
+from .attention import StepState, every_head, rotate
+from .config import EngineError, SparseConfig, default_ops
+from .config import dense_ops as resolve_ops
+from .fused_step import fused_layers
 from .greedy import argmax_rows
+from .kept_heads import KeptHeads
+from .mlp import KeptMLP, gate_act, mlp_block
 from .sets import KeptSets
-from .threshold_blocks import ThresholdBlocks
-from .threshold_blocks import default_ops as _default_ops
-from .threshold_blocks import dense_ops as _resolve_ops
+from .site_thresholds import keep_sites, layer_thresholds
 from .weights import DecoderWeights, check_layout, decoder_weights, layout_for
 
 __all__ = ["Decoder"]
@@ -58,13 +56,7 @@ def _norm(x: torch.Tensor, p: tuple, kind: str) -> torch.Tensor:
     return row_norm(x, w, b if kind == "layer" else None, eps=eps, kind=kind)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE in HF's half-split form; x [..., dh], cos/sin broadcastable to x (prefill, flush)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
-class Decoder(KeptSets, ThresholdBlocks, FusedStep):
+class Decoder:
     """Greedy batch-1 decoding of one sequence of up to ``max_seq_len`` tokens.
 
     ``model`` is a HF model or the :class:`DecoderWeights` of one (to share them between
@@ -75,13 +67,14 @@ class Decoder(KeptSets, ThresholdBlocks, FusedStep):
     lookahead mode); without it the kept sets are the ones given to :meth:`set_indices`
     (default: the first k units). ``dense_ops`` picks, per dense op (``qkv``, ``attn``, ``o``,
     ``mlp``), torch (cuBLAS) or our kernels at 100% kept: ``"torch"``, ``"triton"`` or e.g.
-    ``"qkv=triton,mlp=triton"`` (:func:`~dejavu_lab.engine.threshold_blocks.dense_ops`). The
+    ``"qkv=triton,mlp=triton"`` (:func:`~dejavu_lab.engine.config.dense_ops`). The
     default (``None``) runs the attention core through our kernel on a GPU with fp16/bf16
     weights (faster than PyTorch's at every shape measured, ``results/engine_methods.json``)
     and every op through torch elsewhere (fastest at batch 1: ``"triton"`` over the ``"columns"``
     layout, ``dense_columns`` in ``results/engine_methods.json``). One-token steps of a pre-LN
     model finish each block in its residual add + norm (:mod:`~dejavu_lab.engine.fused_step`),
-    except DejaVu's.
+    except DejaVu's. Its parts: ``attn[i]`` and ``mlp[i]`` (layer i's blocks), ``sets``
+    (DejaVu's kept sets, else None), ``st`` (what every block of a step reads).
 
     >>> from dejavu_lab.models import random_model
     >>> m = random_model("tiny-opt").model
@@ -90,7 +83,11 @@ class Decoder(KeptSets, ThresholdBlocks, FusedStep):
     True
     >>> dec.generate(ids, 5).tolist() == m.generate(ids, max_new_tokens=5, do_sample=False).tolist()
     True
+
     """
+
+    fuse_epilogues = True  # the fused step where it applies (False: the plain step)
+    fuse_hidden = True  # the down GEMV finishes the gate/up sums (False: their own launch)
 
     def __init__(self, model, *, max_seq_len: int, sparse: SparseConfig | None = None,
                  predictors=None, arch=None, dense_ops: str | dict | None = None):  # fmt: skip
@@ -101,7 +98,7 @@ class Decoder(KeptSets, ThresholdBlocks, FusedStep):
             self.w = model
         else:
             self.w = decoder_weights(model, arch, layout=layout_for(method))
-        self.ops = _resolve_ops(dense_ops if dense_ops is not None else _default_ops(self.w))
+        self.ops = resolve_ops(dense_ops if dense_ops is not None else default_ops(self.w))
         a = self.arch = self.w.arch
         self.sparse = sparse
         self.predictors = predictors
@@ -114,7 +111,7 @@ class Decoder(KeptSets, ThresholdBlocks, FusedStep):
         check_layout(self.w, method, sparse)
         if predictors is not None and getattr(predictors, "mode", "lookahead") != "lookahead":
             raise EngineError(
-                "the engine runs lookahead predictors (Knowl 2); train mode='lookahead'."
+                "the engine runs lookahead predictors (§4.3); train mode='lookahead'."
             )
         if predictors is not None and method != "dejavu":
             raise EngineError(
@@ -128,7 +125,6 @@ class Decoder(KeptSets, ThresholdBlocks, FusedStep):
         self.max_seq_len = int(max_seq_len)
         dev, dt = self.w.device, self.w.dtype
         self.H, self.Hkv, self.dh = a.n_heads, a.n_kv_heads, a.d_head
-        self.scale = 1.0 / math.sqrt(self.dh)
         # deferred KV needs one KV head per query head; GQA computes all (few) KV heads instead
         mha = self.H == self.Hkv
         dejavu_heads = method == "dejavu" and sparse.head_sparsity > 0
@@ -154,19 +150,55 @@ class Decoder(KeptSets, ThresholdBlocks, FusedStep):
         self.graph = None
         self._side = None
         self._taps = None  # a callable (layer, site, tensor) the prefill reports to (calibration)
-        self._kv_all = torch.arange(self.Hkv, device=dev)
-        # the step's blocks: DejaVu's kept-set kernels, else every head + thresholded columns
-        self._attn = self._attn_sparse if method == "dejavu" else self._attn_all
-        self._mlp = {"dejavu": self._mlp_sparse, "cats": self._mlp_cats}.get(method, self._mlp_all)
-        self._init_thresholds()
+        self.st = StepState(a, dev, cos=self.cos, sin=self.sin, ops=self.ops, window=self.window)
+        self.st.pos_t, self.st.base_t = self.pos_t, self.base_t
+        # PyTorch's attention masks the cache; our kernel reads positions < seqlen
+        self._masked = method != "dejavu" and self.ops["attn"] == "torch"
+        # the one-token step finishing each block in its residual add + norm (module doc)
+        self._fusable_blocks = (method != "dejavu" and a.pre_ln
+                                and self.w.dtype in (torch.float16, torch.bfloat16))  # fmt: skip
+        # per layer, each site's Threshold or None (-1 where a dense op runs their kernels)
+        given = (sparse.thresholds or {}) if sparse is not None else {}
+        keep = keep_sites(self.ops, rows=self.w.layers[0].w_qkv is not None)
+        self.site_thresholds = layer_thresholds(given, a, dev, keep)
+        self.sets = None
         if method == "dejavu":
-            self._init_sparse(sparse)
+            self.sets = self._new_sets(sparse)
+            self.k_mlp, self.k_heads = self.sets.k_mlp, self.sets.k_heads
+        self.attn, self.mlp = self._new_blocks()
 
     def _new_cache(self, t_alloc: int) -> torch.Tensor:
         """The static KV cache [L, 2, Hkv, T, dh] (zeros: never NaN, even where deferred); a
         batched decoder (:mod:`~dejavu_lab.engine.batch`) allocates one slot per sequence."""
         shape = (self.arch.n_layers, 2, self.Hkv, t_alloc, self.dh)
         return torch.zeros(shape, dtype=self.w.dtype, device=self.w.device)
+
+    def _new_sets(self, sparse: SparseConfig) -> KeptSets:
+        """DejaVu's kept sets (a tensor-parallel rank cuts its predictors to its own units)."""
+        return KeptSets(self.arch, sparse, self.w.device, window=self.window,
+                        predictors=self.predictors)  # fmt: skip
+
+    def _new_blocks(self) -> tuple[list, list]:
+        """Each layer's attention and MLP blocks, chosen once for the method (see
+        :mod:`~dejavu_lab.engine.attention`, :mod:`~dejavu_lab.engine.mlp`)."""
+        w, L = self.w, range(self.arch.n_layers)
+        if self.sets is not None:  # DejaVu
+            fused = self.sparse.fused
+            attn = [KeptHeads(w.layers[i], self.kv[i], self.st, i, self.sets, fused=fused)
+                    for i in L]  # fmt: skip
+            return attn, [KeptMLP(w.layers[i], w, i, self.sets, fused=fused) for i in L]
+        every = torch.arange(self.arch.d_mlp, device=w.device, dtype=torch.int32)  # all layers'
+        cats, triton, t = self.method == "cats", self.ops["mlp"] == "triton", self.site_thresholds
+        mlp = [mlp_block(w.layers[i], w, t[i], cats=cats, triton=triton, every=every) for i in L]
+        return [every_head(w.layers[i], self.kv[i], self.st, t[i]) for i in L], mlp
+
+    def set_indices(self, layer: int, *, mlp=None, heads=None) -> None:
+        """Fix the kept neurons / heads of ``layer`` (used when no predictors are given)."""
+        if self.sets is None:
+            raise EngineError(
+                "set_indices fixes DejaVu's kept sets; pass sparse=SparseConfig(method='dejavu', ...)."
+            )
+        self.sets.set_indices(layer, mlp=mlp, heads=heads)
 
     # ----------------------------------------------------------------------------- the blocks
 
@@ -186,116 +218,40 @@ class Decoder(KeptSets, ThresholdBlocks, FusedStep):
         return F.linear(x, self.w.lm_head)  # [S, V]
 
     def _block(self, i: int, x: torch.Tensor, attn, mlp) -> torch.Tensor:
+        """Layer i on the residual stream x [S, d]; ``attn`` and ``mlp`` map a normed [S, d]."""
         lw, kind, r = self.w.layers[i], self.w.norm, self._reduce
         if self.arch.pre_ln:
-            h = x + r(attn(i, _norm(x, lw.ln_attn, kind)))
-            return h + r(mlp(i, _norm(h, lw.ln_mlp, kind)))
-        h = _norm(x + r(attn(i, x)), lw.ln_attn, kind)  # post-LN (OPT-350m)
-        return _norm(h + r(mlp(i, h)), lw.ln_mlp, kind)
+            h = x + r(attn(_norm(x, lw.ln_attn, kind)))
+            return h + r(mlp(_norm(h, lw.ln_mlp, kind)))
+        h = _norm(x + r(attn(x)), lw.ln_attn, kind)  # post-LN (OPT-350m)
+        return _norm(h + r(mlp(h)), lw.ln_mlp, kind)
 
     def _reduce(self, t: torch.Tensor) -> torch.Tensor:
         """A block's output [S, d] as the residual stream adds it: itself here (all-reduced
         over the ranks in :mod:`dejavu_lab.engine.tp`)."""
         return t
 
-    def _mlp_sparse(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        """DejaVu's MLP over the kept neurons: up (or gate/up), activation and down."""
-        lw, n, idx = self.w.layers[i], self.arch.d_mlp, self.mlp_idx[i]
-        if not self.sparse.fused:  # two gather-GEMVs (faster on the H200: SparseConfig.fused)
-            b = lw.b_in
-            h = sparse_mlp_up(
-                x, lw.w_in[:n], idx, bias=None if b is None else b[:n],
-                activation=self.w.activation, up_weight=lw.w_in[n:] if self.arch.gated else None,
-                up_bias=None if (b is None or not self.arch.gated) else b[n:], validate=False,
-            )  # fmt: skip
-            return sparse_mlp_down(h, lw.w_down_t, idx, bias=lw.b_down, validate=False)
-        return fused_sparse_mlp(x, lw.w_in, lw.w_down_t, idx, activation=self.w.activation,
-                                gated=self.arch.gated, b_in=lw.b_in, b_down=lw.b_down,
-                                validate=False)  # fmt: skip
-
     def _per_step(self) -> None:
         """Tensors every layer of this step shares, computed once: mask or length, positions."""
-        if self.method != "dejavu" and self.ops["attn"] == "torch":  # torch masks the cache
-            self._cur_mask = torch.where(self.ar_t <= self.pos_t, self._zero, self._ninf)  # [T]
+        st = self.st
+        if self._masked:  # torch masks the cache
+            st.mask = torch.where(self.ar_t <= self.pos_t, self._zero, self._ninf)  # [T]
         else:  # our attention kernel reads positions < seqlen
-            self._seqlen = self.pos_t + 1  # [1] tokens in the cache with this one
+            st.seqlen = self.pos_t + 1  # [1] tokens in the cache with this one
         if self.window:
-            self._slot = self.pos_t - self.base_t  # [1] row of this token in the window
+            st.slot = self.pos_t - self.base_t  # [1] row of this token in the window
         # [B]: the position of each projected token (the window's rows, or this token)
-        self._positions = self.base_t + self.ar_w if self.window else self.pos_t
-
-    def _attn_sparse(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        lw, heads = self.w.layers[i], self.head_idx[i]
-        if self.window:  # union batch: this token plus the window's stored inputs (§4.2)
-            self.hwin[i].index_copy_(0, self._slot, x)
-            xb = self.hwin[i]
-        else:
-            xb = x
-        # [B, (k + 2 nkv) dh]: the kept blocks of W_QKV, queries and keys rotated (row b at
-        # its position) and, with deferred KV, the kept heads' K/V over the window written to
-        # the cache, all in one launch
-        win = self.window > 0
-        if not self.sparse.fused:
-            return self._attn_sparse_unfused(i, xb, heads)
-        qkv = qkv_rope(xb, lw.w_qkv, self.qkv_idx[i], n_heads=self.H, n_kv_heads=self.Hkv,
-                       positions=self._positions,
-                       bias=lw.b_qkv, cos=self.cos, sin=self.sin,
-                       k_cache=self.kv[i, 0] if win else None,
-                       v_cache=self.kv[i, 1] if win else None)  # fmt: skip
-        if win:  # this token's row
-            qkv = qkv.index_select(0, self._slot)  # [1, (k + 2 nkv) dh]
-        # appends this token's K/V (again, in the window case) and attends, kept heads only
-        return self._attend_kept(i, qkv, heads)
-
-    def _attend_kept(self, i: int, qkv: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
-        """Append this token's K/V, attend over the kept heads' cache only, then their W_O rows."""
-        lw = self.w.layers[i]
-        o = sparse_attention_core(
-            qkv, self.kv[i, 0][None], self.kv[i, 1][None], self._seqlen, heads, n_heads=self.H,
-            kv_heads=None if self.window else self._kv_all, scale=self.scale,
-        )  # [1, k dh]  # fmt: skip
-        return sparse_mlp_down(o, lw.w_o_t, heads, bias=lw.b_o, rows_per_index=self.dh,
-                               validate=False)  # fmt: skip
-
-    def _attn_sparse_unfused(self, i: int, xb: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
-        """The kept heads' QKV gather-GEMV, RoPE, the window's K/V write and attention apart."""
-        lw, dh, k, nkv = self.w.layers[i], self.dh, self.k_heads, self.n_kv_sel
-        qkv = sparse_mlp_up(xb, lw.w_qkv, self.qkv_idx[i], bias=lw.b_qkv, activation="none",
-                            rows_per_index=dh, validate=False)  # [B, (k + 2 nkv) dh]  # fmt: skip
-        if self.cos is not None:  # row b sits at positions[b]
-            blocks = qkv.view(xb.shape[0], k + 2 * nkv, dh)
-            cos, sin = self.cos[self._positions, None], self.sin[self._positions, None]
-            blocks[:, : k + nkv] = _rotate(blocks[:, : k + nkv], cos, sin)
-        if self.window:  # the kept heads' K/V over the whole window, then this token's row
-            kv_window_write(qkv, self.kv[i, 0], self.kv[i, 1], heads, self.base_t, n_q=k)
-            qkv = qkv.index_select(0, self._slot)  # [1, (k + 2 nkv) dh]
-        return self._attend_kept(i, qkv, heads)
+        st.positions = self.base_t + self.ar_w if self.window else self.pos_t
 
     def _flush(self) -> None:
-        """Dense K/V of every head for the window's tokens, then open a new window (§4.2):
-        the step's own kernel over every K/V block, so both write the same numbers."""
-        if not self.sparse.fused:  # the unfused step rotates in torch: so does its flush
-            return self._flush_unfused()
-        blocks = torch.arange(self.H, self.H + 2 * self.Hkv, device=self.w.device)
-        positions = self.base_t + self.ar_w
-        for i, lw in enumerate(self.w.layers):
-            qkv_rope(self.hwin[i], lw.w_qkv, blocks, n_heads=self.H, n_kv_heads=self.Hkv,
-                     positions=positions, bias=lw.b_qkv, cos=self.cos, sin=self.sin,
-                     k_cache=self.kv[i, 0], v_cache=self.kv[i, 1])  # fmt: skip
+        """Dense K/V of every head for the window's tokens, then open a new window (§4.2)."""
+        blocks = positions = None
+        if self.sparse.fused:  # every K/V block, the window's rows at their positions
+            blocks = torch.arange(self.H, self.H + 2 * self.Hkv, device=self.w.device)
+            positions = self.base_t + self.ar_w
+        for attn in self.attn:
+            attn.flush(self.base, blocks, positions)
         self.base += self.window
-        self.base_t.fill_(self.base)
-
-    def _flush_unfused(self) -> None:
-        H, Hkv, dh, W, b = self.H, self.Hkv, self.dh, self.window, self.base
-        for i, lw in enumerate(self.w.layers):
-            bias = None if lw.b_qkv is None else lw.b_qkv[H * dh :]
-            kv = F.linear(self.hwin[i], lw.w_qkv[H * dh :], bias).view(W, 2, Hkv, dh)
-            kk = kv[:, 0]
-            if self.cos is not None:
-                kk = _rotate(kk, self.cos[b : b + W, None], self.sin[b : b + W, None])
-            self.kv[i, 0, :, b : b + W] = kk.transpose(0, 1)
-            self.kv[i, 1, :, b : b + W] = kv[:, 1].transpose(0, 1)
-        self.base += W
         self.base_t.fill_(self.base)
 
     # ----------------------------------------------------------------------------- steps
@@ -316,25 +272,34 @@ class Decoder(KeptSets, ThresholdBlocks, FusedStep):
         on the side stream while layer i computes (a batched decoder shares this loop)."""
         if self._fusable(x):  # one token: each block finished in its residual add + norm
             return self._layers_fused(x)
-        attn, mlp = self._attn, self._mlp
         pred = self.predictors is not None
         side = self._side if (pred and x.is_cuda and self.sparse.side_stream) else None
+        predict = self.sets.predict if pred else None
         if pred:
-            self._predict(0, x)
+            predict(0, x)
         keep = []  # layer inputs read on the side stream stay allocated until the join
         for i in range(self.arch.n_layers):
             if pred and i + 1 < self.arch.n_layers:
                 if side is not None:
                     side.wait_stream(torch.cuda.current_stream())
                     with torch.cuda.stream(side):
-                        self._predict(i + 1, x)
+                        predict(i + 1, x)
                     keep.append(x)
                 else:
-                    self._predict(i + 1, x)
-            x = self._block(i, x, attn, mlp)
+                    predict(i + 1, x)
+            x = self._block(i, x, self.attn[i], self.mlp[i])
             if side is not None:
                 torch.cuda.current_stream().wait_stream(side)
         return x
+
+    def _fusable(self, x: torch.Tensor) -> bool:
+        return (self.fuse_epilogues and self._fusable_blocks and x.shape[0] == 1
+                and use_triton(x.device))  # fmt: skip
+
+    def _layers_fused(self, x: torch.Tensor) -> torch.Tensor:
+        """Every block of a one-token step on x [1, d], each finished in its residual add +
+        norm (:func:`~dejavu_lab.engine.fused_step.fused_layers`)."""
+        return fused_layers(x, self.w, self.attn, self.mlp, fuse_hidden=self.fuse_hidden)
 
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
@@ -359,7 +324,7 @@ class Decoder(KeptSets, ThresholdBlocks, FusedStep):
             q, k, v = qkv[:, :H], qkv[:, H : H + Hkv], qkv[:, H + Hkv :]
             if self.cos is not None:
                 c, s = self.cos[:S, None], self.sin[:S, None]
-                q, k = _rotate(q, c, s), _rotate(k, c, s)
+                q, k = rotate(q, c, s), rotate(k, c, s)
             self.kv[i, 0, :, :S] = k.transpose(0, 1)
             self.kv[i, 1, :, :S] = v.transpose(0, 1)
             o = F.scaled_dot_product_attention(
@@ -373,14 +338,14 @@ class Decoder(KeptSets, ThresholdBlocks, FusedStep):
             lw, n = self.w.layers[i], self.arch.d_mlp
             tap(i, "mlp_in", xn)
             a = lw.mlp_in(xn)
-            g = self._gate_act(a)  # act(gate), or act(fc1 x): what CATS thresholds
+            g = gate_act(a, self.w.activation, self.arch.gated, n)  # what CATS thresholds
             h = g * a[:, n:] if self.arch.gated else g
             tap(i, "gate", g)
             tap(i, "down_in", h)
             return h @ lw.w_down_t if lw.b_down is None else torch.addmm(lw.b_down, h, lw.w_down_t)
 
         for i in range(self.arch.n_layers):
-            x = self._block(i, x, attn, mlp)
+            x = self._block(i, x, lambda xn, i=i: attn(i, xn), lambda xn, i=i: mlp(i, xn))
         logits = self._head(x[-1:])
         self.pos, self.base = S, S
         self.pos_t.fill_(S)
@@ -389,8 +354,8 @@ class Decoder(KeptSets, ThresholdBlocks, FusedStep):
         self.tok_t.copy_(nxt)
         self.tokens[:S] = ids
         self.tokens[S : S + 1] = nxt
-        if self.window and not hasattr(self, "hwin"):
-            self.hwin = torch.zeros(self.arch.n_layers, self.window, self.arch.d_model,
+        if self.window and self.st.hwin is None:  # the deferred window's attention inputs
+            self.st.hwin = torch.zeros(self.arch.n_layers, self.window, self.arch.d_model,
                                     dtype=self.w.dtype, device=self.w.device)  # fmt: skip
         return logits
 
@@ -484,19 +449,19 @@ class Decoder(KeptSets, ThresholdBlocks, FusedStep):
     def parts(self) -> dict:
         """Zero-argument callables running one part of a decode step over every layer, for
         timing by :mod:`kernels.bench_engine` (each replays on the current static buffers)."""
-        L, attn, mlp = self.arch.n_layers, self._attn, self._mlp
+        L, attn, mlp = self.arch.n_layers, self.attn, self.mlp
         x = torch.randn(1, self.arch.d_model, dtype=self.w.dtype, device=self.w.device)
 
         def run_attn():
             self._per_step()
             for i in range(L):
-                attn(i, _norm(x, self.w.layers[i].ln_attn, self.w.norm))
+                attn[i](_norm(x, self.w.layers[i].ln_attn, self.w.norm))
 
         def run_mlp():
             for i in range(L):
-                mlp(i, _norm(x, self.w.layers[i].ln_mlp, self.w.norm))
+                mlp[i](_norm(x, self.w.layers[i].ln_mlp, self.w.norm))
 
         out = {"attention": run_attn, "mlp": run_mlp, "lm_head": lambda: self._head(x)}
         if self.predictors is not None:
-            out["predictors"] = lambda: [self._predict(i, x) for i in range(L)]
+            out["predictors"] = lambda: [self.sets.predict(i, x) for i in range(L)]
         return out

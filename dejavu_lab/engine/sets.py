@@ -1,7 +1,8 @@
 """Which neurons and heads the sparse decoder keeps, per layer (Deja Vu §4.1–4.3).
 
-A mixin of :class:`dejavu_lab.engine.Decoder`: static index buffers (one row per layer, fixed
-sizes, so a CUDA graph can replay them) filled either by hand (:meth:`KeptSets.set_indices`:
+A part of a DejaVu :class:`dejavu_lab.engine.Decoder` (its ``sets``): static index buffers (one
+row per layer, fixed sizes, so a CUDA graph can replay them) that its blocks read, filled either
+by hand (:meth:`KeptSets.set_indices`:
 oracle or random sets) or, inside the decode step, by the top-k of DejaVu's low-rank predictors
 (:mod:`dejavu_lab.predictors`) evaluated on the previous layer's input (lookahead). The two
 predictors of a layer read the same input, so they are evaluated stacked: one RMS norm and one
@@ -21,20 +22,22 @@ __all__ = ["KeptSets"]
 
 
 class KeptSets:
-    """Kept-set buffers and their update; expects the Decoder's ``w``, ``arch``, ``H``, ``Hkv``,
-    ``window``, ``_kv_all`` and ``predictors`` attributes.
+    """The kept neurons and heads of every layer of a model of shape ``arch`` (``window``: the
+    deferred-KV window; ``predictors``: DejaVu's, or None for sets given by hand).
 
     >>> from dejavu_lab.engine import Decoder, SparseConfig
     >>> from dejavu_lab.models import random_model
     >>> m = random_model("tiny-opt", dtype=torch.float16).model  # 4 heads, 256 neurons
     >>> dec = Decoder(m, max_seq_len=16, sparse=SparseConfig(mlp_sparsity=0.75, head_sparsity=0.5))
     >>> dec.set_indices(0, mlp=range(64, 128), heads=[1, 3])  # an oracle's or a random choice
-    >>> dec.head_idx[0].tolist(), dec.qkv_idx[0].tolist()  # kept q heads, then their K, V blocks
+    >>> dec.sets.head_idx[0].tolist(), dec.sets.qkv_idx[0].tolist()  # q heads, then K, V blocks
     ([1, 3], [1, 3, 5, 7, 9, 11])
     """
 
-    def _init_sparse(self, sp: SparseConfig) -> None:
-        a, dev = self.arch, self.w.device
+    def __init__(self, arch, sp: SparseConfig, device, *, window: int, predictors=None):
+        a, dev = arch, device
+        self.arch, self.device, self.window, self.predictors = arch, device, window, predictors
+        self.H, self.Hkv = a.n_heads, a.n_kv_heads
         self.k_mlp = n_keep(sp.mlp_sparsity, a.d_mlp) if sp.mlp_sparsity > 0 else a.d_mlp
         self.k_heads = n_keep(sp.head_sparsity, self.H) if sp.head_sparsity > 0 else self.H
         self.n_kv_sel = self.k_heads if self.window else self.Hkv
@@ -47,8 +50,10 @@ class KeptSets:
         self._mlp_val = torch.zeros(L, self.k_mlp, device=dev)
         self._head_val = torch.zeros(L, self.k_heads, device=dev)
         self._kv_off = torch.tensor([[self.H], [self.H + self.Hkv]], device=dev)  # K, V blocks
+        self._kv_all = torch.arange(self.Hkv, device=dev)
         for i in range(L):
             self._fill_qkv(i)
+        self._fused = None
         if self.predictors is not None:
             self._fuse_predictors()
 
@@ -61,10 +66,6 @@ class KeptSets:
 
     def set_indices(self, layer: int, *, mlp=None, heads=None) -> None:
         """Fix the kept neurons / heads of ``layer`` (used when no predictors are given)."""
-        if self.method != "dejavu":
-            raise EngineError(
-                "set_indices fixes DejaVu's kept sets; pass sparse=SparseConfig(method='dejavu', ...)."
-            )
         for name, idx, buf, n in (("mlp", mlp, self.mlp_idx, self.arch.d_mlp),
                                   ("heads", heads, self.head_idx, self.H)):  # fmt: skip
             if idx is None:
@@ -91,14 +92,14 @@ class KeptSets:
             ]
         except (AttributeError, TypeError):
             return  # any other object: call its mlp_scores / head_scores
-        dev = self.w.device
+        dev = self.device
         self._fused = [
             (d.to(dev), m.down.weight.shape[0], m.up.weight.float().to(dev),
              m.up.bias.float().to(dev), h.up.weight.float().to(dev), h.up.bias.float().to(dev))
             for d, m, h in zip(downs, mlp, heads, strict=True)
         ]  # fmt: skip
 
-    def _scores(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def scores(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(mlp scores [1, n], head scores [1, H]) of layer i's predictors at x [1, d]."""
         if self._fused is None:
             p = self.predictors
@@ -107,9 +108,9 @@ class KeptSets:
         z = F.rms_norm(x.float(), (x.shape[-1],), eps=1e-6) @ down.t()  # [1, r_mlp + r_head]
         return F.linear(z[:, :r], wm, bm), F.linear(z[:, r:], wh, bh)
 
-    def _predict(self, i: int, x: torch.Tensor) -> None:
+    def predict(self, i: int, x: torch.Tensor) -> None:
         """Kept sets of layer i from x (layer i-1's input: lookahead) by top-k of the scores."""
-        ms, hs = self._scores(i, x)
+        ms, hs = self.scores(i, x)
         if self.k_mlp < self.arch.d_mlp:
             s = ms.reshape(-1)
             torch.topk(s.float(), self.k_mlp, sorted=False, out=(self._mlp_val[i], self.mlp_idx[i]))

@@ -5,12 +5,14 @@ quantile sketches, cached). Speed benchmarks run random-weight models at real sh
 only the *fraction* of columns each step reads matters; :func:`calibrate_thresholds` gets it
 from the activations of one dense prefill of the prompt, per layer and site:
 
-- TEAL: ``thr = q_s(|x|)`` over every token and entry of the site (one constant per site);
+- TEAL: ``thr = q_s(|x|)`` over every token and entry of the site (one number per site);
 - WINA: ``t = q_s(|x_i| * ||W[:, i]||)`` and ``thr_i = t / ||W[:, i]||`` (the site's
-  concatenated weight: ``[Wq; Wk; Wv]``, ``W_O``, ``[W_gate; W_up]`` or ``fc1``, ``W_down``);
-- CATS: ``thr = q_s(|act(gate)|)`` per layer (``|relu(fc1 x)|`` for ReLU OPT).
+  concatenated weight: ``[Wq; Wk; Wv]``, ``W_O``, ``[W_gate; W_up]`` or ``fc1``, ``W_down``;
+  where ``t = 0``, the number 0);
+- CATS: ``thr = q_s(|act(gate)|)`` per layer (``|relu(fc1 x)|`` for ReLU OPT), one number.
 
-The result is the dict :class:`~dejavu_lab.engine.SparseConfig` takes.
+The result is the dict :class:`~dejavu_lab.engine.SparseConfig` takes: a float per site for
+TEAL and CATS, fp32 [d_in] for WINA (one number where it is 0 for every column).
 """
 
 from __future__ import annotations
@@ -53,28 +55,27 @@ def keep_all(model_or_weights, method: str = "teal") -> dict:
 
     >>> from dejavu_lab.models import random_model
     >>> thr = keep_all(random_model("tiny-opt").model, "cats")
-    >>> sorted(thr)[:2], float(thr[(0, "gate")].max())
+    >>> sorted(thr)[:2], thr[(0, "gate")]
     ([(0, 'gate'), (1, 'gate')], -1.0)
     """
     w = _weights(model_or_weights)
-    a = w.arch
-    width = {"attn_in": a.d_model, "o_in": a.n_heads * a.d_head, "mlp_in": a.d_model,
-             "down_in": a.d_mlp, "gate": a.d_mlp}  # fmt: skip
-    return {(i, s): torch.full((width[s],), -1.0, device=w.device)
-            for i in range(a.n_layers) for s in _sites(method)}  # fmt: skip
+    return {(i, s): -1.0 for i in range(w.arch.n_layers) for s in _sites(method)}
 
 
 def calibrate_thresholds(model_or_weights, ids: torch.Tensor, sparsity: float, *,
                          method: str = "teal", sites=None, seed: int = 0) -> dict:  # fmt: skip
-    """``{(layer, site): fp32 thresholds}`` that drop a fraction ``sparsity`` of each site's
-    entries (scores, for WINA) on the dense prefill of ``ids`` [1, S] (see module doc).
+    """``{(layer, site): threshold}`` that drop a fraction ``sparsity`` of each site's entries
+    (scores, for WINA) on the dense prefill of ``ids`` [1, S]: a float (TEAL, CATS) or fp32
+    [d_in] (WINA; see module doc).
 
     >>> from dejavu_lab.models import random_model
     >>> m = random_model("tiny-llama", dtype=torch.float16).model
     >>> ids = torch.randint(0, 128, (1, 32), generator=torch.Generator().manual_seed(0))
     >>> thr = calibrate_thresholds(m, ids, 0.5, method="teal")
-    >>> len(thr), tuple(thr[(0, "attn_in")].shape)  # 2 layers x 4 sites; one per column
-    (8, (64,))
+    >>> len(thr), type(thr[(0, "attn_in")]).__name__  # 2 layers x 4 sites; one number each
+    (8, 'float')
+    >>> tuple(calibrate_thresholds(m, ids, 0.5, method="wina")[(0, "attn_in")].shape)  # per column
+    (64,)
     >>> from dejavu_lab.engine import Decoder, SparseConfig
     >>> dec = Decoder(m, max_seq_len=48, sparse=SparseConfig(method="teal", thresholds=thr))
     >>> dec.generate(ids, 4).shape
@@ -99,8 +100,10 @@ def calibrate_thresholds(model_or_weights, ids: torch.Tensor, sparsity: float, *
         a = x.detach().float().abs()
         norms = column_norms(w, i, site) if method == "wina" else None
         t = _quantile((a * norms if norms is not None else a).flatten(), sparsity, g)
-        thr = t / norms.clamp_min(1e-12) if norms is not None else torch.full_like(a[0], t)
-        out[(i, site)] = thr.contiguous()
+        # WINA's t / ||W[:, i]|| is one number where t = 0 (a ReLU MLP's down_in at 50%: most
+        # entries are zero): every column's threshold is 0
+        per_column = norms is not None and t != 0
+        out[(i, site)] = (t / norms.clamp_min(1e-12)).contiguous() if per_column else t
 
     dense = Decoder(w, max_seq_len=ids.numel() + 1)
     dense._taps = tap

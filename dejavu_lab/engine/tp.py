@@ -59,6 +59,7 @@ import torch.distributed as dist
 
 from .config import EngineError, SparseConfig
 from .decoder import Decoder
+from .sets import KeptSets
 from .tp_weights import ShardedWeights, shard_weights
 from .weights import DecoderWeights, decoder_weights, layout_for
 
@@ -133,6 +134,9 @@ def _local_thresholds(sparse: SparseConfig | None, w: ShardedWeights) -> SparseC
              "down_in": a.d_mlp, "gate": a.d_mlp}  # fmt: skip
     thr = {}
     for (layer, site), t in sparse.thresholds.items():
+        if not isinstance(t, torch.Tensor):  # one number: the same on every rank
+            thr[(layer, site)] = t
+            continue
         if t.numel() != width[site]:
             raise EngineError(
                 f"thresholds[({layer}, {site!r})] has {t.numel()} entries but site {site} of the "
@@ -141,6 +145,32 @@ def _local_thresholds(sparse: SparseConfig | None, w: ShardedWeights) -> SparseC
         lo, hi = cut.get(site, (0, t.numel()))
         thr[(layer, site)] = t[lo:hi]
     return dataclasses.replace(sparse, thresholds=thr)
+
+
+class ShardSets(KeptSets):
+    """DejaVu's kept sets on one rank: the predictors' ``r -> n`` rows cut to the rank's
+    ``neurons`` and ``heads`` (``[start, stop)`` of the whole model's)."""
+
+    def __init__(self, *args, neurons: tuple[int, int], heads: tuple[int, int], **kwargs):
+        self.neurons, self.heads = neurons, heads
+        super().__init__(*args, **kwargs)
+
+    def _fuse_predictors(self) -> None:
+        """The stacked predictors with their r -> n rows cut to this rank's neurons / heads."""
+        super()._fuse_predictors()
+        if self._fused is None:
+            return
+        (n0, n1), (h0, h1) = self.neurons, self.heads
+        self._fused = [(d, r, wm[n0:n1].contiguous(), bm[n0:n1].contiguous(),
+                        wh[h0:h1].contiguous(), bh[h0:h1].contiguous())
+                       for d, r, wm, bm, wh, bh in self._fused]  # fmt: skip
+
+    def scores(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ms, hs = super().scores(i, x)
+        if self._fused is not None:  # already this rank's
+            return ms, hs
+        (n0, n1), (h0, h1) = self.neurons, self.heads
+        return ms[..., n0:n1], hs[..., h0:h1]
 
 
 class TPDecoder(Decoder):
@@ -221,27 +251,15 @@ class TPDecoder(Decoder):
 
     # ----------------------------------------------------------------------------- kept sets
 
-    def _fuse_predictors(self) -> None:
-        """The stacked predictors with their r -> n rows cut to this rank's neurons / heads."""
-        super()._fuse_predictors()
-        if self._fused is None:
-            return
-        (n0, n1), (h0, h1) = self.w.shard.neurons, self.w.shard.heads
-        self._fused = [(d, r, wm[n0:n1].contiguous(), bm[n0:n1].contiguous(),
-                        wh[h0:h1].contiguous(), bh[h0:h1].contiguous())
-                       for d, r, wm, bm, wh, bh in self._fused]  # fmt: skip
-
-    def _scores(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        ms, hs = super()._scores(i, x)
-        if self._fused is not None:  # already this rank's
-            return ms, hs
-        (n0, n1), (h0, h1) = self.w.shard.neurons, self.w.shard.heads
-        return ms[..., n0:n1], hs[..., h0:h1]
+    def _new_sets(self, sparse: SparseConfig) -> ShardSets:
+        s = self.w.shard
+        return ShardSets(self.arch, sparse, self.w.device, window=self.window,
+                         predictors=self.predictors, neurons=s.neurons, heads=s.heads)  # fmt: skip
 
     def set_indices(self, layer: int, *, mlp=None, heads=None) -> None:
         """Fix the kept neurons / heads of ``layer`` by *global* indices; each rank keeps those
         in its range, which must be ``k_mlp`` neurons and ``k_heads`` heads on every rank."""
-        if self.method != "dejavu":
+        if self.sets is None:
             return super().set_indices(layer, mlp=mlp, heads=heads)  # its one-sentence error
         fa, s, local = self.w.full_arch, self.w.shard, {}
         for name, idx, n, k, what in (("mlp", mlp, fa.d_mlp, self.k_mlp, "MLP neurons"),

@@ -150,7 +150,7 @@ def fused_table(name: str = FUSED) -> tuple[pd.DataFrame, dict]:
     decoder either way; with the recording's provenance. Where the recording has them, also the
     fused step with TEAL's and WINA's hidden activations finished in their own launch, and
     without programmatic dependent launch (:mod:`dejavu_lab.kernels.pdl`), and CATS with
-    cuBLAS's gate in place of the split-K one (:mod:`dejavu_lab.kernels.rows_sums`).
+    cuBLAS's gate in place of the split-K one (:mod:`dejavu_lab.kernels.cats.sums`).
 
     >>> t, prov = fused_table()
     >>> list(t.columns)  # doctest: +NORMALIZE_WHITESPACE

@@ -1,0 +1,218 @@
+"""The MLP block of one layer in a decode step: dense, DejaVu's kept neurons, TEAL/WINA, CATS.
+
+Each decoder layer gets one of these at construction (the method decides, once) holding its
+layer's weights and thresholds; calling it on x [B, d] gives the block's output [B, d]:
+
+- :class:`DenseMLP` — cuBLAS (with the fused bias + ReLU epilogue where it applies), or our
+  gather kernel over every neuron (``dense_ops`` ``mlp=triton`` on the ``"rows"`` layout);
+- :class:`KeptMLP` — DejaVu (§4.3): the kept neurons' rows of ``W_in`` and ``W2^T`` only
+  (:func:`~dejavu_lab.kernels.sparse_mlp_up` + :func:`~dejavu_lab.kernels.sparse_mlp_down`, or
+  :func:`~dejavu_lab.kernels.fused_sparse_mlp`), the kept set read from the decoder's sets;
+- :class:`ThresholdMLP` — TEAL / WINA: the columns of ``W_in^T`` and ``W2^T`` whose input entry
+  passes its threshold (:func:`~dejavu_lab.kernels.threshold_gemv`);
+- :class:`CatsMLP` — CATS: a dense gate, then the up and down rows of the neurons with
+  ``|act(gate)| > thr`` (:func:`~dejavu_lab.kernels.cats_mlp`).
+
+``src(x, fuse_hidden)`` is the block as the fused one-token step takes it
+(:meth:`~dejavu_lab.engine.Decoder._layers_fused`): ``(output, bias still to add, whether it is
+fp32 sums, the gate/up sums the epilogue must zero or None)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels import (
+    cats_hidden,
+    cats_mlp,
+    cats_sums,
+    fused_sparse_mlp,
+    sparse_mlp_down,
+    sparse_mlp_up,
+    threshold_gemv,
+    threshold_gemv_act,
+    threshold_sums,
+)
+
+__all__ = ["CatsMLP", "DenseMLP", "KeptMLP", "ThresholdMLP", "act", "gate_act", "mlp_block"]
+
+_ACT = {"relu": torch.relu, "gelu": F.gelu, "silu": F.silu}
+
+
+def _mm(x: torch.Tensor, w_t: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return x @ w_t if b is None else torch.addmm(b, x, w_t)
+
+
+def gate_act(a: torch.Tensor, activation: str, gated: bool, n: int) -> torch.Tensor:
+    """act(gate) of a = [gate | up] (gated, n neurons), or act(a) (fc1): what CATS thresholds."""
+    f = _ACT[activation]
+    return f(a[..., :n]) if gated else f(a)
+
+
+def act(a: torch.Tensor, activation: str, gated: bool, n: int) -> torch.Tensor:
+    """act(a) (ReLU/GELU) or act(gate) * up (gated, a = [gate | up])."""
+    g = gate_act(a, activation, gated, n)
+    return g * a[..., n:] if gated else g
+
+
+class DenseMLP:
+    """Every neuron: cuBLAS, or (``triton=True``, rows layout) our gather kernel over all of
+    them (``every``: the int32 indices 0..n-1, shared by the layers).
+
+    >>> from dejavu_lab.engine import decoder_weights
+    >>> from dejavu_lab.models import random_model
+    >>> m = random_model("tiny-opt").model
+    >>> w = decoder_weights(m)
+    >>> mlp, x = DenseMLP(w.layers[0], w), torch.randn(1, 64)
+    >>> hf = m.model.decoder.layers[0]
+    >>> torch.allclose(mlp(x), hf.fc2(torch.relu(hf.fc1(x))), atol=1e-5)
+    True
+    """
+
+    def __init__(self, lw, w, *, triton: bool = False, every: torch.Tensor | None = None):
+        self.lw, self.activation = lw, w.activation
+        self.gated, self.n = w.arch.gated, w.arch.d_mlp
+        self.triton, self.every = triton, every
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.triton:
+            return self.torch(x)
+        lw = self.lw
+        return fused_sparse_mlp(x, lw.w_in, lw.w_down_t, self.every, activation=self.activation,
+                                gated=self.gated, b_in=lw.b_in, b_down=lw.b_down,
+                                validate=False)  # fmt: skip
+
+    def torch(self, x: torch.Tensor) -> torch.Tensor:
+        """The dense MLP through cuBLAS (fused bias + ReLU epilogue where it applies)."""
+        lw = self.lw
+        if (self.activation == "relu" and not self.gated and lw.b_in is not None
+                and lw.w_in is not None and x.is_cuda):  # fmt: skip
+            h = torch._addmm_activation(lw.b_in, x, lw.w_in.t())  # cuBLASLt bias+ReLU epilogue
+            return _mm(h, lw.w_down_t, lw.b_down)
+        return _mm(self.hidden(x), lw.w_down_t, lw.b_down)
+
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """The hidden activations of x, dense: act(fc1 x) or act(gate x) * up x."""
+        return act(self.lw.mlp_in(x), self.activation, self.gated, self.n)
+
+    def src(self, x: torch.Tensor, fuse_hidden: bool) -> tuple:
+        return self(x), None, False, None
+
+
+class KeptMLP(DenseMLP):
+    """DejaVu's MLP over layer ``i``'s kept neurons ``sets.mlp_idx[i]`` (read at each call:
+    a batched decoder points it at its batch size's union); ``fused``: one kernel for up and
+    down. ``dense_when_full`` (batches): a union holding every neuron runs cuBLAS."""
+
+    def __init__(self, lw, w, i: int, sets, *, fused: bool, dense_when_full: bool = False):
+        super().__init__(lw, w)
+        self.i, self.sets, self.fused, self.dense_when_full = i, sets, fused, dense_when_full
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lw, n, idx = self.lw, self.n, self.sets.mlp_idx[self.i]
+        if self.dense_when_full and idx.shape[0] == n:
+            return self.torch(x)
+        if not self.fused:  # two gather-GEMVs (faster on the H200: SparseConfig.fused)
+            b = lw.b_in
+            h = sparse_mlp_up(
+                x, lw.w_in[:n], idx, bias=None if b is None else b[:n],
+                activation=self.activation, up_weight=lw.w_in[n:] if self.gated else None,
+                up_bias=None if (b is None or not self.gated) else b[n:], validate=False,
+            )  # fmt: skip
+            return sparse_mlp_down(h, lw.w_down_t, idx, bias=lw.b_down, validate=False)
+        return fused_sparse_mlp(x, lw.w_in, lw.w_down_t, idx, activation=self.activation,
+                                gated=self.gated, b_in=lw.b_in, b_down=lw.b_down,
+                                validate=False)  # fmt: skip
+
+
+class ThresholdMLP(DenseMLP):
+    """TEAL / WINA: ``t_in`` on the MLP's input (mlp_in), ``t_down`` on the hidden activations
+    (down_in), each a :class:`~dejavu_lab.engine.site_thresholds.Threshold` or None (dense).
+    ``sums=False`` (a CATS layer without a gate threshold) gives the fused step a finished output."""
+
+    def __init__(self, lw, w, t_in, t_down, *, sums: bool = True):
+        super().__init__(lw, w)
+        self.t_in, self.t_down, self.sums = t_in, t_down, sums
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lw = self.lw
+        h = self.hidden(x)
+        if self.t_down is None:
+            return _mm(h, lw.w_down_t, lw.b_down)
+        return threshold_gemv(h, lw.w_down_t, self.t_down.at(x), bias=lw.b_down)
+
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """The hidden activations of x (mlp_in thresholded, or dense)."""
+        if self.t_in is None:
+            return super().hidden(x)
+        # one token: the activation runs in the GEMV's finalize launch
+        return threshold_gemv_act(x, self.lw.w_in_t, self.t_in.at(x), activation=self.activation,
+                                  gated=self.gated, bias=self.lw.b_in)  # fmt: skip
+
+    def src(self, x: torch.Tensor, fuse_hidden: bool) -> tuple:
+        """A thresholded down GEMV leaves its sums; with ``fuse_hidden`` it also finishes the
+        gate/up sums in its loads, act(gate) * up, so the hidden activations cost no launch."""
+        if not self.sums or self.t_down is None:
+            return self(x), None, False, None
+        lw, t_down = self.lw, self.t_down.at(x)
+        t_in = None if self.t_in is None else self.t_in.at(x)
+        gu = None
+        if fuse_hidden and t_in is not None:
+            gu = threshold_sums(x, lw.w_in_t, t_in, kind="hidden")
+        if gu is not None:
+            ws = threshold_sums(gu, lw.w_down_t, t_down, x_act=self.activation,
+                                x_gated=self.gated, x_bias=lw.b_in)  # fmt: skip
+            if ws is not None:
+                return ws, lw.b_down, True, gu
+            gu.zero_()  # not reached at today's shapes: both GEMVs take the tile kernel
+        h = self.hidden(x)
+        ws = threshold_sums(h, lw.w_down_t, t_down)
+        if ws is not None:
+            return ws, lw.b_down, True, None
+        return threshold_gemv(h, lw.w_down_t, t_down, bias=lw.b_down), None, False, None
+
+
+class CatsMLP(DenseMLP):
+    """CATS: dense gate, up/down rows of the neurons with |act(gate)| > ``gate`` (a
+    :class:`~dejavu_lab.engine.site_thresholds.Threshold`; its kernels read the vector)."""
+
+    def __init__(self, lw, w, gate):
+        super().__init__(lw, w)
+        self.gate = gate.vector
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lw = self.lw
+        return cats_mlp(x, lw.w_in, lw.w_down_t, self.gate, activation=self.activation,
+                        b_in=lw.b_in, b_down=lw.b_down)  # fmt: skip
+
+    def src(self, x: torch.Tensor, fuse_hidden: bool) -> tuple:
+        """The down GEMV finishes the gate and kept up rows' sums (``fuse_hidden``), or reads
+        the kept neurons' activations h (threshold 0)."""
+        lw, gate, a, n = self.lw, self.gate, self.activation, self.n
+        gu = None
+        if fuse_hidden:  # gate and kept up rows as sums, finished by the down GEMV
+            gu = cats_sums(x, lw.w_in, gate, activation=a, n=n, b_in=lw.b_in)
+        if gu is not None:
+            ws = threshold_sums(gu, lw.w_down_t, gate, x_act=a, x_gated=self.gated,
+                                x_bias=lw.b_in, keep_gate=True)  # fmt: skip
+            if ws is not None:
+                return ws, lw.b_down, True, gu
+            gu.zero_()  # not reached at today's shapes: the down GEMV takes the tile kernel
+        h = cats_hidden(x, lw.w_in, gate, activation=a, n=n, b_in=lw.b_in)
+        ws = threshold_sums(h, lw.w_down_t, 0.0)
+        if ws is not None:
+            return ws, lw.b_down, True, None
+        return threshold_gemv(h, lw.w_down_t, 0.0, bias=lw.b_down), None, False, None
+
+
+def mlp_block(lw, w, thresholds: dict, *, cats: bool, triton: bool, every: torch.Tensor):
+    """The MLP block of layer ``lw`` for a dense, TEAL, WINA or CATS decoder (``thresholds``:
+    the layer's ``{site: Threshold or None}``; ``triton``: the dense MLP through our kernel)."""
+    t = thresholds
+    if cats and t["gate"] is not None:
+        return CatsMLP(lw, w, t["gate"])
+    if t["mlp_in"] is None and t["down_in"] is None:
+        return DenseMLP(lw, w, triton=triton, every=every)
+    # a CATS layer without a gate threshold finishes its own output
+    return ThresholdMLP(lw, w, t["mlp_in"], t["down_in"], sums=not cats)
