@@ -31,6 +31,7 @@ from .errors import ResultsError
 __all__ = [
     "REQUIRED_PROVENANCE",
     "ResultsError",
+    "add_repeat",
     "describe",
     "list_results",
     "load",

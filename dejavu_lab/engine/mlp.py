@@ -174,7 +174,7 @@ class ThresholdMLP(DenseMLP):
 
 
 class CatsMLP(DenseMLP):
-    """CATS: dense gate, up/down rows of the neurons with |act(gate)| > ``gate`` (a
+    """CATS: dense gate, up/down rows of the neurons with ``|act(gate)| > gate`` (a
     :class:`~dejavu_lab.engine.site_thresholds.Threshold`; its kernels read the vector)."""
 
     def __init__(self, lw, w, gate):

@@ -147,7 +147,7 @@ def _local_thresholds(sparse: SparseConfig | None, w: ShardedWeights) -> SparseC
     return dataclasses.replace(sparse, thresholds=thr)
 
 
-class ShardSets(KeptSets):
+class _ShardSets(KeptSets):
     """DejaVu's kept sets on one rank: the predictors' ``r -> n`` rows cut to the rank's
     ``neurons`` and ``heads`` (``[start, stop)`` of the whole model's)."""
 
@@ -251,9 +251,9 @@ class TPDecoder(Decoder):
 
     # ----------------------------------------------------------------------------- kept sets
 
-    def _new_sets(self, sparse: SparseConfig) -> ShardSets:
+    def _new_sets(self, sparse: SparseConfig) -> _ShardSets:
         s = self.w.shard
-        return ShardSets(self.arch, sparse, self.w.device, window=self.window,
+        return _ShardSets(self.arch, sparse, self.w.device, window=self.window,
                          predictors=self.predictors, neurons=s.neurons, heads=s.heads)  # fmt: skip
 
     def set_indices(self, layer: int, *, mlp=None, heads=None) -> None:
