@@ -32,6 +32,9 @@ from .kernels import pdl
 from .kernels.cats import mlp as cats_mlp_module  # its SPLIT_GATE switch
 from .models import PRESETS, load_model, random_model
 from .timing import cuda, graph_ms, relerr, timed
+from .vocab import METHODS, method_names
+
+THRESHOLD = method_names(family="threshold")  # the methods timed at each --sparsity
 
 __all__ = [
     "CHECK",
@@ -221,7 +224,7 @@ def variants(methods, sparsities, dejavu_budget, preds) -> list[Variant]:
                                    sparse=SparseConfig(ms_, hs_, side_stream=False),
                                    only_at_parts=True))  # fmt: skip
         else:
-            out += [Variant(m, m, sparsity=s, columns=m in ("teal", "wina")) for s in sparsities]
+            out += [Variant(m, m, sparsity=s, columns=METHODS[m].input_sparse) for s in sparsities]
     return sorted(out, key=lambda v: v.columns)  # stable: rows layout first
 
 
@@ -243,7 +246,7 @@ def make_decoder(v: Variant, w, arch, max_len, preds, dense_ops, thresholds=None
     >>> dec.k_mlp, arch.d_mlp
     (96, 192)
     """
-    if v.method in ("teal", "wina", "cats"):
+    if v.method in THRESHOLD:
         sp = SparseConfig(method=v.method, thresholds=thresholds)
     else:
         sp = v.sparse
@@ -264,7 +267,7 @@ def _keep_all_check(v: Variant, w, arch, ids, ref, preds, dense_ops,
         kv = Variant(v.engine, "dejavu", sparse=SparseConfig(0.0, 0.0))
     else:
         kv = v
-    thr = keep_all(w, v.method) if v.method in ("teal", "wina", "cats") else None
+    thr = keep_all(w, v.method) if v.method in THRESHOLD else None
     dec = make_decoder(kv, w, arch, ids.shape[1] + 1, preds, dense_ops, thr)
     return relerr(_decode_logits(dec, ids, n_prompt), ref)
 
@@ -363,7 +366,7 @@ def bench_model(preset, prompts, new_tokens, hf_new, hf_prompts, device, ceiling
                    "keep_all_vs_dense": keep_err, "check_ok": ok}  # fmt: skip
             try:
                 thr = None
-                if v.method in ("teal", "wina", "cats"):
+                if v.method in THRESHOLD:
                     thr = calibrate_thresholds(w, ids, v.sparsity, method=v.method)
                 dec = make_decoder(v, w, arch, p + new_tokens, preds, dense_ops, thr)
                 row.update(_engine_row(dec, ids, new_tokens))
@@ -379,7 +382,7 @@ def bench_model(preset, prompts, new_tokens, hf_new, hf_prompts, device, ceiling
                         ms = _engine_row(dec, ids, new_tokens)["ms_per_token"]
                         row["cublas_gate_ms_per_token"] = ms
                         cats_mlp_module.SPLIT_GATE = True
-                    if dec.fuse_hidden and v.method in ("teal", "wina", "cats"):  # its own saving
+                    if dec.fuse_hidden and v.method in THRESHOLD:  # its own saving
                         dec.fuse_hidden = False
                         ms = _engine_row(dec, ids, new_tokens)["ms_per_token"]
                         row["hidden_unfused_ms_per_token"] = ms

@@ -114,8 +114,21 @@ class Method:
     needs: str  # what must exist first: "nothing", "calibration", "predictors", "static sets"
     engine: bool  # the decoder (dejavu_lab.engine) runs it, not only the hooks on HF models
     allocation: str = "uniform"  # default share of the budget over layers/sites ("greedy": TEAL)
+    # threshold family: what is compared with the threshold at a site: "magnitude" |x_i|,
+    # "weighted" |x_i| * ||W[:, i]||_2 (one threshold per column, t / ||W[:, i]||), "gate"
+    # |act(gate_j)| per MLP neuron
+    score: str = ""
     aliases: tuple[str, ...] = ()  # older names that still select it
     paper: str = ""  # where it comes from
+
+    @property
+    def input_sparse(self) -> bool:
+        """Thresholds the inputs of linear layers: entry i selects weight column i (TEAL, WINA).
+
+        >>> METHODS["wina"].input_sparse, METHODS["cats"].input_sparse
+        (True, False)
+        """
+        return self.family == "threshold" and self.score != "gate"
 
 
 _TEAL_SITES = ("attn_in", "o_in", "mlp_in", "down_in")
@@ -131,11 +144,11 @@ METHODS: dict[str, Method] = {
         Method("dejavu", "unit", _UNITS, "predictors", engine=True, aliases=("predicted",),
                paper="Deja Vu's lookahead predictors (§4)"),
         Method("teal", "threshold", _TEAL_SITES, "calibration", engine=True,
-               allocation="greedy", paper="TEAL (Liu et al., 2024)"),
+               allocation="greedy", score="magnitude", paper="TEAL (Liu et al., 2024)"),
         Method("wina", "threshold", _TEAL_SITES, "calibration", engine=True,
-               allocation="greedy", paper="WINA (Chen et al., 2025)"),
+               allocation="greedy", score="weighted", paper="WINA (Chen et al., 2025)"),
         Method("cats", "threshold", ("gate",), "calibration", engine=True,
-               paper="CATS (Lee et al., 2024)"),
+               score="gate", paper="CATS (Lee et al., 2024)"),
     )
 }  # fmt: skip
 ALIASES = {a: m.name for m in METHODS.values() for a in m.aliases}

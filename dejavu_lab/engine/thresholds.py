@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from ..vocab import METHODS
 from .config import SITES, EngineError
 from .decoder import Decoder
 from .weights import DecoderWeights, decoder_weights
@@ -98,7 +99,7 @@ def calibrate_thresholds(model_or_weights, ids: torch.Tensor, sparsity: float, *
         if site not in wanted:
             return
         a = x.detach().float().abs()
-        norms = column_norms(w, i, site) if method == "wina" else None
+        norms = column_norms(w, i, site) if METHODS[method].score == "weighted" else None
         t = _quantile((a * norms if norms is not None else a).flatten(), sparsity, g)
         # WINA's t / ||W[:, i]|| is one number where t = 0 (a ReLU MLP's down_in at 50%: most
         # entries are zero): every column's threshold is 0

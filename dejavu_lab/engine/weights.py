@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..arch import Arch, get_arch
+from ..vocab import METHODS
 from .config import EngineError
 
 __all__ = ["DecoderWeights", "LayerWeights", "check_layout", "decoder_weights", "layout_for"]
@@ -318,7 +319,7 @@ def layout_for(method: str) -> str:
     >>> layout_for("teal"), layout_for("dejavu")
     ('columns', 'rows')
     """
-    return "columns" if method in ("teal", "wina") else "rows"
+    return "columns" if method in METHODS and METHODS[method].input_sparse else "rows"
 
 
 def check_layout(w: DecoderWeights, method: str, sparse) -> None:
@@ -332,7 +333,7 @@ def check_layout(w: DecoderWeights, method: str, sparse) -> None:
     lw, need = w.layers[0], []
     if method in ("dejavu", "cats"):
         need = [("w_in", "rows")] + ([("w_qkv", "rows")] if method == "dejavu" else [])
-    elif method in ("teal", "wina"):
+    elif METHODS[method].input_sparse:
         sites = {site for _, site in sparse.thresholds}
         need = [(m, "columns") for m, s in (("w_qkv_t", "attn_in"), ("w_in_t", "mlp_in"))
                 if s in sites]  # fmt: skip

@@ -385,7 +385,7 @@ def live_explorer(
             (mlp, m in UNIT_METHODS),
             (heads, m in UNIT_METHODS),
             (sparsity, m in THRESHOLD_METHODS),
-            (alloc, m in ("teal", "wina")),
+            (alloc, VOCAB_METHODS[m].allocation == "greedy"),
         ):
             widget.layout.display = None if on else "none"  # fmt: skip
 

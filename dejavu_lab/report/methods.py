@@ -20,6 +20,7 @@ from plotly.subplots import make_subplots
 
 from .. import results
 from ..engine.config import DENSE_ENGINES
+from ..vocab import METHODS
 from .engine import method_table
 from .plots import COLORS, wrap_caption
 
@@ -81,7 +82,7 @@ LABELS = {
 def _budget(r) -> str:
     if r.engine.startswith("sparse"):
         return f"MLP {r.mlp_sparsity:.0%} · heads {r.head_sparsity:.0%}"
-    if r.engine in ("teal", "wina"):
+    if r.engine in METHODS and METHODS[r.engine].input_sparse:
         return f"{r.sparsity:.0%} of every input"
     if r.engine == "cats":
         return f"MLP {r.sparsity:.0%}"

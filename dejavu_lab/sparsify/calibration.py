@@ -70,7 +70,10 @@ __all__ = [
     "thresholds_for",
 ]  # CalibrationError, Thresholds and load_thresholds live in dejavu_lab.sparsify.thresholds
 
-KINDS = {"teal": tuple(SITES), "wina": tuple(SITES), "cats": ("gate",)}  # method -> sites
+# method -> its sites, for every threshold method of the table
+KINDS = {m.name: m.sites for m in METHODS.values() if m.family == "threshold"}
+# the input-sparse methods and their scores, histogrammed at each input site
+_INPUT = {m.name: m.score for m in METHODS.values() if m.input_sparse}
 FORMAT = CALIBRATION_FORMAT
 
 
@@ -426,14 +429,14 @@ def _histograms(model, arch, windows, cfg, fp, sha, progress) -> Calibration:
         hist[method][i, j] += torch.bincount(idx, minlength=B).double().cpu()
 
     def on_site(site):
-        j = KINDS["teal"].index(site)
+        j = tuple(SITES).index(site)
 
         def fn(x: torch.Tensor, name: str) -> None:
             i = int(name.split(".")[1])
             a = x.detach().abs().float()
             a = a.reshape(*a.shape[:2], -1) if site == "o_in" else a
-            add("teal", i, j, a)
-            add("wina", i, j, a * norms[(i, site)].to(a.device))
+            for method, score in _INPUT.items():
+                add(method, i, j, a * norms[(i, site)].to(a.device) if score == "weighted" else a)
 
         return fn
 

@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 from ..arch import Arch, get_arch
 from ..hooks import hooks
 from ..step_bytes import site_elements
-from ..vocab import site_width
+from ..vocab import METHODS, site_width
 from .core import SITES, column_norms
 
 __all__ = ["greedy_path", "layer_inputs"]
@@ -135,7 +135,8 @@ def _layer_path(model, arch, cal, method, i, captured) -> list[list[float]]:
     w = [elements[s] for s in sites]
     total = sum(w)
     step = [min(cfg.greedy_step * total / wp, cfg.greedy_max_site_step) for wp in w]
-    norms = {s: column_norms(model, arch, i, s) for s in sites} if method == "wina" else {}
+    weighted = METHODS[method].score == "weighted"  # WINA: t / ||W[:, i]|| per column
+    norms = {s: column_norms(model, arch, i, s) for s in sites} if weighted else {}
     layer = arch.layer(model, i)
     args, kwargs = captured
     device = next(model.parameters()).device
@@ -144,7 +145,7 @@ def _layer_path(model, arch, cal, method, i, captured) -> list[list[float]]:
         if s <= 0:
             return torch.tensor(-1.0)  # keeps everything: |x| > -1
         t = cal.threshold(method, i, site, s)
-        return t / norms[site] if method == "wina" else torch.tensor(t)
+        return t / norms[site] if weighted else torch.tensor(t)
 
     current: dict[str, torch.Tensor] = {}  # site -> [k, 1, d_in] thresholds of the batch
 

@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from ..arch import Arch, get_arch
 from ..collect import fingerprint, fingerprint_id
 from ..errors import CalibrationError
-from ..vocab import site_width
+from ..vocab import METHODS, site_width
 from .core import column_norms
 
 __all__ = ["CalibrationError", "Thresholds", "load_thresholds"]
@@ -73,7 +73,7 @@ class Thresholds:
         ...     (0, "mlp_in")].shape  # one per input column
         torch.Size([64])
         """
-        if self.method != "wina":
+        if METHODS[self.method].score != "weighted":
             return dict(sorted(self.values.items()))
         arch = arch or get_arch(model)
         out = {}
