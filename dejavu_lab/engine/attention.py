@@ -37,7 +37,11 @@ __all__ = ["DenseAttention", "StepState", "ThresholdAttention", "every_head", "r
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE in HF's half-split form; x [..., dh], cos/sin broadcastable to x (prefill, flush)."""
+    """RoPE in HF's half-split form; x [..., dh], cos/sin broadcastable to x (prefill, flush).
+
+    >>> rotate(torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.zeros(4), torch.ones(4))  # a quarter turn
+    tensor([-3., -4.,  1.,  2.])
+    """
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
@@ -54,6 +58,13 @@ class StepState:
     ``mask`` [T] or [B, T] (PyTorch attention), ``slot`` [1] (this token's row of the deferred
     window), ``pos_t`` / ``base_t`` (the decoder's position buffers), ``hwin`` [L, W, d] (the
     window's stored attention inputs).
+
+    >>> from dejavu_lab.engine import Decoder
+    >>> from dejavu_lab.models import random_model
+    >>> dec = Decoder(random_model("tiny-llama").model, max_seq_len=8)
+    >>> st = dec.st  # one per decoder, shared by its layers' blocks
+    >>> st.H, st.Hkv, st.dh, dec.attn[1].st is st
+    (4, 2, 16, True)
     """
 
     def __init__(self, arch, device, *, cos, sin, ops: dict, window: int = 0):
@@ -138,7 +149,17 @@ class DenseAttention:
 
 class ThresholdAttention(DenseAttention):
     """Every head, with ``t_in`` on the attention input (attn_in) and ``t_o`` on the input of
-    ``W_O`` (o_in): :class:`~dejavu_lab.engine.site_thresholds.Threshold` s or None (dense)."""
+    ``W_O`` (o_in): :class:`~dejavu_lab.engine.site_thresholds.Threshold` s or None (dense).
+
+    >>> from dejavu_lab.engine import Decoder, SparseConfig, keep_all
+    >>> from dejavu_lab.models import random_model
+    >>> m, ids = random_model("tiny-llama", dtype=torch.float16).model, torch.tensor([[1, 2, 3]])
+    >>> dec = Decoder(m, max_seq_len=8, sparse=SparseConfig(method="teal", thresholds=keep_all(m)))
+    >>> type(dec.attn[0]).__name__  # every column kept: the dense decoder's tokens
+    'ThresholdAttention'
+    >>> dec.generate(ids, 4).tolist() == Decoder(m, max_seq_len=8).generate(ids, 4).tolist()
+    True
+    """
 
     def __init__(self, lw, kv: torch.Tensor, st: StepState, t_in, t_o):
         super().__init__(lw, kv, st)
@@ -175,7 +196,17 @@ class ThresholdAttention(DenseAttention):
 
 def every_head(lw, kv: torch.Tensor, st: StepState, thresholds: dict) -> DenseAttention:
     """The block over every head of layer ``lw``: thresholded where ``thresholds`` (the layer's
-    ``{site: Threshold or None}``) has attn_in or o_in, else dense."""
+    ``{site: Threshold or None}``) has attn_in or o_in, else dense.
+
+    >>> from dejavu_lab.engine import Decoder, SparseConfig
+    >>> from dejavu_lab.models import random_model
+    >>> m = random_model("tiny-llama", dtype=torch.float16).model
+    >>> teal = SparseConfig(method="teal", thresholds={(0, "o_in"): 0.1})
+    >>> dec = Decoder(m, max_seq_len=8, sparse=teal)
+    >>> [type(every_head(dec.w.layers[i], dec.kv[i], dec.st, dec.site_thresholds[i])).__name__
+    ...  for i in (0, 1)]  # layer 1 has no threshold
+    ['ThresholdAttention', 'DenseAttention']
+    """
     t_in, t_o = thresholds["attn_in"], thresholds["o_in"]
     if t_in is None and t_o is None:
         return DenseAttention(lw, kv, st)

@@ -41,7 +41,16 @@ __all__ = ["BatchAttention", "BatchKeptHeads"]
 
 
 class BatchAttention:
-    """Every head of every sequence; ``proj`` gives the layer's (thresholded) projections."""
+    """Every head of every sequence; ``proj`` gives the layer's (thresholded) projections.
+
+    >>> from dejavu_lab.engine import BatchDecoder
+    >>> from dejavu_lab.models import random_model
+    >>> dec = BatchDecoder(random_model("tiny-llama").model, max_seq_len=16, max_batch=2)
+    >>> type(dec.attn[0]).__name__, type(dec.attn[0].proj).__name__
+    ('BatchAttention', 'DenseAttention')
+    >>> [o.shape[0] for o in dec.generate([torch.tensor([1, 2, 3]), torch.tensor([4, 5])], 3)]
+    [6, 5]
+    """
 
     def __init__(self, proj, kv: torch.Tensor, st):
         self.proj, self.kv, self.st = proj, kv, st
@@ -72,7 +81,17 @@ class BatchAttention:
 
 class BatchKeptHeads:
     """Layer ``i``'s union of heads over each sequence's window (``sets``: the decoder's
-    :class:`~dejavu_lab.engine.batch_sets.BatchSets`, pointed at the batch size's unions)."""
+    :class:`~dejavu_lab.engine.batch_sets.BatchSets`, pointed at the batch size's unions).
+
+    >>> from dejavu_lab.engine import BatchDecoder, SparseConfig
+    >>> from dejavu_lab.models import random_model
+    >>> m = random_model("tiny-llama", dtype=torch.float16).model
+    >>> dec = BatchDecoder(m, max_seq_len=16, max_batch=2, sparse=SparseConfig(0.5, 0.5))
+    >>> type(dec.attn[0]).__name__
+    'BatchKeptHeads'
+    >>> [o.shape[0] for o in dec.generate([torch.tensor([1, 2, 3]), torch.tensor([4, 5])], 3)]
+    [6, 5]
+    """
 
     def __init__(self, proj, kv: torch.Tensor, st, i: int, sets):
         self.proj, self.lw, self.kv, self.st, self.i, self.sets = proj, proj.lw, kv, st, i, sets

@@ -52,7 +52,18 @@ def _norm_of(p: tuple, kind: str) -> tuple:
 def fused_layers(x: torch.Tensor, w, attn: list, mlp: list, *, fuse_hidden: bool) -> torch.Tensor:
     """Every block of a one-token step on x [1, d] (weights ``w``, each layer's attention and
     MLP blocks): attention and MLP with their outputs added to the residual stream and normed
-    for the next block in one launch each."""
+    for the next block in one launch each.
+
+    >>> from dejavu_lab.engine import Decoder
+    >>> from dejavu_lab.models import random_model
+    >>> dec = Decoder(random_model("tiny-llama", dtype=torch.float16).model, max_seq_len=8)
+    >>> _ = dec.prefill(torch.tensor([[1, 2, 3]]))
+    >>> dec._per_step(); x = dec._embed(dec.tok_t, dec.pos_t)  # the next token, [1, d]
+    >>> plain = dec._block(1, dec._block(0, x, dec.attn[0], dec.mlp[0]), dec.attn[1], dec.mlp[1])
+    >>> fused = fused_layers(x, dec.w, dec.attn, dec.mlp, fuse_hidden=True)
+    >>> torch.allclose(fused, plain, atol=1e-2)
+    True
+    """
     layers, kind, n = w.layers, w.norm, len(w.layers)
     nw, nb, eps = _norm_of(layers[0].ln_attn, kind)
     xn = row_norm(x, nw, nb, eps=eps, kind=kind)

@@ -45,13 +45,22 @@ def _mm(x: torch.Tensor, w_t: torch.Tensor, b: torch.Tensor | None) -> torch.Ten
 
 
 def gate_act(a: torch.Tensor, activation: str, gated: bool, n: int) -> torch.Tensor:
-    """act(gate) of a = [gate | up] (gated, n neurons), or act(a) (fc1): what CATS thresholds."""
+    """act(gate) of ``a = [gate | up]`` (gated, n neurons), or act(a) (fc1): what CATS thresholds.
+
+    >>> gate_act(torch.tensor([[-1.0, 2.0, 3.0, 4.0]]), "relu", gated=True, n=2)
+    tensor([[0., 2.]])
+    """
     f = _ACT[activation]
     return f(a[..., :n]) if gated else f(a)
 
 
 def act(a: torch.Tensor, activation: str, gated: bool, n: int) -> torch.Tensor:
-    """act(a) (ReLU/GELU) or act(gate) * up (gated, a = [gate | up])."""
+    """act(a) (ReLU/GELU) or act(gate) * up (gated, ``a = [gate | up]``).
+
+    >>> a = torch.tensor([[-1.0, 2.0, 3.0, 4.0]])
+    >>> act(a, "relu", gated=True, n=2), act(a, "relu", gated=False, n=4)
+    (tensor([[0., 8.]]), tensor([[0., 2., 3., 4.]]))
+    """
     g = gate_act(a, activation, gated, n)
     return g * a[..., n:] if gated else g
 
@@ -103,7 +112,18 @@ class DenseMLP:
 class KeptMLP(DenseMLP):
     """DejaVu's MLP over layer ``i``'s kept neurons ``sets.mlp_idx[i]`` (read at each call:
     a batched decoder points it at its batch size's union); ``fused``: one kernel for up and
-    down. ``dense_when_full`` (batches): a union holding every neuron runs cuBLAS."""
+    down. ``dense_when_full`` (batches): a union holding every neuron runs cuBLAS.
+
+    >>> from dejavu_lab.engine import Decoder, SparseConfig
+    >>> from dejavu_lab.models import random_model
+    >>> dec = Decoder(random_model("tiny-opt", dtype=torch.float16).model, max_seq_len=8,
+    ...               sparse=SparseConfig(mlp_sparsity=0.75, head_sparsity=0.5))
+    >>> mlp, x = dec.mlp[0], torch.randn(1, 64, generator=torch.Generator().manual_seed(0)).half()
+    >>> idx = mlp.sets.mlp_idx[0]  # 64 of 256 neurons: the dense MLP over those rows only
+    >>> dense = mlp.hidden(x)[:, idx] @ mlp.lw.w_down_t[idx] + mlp.lw.b_down
+    >>> torch.allclose(mlp(x), dense, atol=1e-2)
+    True
+    """
 
     def __init__(self, lw, w, i: int, sets, *, fused: bool, dense_when_full: bool = False):
         super().__init__(lw, w)
@@ -129,7 +149,16 @@ class KeptMLP(DenseMLP):
 class ThresholdMLP(DenseMLP):
     """TEAL / WINA: ``t_in`` on the MLP's input (mlp_in), ``t_down`` on the hidden activations
     (down_in), each a :class:`~dejavu_lab.engine.site_thresholds.Threshold` or None (dense).
-    ``sums=False`` (a CATS layer without a gate threshold) gives the fused step a finished output."""
+    ``sums=False`` (a CATS layer without a gate threshold) gives the fused step a finished output.
+
+    >>> from dejavu_lab.engine import Decoder, SparseConfig, keep_all
+    >>> from dejavu_lab.models import random_model
+    >>> m = random_model("tiny-llama", dtype=torch.float16).model
+    >>> dec = Decoder(m, max_seq_len=8, sparse=SparseConfig(method="teal", thresholds=keep_all(m)))
+    >>> mlp, x = dec.mlp[0], torch.randn(1, 64, generator=torch.Generator().manual_seed(0)).half()
+    >>> type(mlp).__name__, torch.allclose(mlp(x), DenseMLP(mlp.lw, dec.w)(x), atol=1e-2)
+    ('ThresholdMLP', True)
+    """
 
     def __init__(self, lw, w, t_in, t_down, *, sums: bool = True):
         super().__init__(lw, w)
@@ -175,7 +204,17 @@ class ThresholdMLP(DenseMLP):
 
 class CatsMLP(DenseMLP):
     """CATS: dense gate, up/down rows of the neurons with ``|act(gate)| > gate`` (a
-    :class:`~dejavu_lab.engine.site_thresholds.Threshold`; its kernels read the vector)."""
+    :class:`~dejavu_lab.engine.site_thresholds.Threshold`; its kernels read the vector).
+
+    >>> from dejavu_lab.engine import Decoder, SparseConfig, keep_all
+    >>> from dejavu_lab.models import random_model
+    >>> m = random_model("tiny-llama", dtype=torch.float16).model
+    >>> cats = SparseConfig(method="cats", thresholds=keep_all(m, "cats"))
+    >>> dec = Decoder(m, max_seq_len=8, sparse=cats)
+    >>> mlp, x = dec.mlp[0], torch.randn(1, 64, generator=torch.Generator().manual_seed(0)).half()
+    >>> type(mlp).__name__, torch.allclose(mlp(x), DenseMLP(mlp.lw, dec.w)(x), atol=1e-2)
+    ('CatsMLP', True)
+    """
 
     def __init__(self, lw, w, gate):
         super().__init__(lw, w)
@@ -208,7 +247,18 @@ class CatsMLP(DenseMLP):
 
 def mlp_block(lw, w, thresholds: dict, *, cats: bool, triton: bool, every: torch.Tensor):
     """The MLP block of layer ``lw`` for a dense, TEAL, WINA or CATS decoder (``thresholds``:
-    the layer's ``{site: Threshold or None}``; ``triton``: the dense MLP through our kernel)."""
+    the layer's ``{site: Threshold or None}``; ``triton``: the dense MLP through our kernel).
+
+    >>> from dejavu_lab.engine import Decoder, SparseConfig, keep_all
+    >>> from dejavu_lab.models import random_model
+    >>> m = random_model("tiny-llama", dtype=torch.float16).model
+    >>> cats = SparseConfig(method="cats", thresholds=keep_all(m, "cats"))
+    >>> dec = Decoder(m, max_seq_len=8, sparse=cats)
+    >>> t = dec.site_thresholds[0]  # a gate threshold only
+    >>> [type(mlp_block(dec.w.layers[0], dec.w, t, cats=c, triton=False, every=None)).__name__
+    ...  for c in (True, False)]
+    ['CatsMLP', 'DenseMLP']
+    """
     t = thresholds
     if cats and t["gate"] is not None:
         return CatsMLP(lw, w, t["gate"])

@@ -40,7 +40,12 @@ class Threshold(NamedTuple):
 
 
 def site_widths(arch) -> dict[str, int]:
-    """Entries of each site's input for a model of shape ``arch`` (a rank's, under TP)."""
+    """Entries of each site's input for a model of shape ``arch`` (a rank's, under TP).
+
+    >>> from dejavu_lab.models import random_model
+    >>> site_widths(random_model("tiny-llama").arch)
+    {'attn_in': 64, 'o_in': 64, 'mlp_in': 64, 'down_in': 192, 'gate': 192}
+    """
     return {"attn_in": arch.d_model, "o_in": arch.n_heads * arch.d_head, "mlp_in": arch.d_model,
             "down_in": arch.d_mlp, "gate": arch.d_mlp}  # fmt: skip
 
