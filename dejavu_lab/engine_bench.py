@@ -348,8 +348,9 @@ def bench_model(preset, prompts, new_tokens, hf_new, hf_prompts, device, ceiling
             ids = torch.randint(0, vocab, (1, p), device=device)
             v.ops = _pick_dense_ops(w, arch, ids, base, rows)
         try:
-            keep_err = _keep_all_check(v, w, arch, check_ids, ref, preds, dense_ops,
-                                      check_tokens[0])  # fmt: skip
+            keep_err = _keep_all_check(
+                v, w, arch, check_ids, ref, preds, dense_ops, check_tokens[0]
+            )
         except Exception as exc:
             print(f"{preset} {v.engine} keep-all check failed: {exc!r}")
             rows.append({**base, "kind": "e2e", "engine": v.engine, "error": repr(exc)[:300]})

@@ -146,8 +146,9 @@ def _check(w, arch, base: dict, vocab: int, device: str, rows: list[dict]) -> No
         full.capture()
         replay = [full.step(cont[:, t]).clone() for t in range(cont.shape[1])]
         row["graph_vs_eager"] = relerr(torch.stack(replay, 1).float(), eager[:, 1:])
-    row["check_ok"] = all(v < 3e-2 for k, v in row.items() if k.endswith(("_vs_batch1", "_vs_alone",
-                                                                          "_vs_eager")))  # fmt: skip
+    row["check_ok"] = all(
+        v < 3e-2 for k, v in row.items() if k.endswith(("_vs_batch1", "_vs_alone", "_vs_eager"))
+    )
     rows.append(row)
     print("check", {k: (f"{v:.1e}" if isinstance(v, float) else v) for k, v in row.items()})
 

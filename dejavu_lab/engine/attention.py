@@ -183,8 +183,9 @@ class ThresholdAttention(DenseAttention):
         ws = threshold_sums(x, self.lw.w_qkv_t, thr) if thr is not None else None
         if ws is not None:
             out = torch.empty((1, ws.numel()), dtype=x.dtype, device=x.device)
-            return rope_sums(ws, self.lw.b_qkv, out, st.cos, st.sin, st.positions,
-                             n_rot=st.H + st.Hkv)  # fmt: skip
+            return rope_sums(
+                ws, self.lw.b_qkv, out, st.cos, st.sin, st.positions, n_rot=st.H + st.Hkv
+            )
         return super().qkv_rot(x)
 
     def o_src(self, o: torch.Tensor) -> tuple:

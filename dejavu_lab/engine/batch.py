@@ -89,8 +89,9 @@ class BatchDecoder(Decoder):
                  sparse: SparseConfig | None = None, predictors=None, arch=None,
                  dense_ops: str | dict | None = None, union_budget: float | None = None,
                  eos_token_id: int | None = None):  # fmt: skip
-        self.max_batch = check_engine.size(max_batch, "max_batch", minimum=1, maximum=MAX_BATCH,
-                                           hint="sequences decoded together")  # fmt: skip
+        self.max_batch = check_engine.size(
+            max_batch, "max_batch", minimum=1, maximum=MAX_BATCH, hint="sequences decoded together"
+        )
         if sparse is not None and sparse.fused:
             raise EngineError("fused=True runs batch 1 only; use SparseConfig(fused=False).")
         self._union_budget = union_budget  # read by _new_sets
@@ -116,8 +117,9 @@ class BatchDecoder(Decoder):
         self._gen = torch.Generator(device=dev) if dev.type == "cpu" else None
         self.kv_window = self.window  # at batch 1; self.W is the current batch's
         if self.window:  # deferred KV: window rows (b, r) at b * W + r, at most 32 of them
-            self.st.hwin = torch.zeros(L, MAX_BATCH, self.arch.d_model, dtype=self.w.dtype,
-                                       device=dev)  # fmt: skip
+            self.st.hwin = torch.zeros(
+                L, MAX_BATCH, self.arch.d_model, dtype=self.w.dtype, device=dev
+            )
         self.B, self.W, self.lengths, self.n_steps, self.wstart = 0, 0, [], 0, 0
         self._sample, self._graphs = False, {}
         if self.sets is None and union_budget is not None:

@@ -115,16 +115,16 @@ class BatchKeptHeads:
         kc, vc = self.kv[0], self.kv[1]  # [B_max, Hkv, T, dh]
         if W:  # the union heads' K/V over each sequence's window, then this step's rows
             for b in range(B):
-                kv_window_write(qkv[b * W : (b + 1) * W], kc[b], vc[b], heads,
-                                st.base_t[b : b + 1], n_q=uh)  # fmt: skip
+                kv_window_write(
+                    qkv[b * W : (b + 1) * W], kc[b], vc[b], heads, st.base_t[b : b + 1], n_q=uh
+                )
             qkv = qkv.index_select(0, st.rows)
         o = sparse_attention_core(qkv, kc[:B], vc[:B], st.seqlen, heads, n_heads=st.H,
                                   kv_heads=None if W else st.kv_all, scale=st.scale,
                                   head_mask=sets.mask[i])  # fmt: skip
         if every:  # o is in head order, zeros where a sequence skips a head
             return self.proj.out(o)
-        return sparse_mlp_down(o, lw.w_o_t, heads, bias=lw.b_o, rows_per_index=dh,
-                               validate=False)  # fmt: skip
+        return sparse_mlp_down(o, lw.w_o_t, heads, bias=lw.b_o, rows_per_index=dh, validate=False)
 
     def flush(self, B: int, W: int, positions: torch.Tensor) -> None:
         """Every KV head's K/V over the window of every sequence (rows at ``positions``)."""

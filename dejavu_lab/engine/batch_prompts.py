@@ -35,8 +35,9 @@ def batch_prompts(
     dejavu_lab.errors.EngineError: sequence 1's prompt is empty; give each at least one token.
     """
     if isinstance(prompts, torch.Tensor):
-        ids = check_engine.prompt(prompts, batch=prompts.shape[0] if prompts.dim() == 2 else 1,
-                                  vocab=vocab)  # fmt: skip
+        ids = check_engine.prompt(
+            prompts, batch=prompts.shape[0] if prompts.dim() == 2 else 1, vocab=vocab
+        )
         if attention_mask is None:
             rows = list(ids)
         else:

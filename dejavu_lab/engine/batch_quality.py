@@ -135,8 +135,9 @@ def quality_rows(
     one = BatchDecoder(w, max_seq_len=W, max_batch=1, sparse=sp, predictors=predictors)
     record("batch 1", torch.cat([decode(one, [b]) for b in range(B)]), batch=1)
     for budget in union_budgets:
-        dec = BatchDecoder(w, max_seq_len=W, max_batch=B, sparse=sp, union_budget=budget,
-                           predictors=predictors)  # fmt: skip
+        dec = BatchDecoder(
+            w, max_seq_len=W, max_batch=B, sparse=sp, union_budget=budget, predictors=predictors
+        )
         nll = decode(dec, list(range(B)))
         run = f"batch {B}" if budget is None else f"batch {B}, union <= {budget:.0%}"
         means = union_means(dec.union_sizes())

@@ -136,8 +136,9 @@ class BatchSets(KeptSets):
         else:
             head_idx = torch.zeros(L, Uh, dtype=torch.long, device=dev)
         deferred = self.window_for(B) > 0  # K/V of the union's heads, else of every KV head
-        qkv_idx = torch.zeros(L, Uh + 2 * (Uh if deferred else self.Hkv), dtype=torch.long,
-                              device=dev)  # fmt: skip
+        qkv_idx = torch.zeros(
+            L, Uh + 2 * (Uh if deferred else self.Hkv), dtype=torch.long, device=dev
+        )
         if not deferred:
             qkv_idx[:, Uh:] = torch.cat((self._kv_all + H, self._kv_all + H + self.Hkv))
         plan = _Plan(mlp_idx, head_idx, qkv_idx, torch.ones(L, B, Uh, dtype=torch.int8, device=dev),
@@ -201,8 +202,9 @@ class BatchSets(KeptSets):
         self._counts[at, 1] = (hv > 0).sum(-1).to(torch.int32)
         Uh = p.head_idx.shape[1]
         if Uh < H and B > 1:
-            torch.topk(hv + self._hprio, Uh, dim=-1, sorted=False,
-                       out=(p.head_val[at], p.head_idx[at]))  # fmt: skip
+            torch.topk(
+                hv + self._hprio, Uh, dim=-1, sorted=False, out=(p.head_val[at], p.head_idx[at])
+            )
         heads = p.head_idx[at]
         p.mask[at] = member.gather(2, heads[:, None, :].expand(-1, B, -1)).to(torch.int8)
         q = p.qkv_idx[at]

@@ -155,8 +155,9 @@ class Decoder:
         # PyTorch's attention masks the cache; our kernel reads positions < seqlen
         self._masked = method != "dejavu" and self.ops["attn"] == "torch"
         # the one-token step finishing each block in its residual add + norm (module doc)
-        self._fusable_blocks = (method != "dejavu" and a.pre_ln
-                                and self.w.dtype in (torch.float16, torch.bfloat16))  # fmt: skip
+        self._fusable_blocks = (
+            method != "dejavu" and a.pre_ln and self.w.dtype in (torch.float16, torch.bfloat16)
+        )
         # per layer, each site's Threshold or None (-1 where a dense op runs their kernels)
         given = (sparse.thresholds or {}) if sparse is not None else {}
         keep = keep_sites(self.ops, rows=self.w.layers[0].w_qkv is not None)
@@ -175,8 +176,9 @@ class Decoder:
 
     def _new_sets(self, sparse: SparseConfig) -> KeptSets:
         """DejaVu's kept sets (a tensor-parallel rank cuts its predictors to its own units)."""
-        return KeptSets(self.arch, sparse, self.w.device, window=self.window,
-                        predictors=self.predictors)  # fmt: skip
+        return KeptSets(
+            self.arch, sparse, self.w.device, window=self.window, predictors=self.predictors
+        )
 
     def _new_blocks(self) -> tuple[list, list]:
         """Each layer's attention and MLP blocks, chosen once for the method (see
@@ -184,8 +186,9 @@ class Decoder:
         w, L = self.w, range(self.arch.n_layers)
         if self.sets is not None:  # DejaVu
             fused = self.sparse.fused
-            attn = [KeptHeads(w.layers[i], self.kv[i], self.st, i, self.sets, fused=fused)
-                    for i in L]  # fmt: skip
+            attn = [
+                KeptHeads(w.layers[i], self.kv[i], self.st, i, self.sets, fused=fused) for i in L
+            ]
             return attn, [KeptMLP(w.layers[i], w, i, self.sets, fused=fused) for i in L]
         every = torch.arange(self.arch.d_mlp, device=w.device, dtype=torch.int32)  # all layers'
         cats, triton, t = self.method == "cats", self.ops["mlp"] == "triton", self.site_thresholds

@@ -70,8 +70,9 @@ def fused_layers(x: torch.Tensor, w, attn: list, mlp: list, *, fuse_hidden: bool
     for i in range(n):
         a = attn[i]
         src, bias, sums = a.o_src(a.core(a.qkv_rot(xn)))
-        h, hn = residual_norm(src, bias, x, _norm_of(layers[i].ln_mlp, kind), kind=kind,
-                              from_sums=sums)  # fmt: skip
+        h, hn = residual_norm(
+            src, bias, x, _norm_of(layers[i].ln_mlp, kind), kind=kind, from_sums=sums
+        )
         src, bias, sums, gu = mlp[i].src(hn, fuse_hidden)
         nxt = _norm_of(layers[i + 1].ln_attn, kind) if i + 1 < n else None
         x, xn = residual_norm(src, bias, h, nxt, kind=kind, from_sums=sums, zero=gu)

@@ -74,8 +74,9 @@ class KeptHeads:
             qkv, self.kv[0][None], self.kv[1][None], st.seqlen, heads, n_heads=st.H,
             kv_heads=None if st.window else st.kv_all, scale=st.scale,
         )  # [1, k dh]  # fmt: skip
-        return sparse_mlp_down(o, lw.w_o_t, heads, bias=lw.b_o, rows_per_index=st.dh,
-                               validate=False)  # fmt: skip
+        return sparse_mlp_down(
+            o, lw.w_o_t, heads, bias=lw.b_o, rows_per_index=st.dh, validate=False
+        )
 
     def _unfused(self, xb: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
         """The kept heads' QKV gather-GEMV, RoPE, the window's K/V write and attention apart."""

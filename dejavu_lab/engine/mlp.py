@@ -190,8 +190,9 @@ class ThresholdMLP(DenseMLP):
         if fuse_hidden and t_in is not None:
             gu = threshold_sums(x, lw.w_in_t, t_in, kind="hidden")
         if gu is not None:
-            ws = threshold_sums(gu, lw.w_down_t, t_down, x_act=self.activation,
-                                x_gated=self.gated, x_bias=lw.b_in)  # fmt: skip
+            ws = threshold_sums(
+                gu, lw.w_down_t, t_down, x_act=self.activation, x_gated=self.gated, x_bias=lw.b_in
+            )
             if ws is not None:
                 return ws, lw.b_down, True, gu
             gu.zero_()  # not reached at today's shapes: both GEMVs take the tile kernel
@@ -233,8 +234,9 @@ class CatsMLP(DenseMLP):
         if fuse_hidden:  # gate and kept up rows as sums, finished by the down GEMV
             gu = cats_sums(x, lw.w_in, gate, activation=a, n=n, b_in=lw.b_in)
         if gu is not None:
-            ws = threshold_sums(gu, lw.w_down_t, gate, x_act=a, x_gated=self.gated,
-                                x_bias=lw.b_in, keep_gate=True)  # fmt: skip
+            ws = threshold_sums(
+                gu, lw.w_down_t, gate, x_act=a, x_gated=self.gated, x_bias=lw.b_in, keep_gate=True
+            )
             if ws is not None:
                 return ws, lw.b_down, True, gu
             gu.zero_()  # not reached at today's shapes: the down GEMV takes the tile kernel

@@ -39,11 +39,11 @@ def column_norms(w: DecoderWeights, layer: int, site: str) -> torch.Tensor:
     """
     lw = w.layers[layer]
     if site == "attn_in":
-        return (lw.w_qkv.float().norm(dim=0) if lw.w_qkv is not None
-                else lw.w_qkv_t.float().norm(dim=1))  # fmt: skip
+        return (
+            lw.w_qkv.float().norm(dim=0) if lw.w_qkv is not None else lw.w_qkv_t.float().norm(dim=1)
+        )
     if site == "mlp_in":
-        return (lw.w_in.float().norm(dim=0) if lw.w_in is not None
-                else lw.w_in_t.float().norm(dim=1))  # fmt: skip
+        return lw.w_in.float().norm(dim=0) if lw.w_in is not None else lw.w_in_t.float().norm(dim=1)
     if site == "o_in":
         return lw.w_o_t.float().norm(dim=1)
     if site == "down_in":

@@ -217,8 +217,9 @@ class TPDecoder(Decoder):
             method = "dense" if sparse is None else sparse.method
             full = model if isinstance(model, DecoderWeights) else decoder_weights(
                 model, arch, layout=layout_for(method))  # fmt: skip
-            w = shard_weights(full, self.rank, self.world_size, vocab_parallel=vocab_parallel,
-                              device=device)  # fmt: skip
+            w = shard_weights(
+                full, self.rank, self.world_size, vocab_parallel=vocab_parallel, device=device
+            )
         if self.backend == "nccl" and w.device.type != "cuda":
             raise EngineError(
                 f"the NCCL backend reduces GPU tensors but the weights are on {w.device}; pass "

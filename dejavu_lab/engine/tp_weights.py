@@ -138,8 +138,9 @@ class ShardedWeights(DecoderWeights):
 
 def _local_arch(arch: Arch, s: TPShard) -> Arch:
     W = s.world_size
-    return dataclasses.replace(arch, n_heads=arch.n_heads // W,
-                               n_kv_heads=arch.n_kv_heads // W, d_mlp=arch.d_mlp // W)  # fmt: skip
+    return dataclasses.replace(
+        arch, n_heads=arch.n_heads // W, n_kv_heads=arch.n_kv_heads // W, d_mlp=arch.d_mlp // W
+    )
 
 
 def _blocks(t, dim: int, spans, device) -> torch.Tensor | None:

@@ -190,8 +190,9 @@ def _cat(*ts: torch.Tensor | None) -> torch.Tensor | None:
 def _cat_t(ws) -> torch.Tensor:
     """``cat(ws).T`` made contiguous, written block by block (no second full-size temporary)."""
     ws = [w.detach() for w in ws]
-    out = torch.empty(ws[0].shape[1], sum(w.shape[0] for w in ws), dtype=ws[0].dtype,
-                      device=ws[0].device)  # fmt: skip
+    out = torch.empty(
+        ws[0].shape[1], sum(w.shape[0] for w in ws), dtype=ws[0].dtype, device=ws[0].device
+    )
     col = 0
     for w in ws:
         out[:, col : col + w.shape[0]].copy_(w.T)
@@ -335,8 +336,9 @@ def check_layout(w: DecoderWeights, method: str, sparse) -> None:
         need = [("w_in", "rows")] + ([("w_qkv", "rows")] if method == "dejavu" else [])
     elif METHODS[method].input_sparse:
         sites = {site for _, site in sparse.thresholds}
-        need = [(m, "columns") for m, s in (("w_qkv_t", "attn_in"), ("w_in_t", "mlp_in"))
-                if s in sites]  # fmt: skip
+        need = [
+            (m, "columns") for m, s in (("w_qkv_t", "attn_in"), ("w_in_t", "mlp_in")) if s in sites
+        ]
     for name, layout in need:
         if getattr(lw, name) is None:
             raise EngineError(

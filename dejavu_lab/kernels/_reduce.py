@@ -64,8 +64,9 @@ def split_reduce(y, ws_ptr, count_ptr, b_ptr, out_ptr, offs_b, offs_d, mask_b, m
             p_ptrs = ws_ptr + (pid_s * B + offs_b[:, None]).to(tl.int64) * D + offs_d[None, :]
             tl.store(p_ptrs, y, mask=mask)
         else:  # fp32 atomics into a buffer that every launch leaves at zero
-            tl.atomic_add(ws_ptr + offs_b[:, None] * D + offs_d[None, :], y, mask=mask,
-                          sem="relaxed")  # fmt: skip
+            tl.atomic_add(
+                ws_ptr + offs_b[:, None] * D + offs_d[None, :], y, mask=mask, sem="relaxed"
+            )
         gpu_fence(offs_d, FENCE)
         tl.debug_barrier()
         arrived = tl.atomic_add(count_ptr + pid_d, 1, sem="acq_rel", scope="gpu")

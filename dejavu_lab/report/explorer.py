@@ -189,8 +189,9 @@ def grid_figure(grid: pd.DataFrame, dense_ppl: float, title: str, caption: str) 
     methods = list(dict.fromkeys(grid[col]))
     unit = grid[grid.head_sparsity.notna() & grid.dense_first.notna() & (grid[col] != "dense")]
     if len(unit):
-        keys = sorted(set(zip(unit.head_sparsity, unit.dense_first, strict=True)),
-                      key=lambda k: (k[1], k[0]))  # fmt: skip
+        keys = sorted(
+            set(zip(unit.head_sparsity, unit.dense_first, strict=True)), key=lambda k: (k[1], k[0])
+        )
     else:
         keys = [(None, nd) for nd in sorted(set(grid.dense_first.dropna()))] or [(None, 0)]
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.1,
@@ -315,8 +316,9 @@ def sample(model, tokenizer, prompt: str, n_tokens: int = 20, *, method=None, **
 
         gen = generate(model, ids, n_tokens, **budget).tokens
     else:
-        cfg = model.generation_config.__class__(max_new_tokens=n_tokens, do_sample=False,
-                                                pad_token_id=tokenizer.eos_token_id)  # fmt: skip
+        cfg = model.generation_config.__class__(
+            max_new_tokens=n_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id
+        )
         with torch.no_grad(), sparsified(model, method=method, **budget):
             gen = model.generate(ids, attention_mask=enc.attention_mask, generation_config=cfg)
     return tokenizer.decode(gen[0, ids.shape[1] :], skip_special_tokens=True)
@@ -366,8 +368,9 @@ def live_explorer(
     available += list(THRESHOLD_METHODS) if thresholds is not None else []
     method = w.Dropdown(options=available, value="dejavu" if predictors is not None else "oracle",
                         description="method", style=style)  # fmt: skip
-    dense = w.IntSlider(value=0, min=0, max=arch.n_layers - 1, description="dense first",
-                        style=style)  # fmt: skip
+    dense = w.IntSlider(
+        value=0, min=0, max=arch.n_layers - 1, description="dense first", style=style
+    )
     button = w.Button(description="Recompute", button_style="primary")
     mlp = w.FloatSlider(value=0.5, min=0, max=0.95, step=0.05, description="MLP sparsity",
                         readout_format=".0%", style=style)  # fmt: skip
@@ -375,8 +378,9 @@ def live_explorer(
                           readout_format=".0%", style=style)  # fmt: skip
     sparsity = w.FloatSlider(value=0.5, min=0, max=0.8, step=0.05, description="sparsity",
                              readout_format=".0%", style=style)  # fmt: skip
-    alloc = w.Dropdown(options=["uniform", "greedy"], value=allocation, description="allocation",
-                       style=style)  # fmt: skip
+    alloc = w.Dropdown(
+        options=["uniform", "greedy"], value=allocation, description="allocation", style=style
+    )
     out = w.HTML()
 
     def show(_=None):
@@ -387,7 +391,7 @@ def live_explorer(
             (sparsity, m in THRESHOLD_METHODS),
             (alloc, VOCAB_METHODS[m].allocation == "greedy"),
         ):
-            widget.layout.display = None if on else "none"  # fmt: skip
+            widget.layout.display = None if on else "none"
 
     def run(_=None):
         button.disabled = True

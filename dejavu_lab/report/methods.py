@@ -143,8 +143,9 @@ def engine_figure(table: pd.DataFrame, caption: str, skip=("hf",)) -> go.Figure:
     (4, 'ms per token')
     """
     models = list(dict.fromkeys(table.model))
-    fig = make_subplots(rows=1, cols=len(models), subplot_titles=models, shared_yaxes=True,
-                        horizontal_spacing=0.04)  # fmt: skip
+    fig = make_subplots(
+        rows=1, cols=len(models), subplot_titles=models, shared_yaxes=True, horizontal_spacing=0.04
+    )
     for c, model in enumerate(models, start=1):
         t = table[(table.model == model) & ~table.engine.isin(skip)]
         labels = [

@@ -94,8 +94,9 @@ def sparse_attention_kernel(
     if HAS_MASK:  # the union's heads this sequence attends
         keep = sel & (tl.load(mask_ptr + b * stride_mask + slot, mask=sel, other=0) != 0)
     row = qkv_ptr + b * stride_qkv
-    q = tl.load(row + slot[:, None].to(tl.int64) * DH + offs_dh[None, :], mask=sel[:, None],
-                other=0.0)  # [BLOCK_H, DH] in the model's dtype  # fmt: skip
+    q = tl.load(
+        row + slot[:, None].to(tl.int64) * DH + offs_dh[None, :], mask=sel[:, None], other=0.0
+    )  # [BLOCK_H, DH] in the model's dtype
     kc = kc_ptr + b * stride_kb + kvh * stride_kh
     vc = vc_ptr + b * stride_vb + kvh * stride_vh
     last = (seqlen - 1).to(tl.int64)
@@ -122,10 +123,12 @@ def sparse_attention_kernel(
         offs_t = t0 + offs_tt
         mask_t = offs_t < hi
         t64 = offs_t.to(tl.int64)
-        k_t = tl.load(kc + offs_dh[:, None] + t64[None, :] * stride_kt, mask=mask_t[None, :],
-                      other=0.0)  # [DH, BLOCK_T]: K transposed  # fmt: skip
-        v = tl.load(vc + t64[:, None] * stride_vt + offs_dh[None, :], mask=mask_t[:, None],
-                    other=0.0)  # fmt: skip
+        k_t = tl.load(
+            kc + offs_dh[:, None] + t64[None, :] * stride_kt, mask=mask_t[None, :], other=0.0
+        )  # [DH, BLOCK_T]: K transposed
+        v = tl.load(
+            vc + t64[:, None] * stride_vt + offs_dh[None, :], mask=mask_t[:, None], other=0.0
+        )
         sc = dot_acc(q, k_t, tl.zeros((BLOCK_H, BLOCK_T), tl.float32), UPCAST) * qk_scale
         sc = tl.where(mask_t[None, :], sc, float("-inf"))
         m_new = tl.maximum(m, tl.max(sc, axis=1))
@@ -194,8 +197,9 @@ def sparse_attention_combine_kernel(
         o = tl.sum(w[:, None] * acc, axis=0) / l_sum  # [DH]
         if HAS_MASK:  # a head this sequence skips outputs zeros
             o = tl.where(tl.load(mask_ptr + b * stride_mask + slot) != 0, o, 0.0)
-        tl.store(o_ptr + b * stride_o + slot.to(tl.int64) * DH + offs_dh,
-                 o.to(o_ptr.dtype.element_ty))  # fmt: skip
+        tl.store(
+            o_ptr + b * stride_o + slot.to(tl.int64) * DH + offs_dh, o.to(o_ptr.dtype.element_ty)
+        )
 
 
 def _programs(device: torch.device) -> int:

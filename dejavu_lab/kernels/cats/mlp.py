@@ -208,6 +208,7 @@ def cats_mlp(
         threshold_gemv(h, w_down_t, 0.0, bias=b_down, out=res2, config=config.get("down"))
         return res
     zeros = _workspace.buffer(device, "zero_thresholds", n, torch.float32)[:n]
-    threshold_gemv(h, w_down_t, zeros, bias=b_down, out=res2, deterministic=True,
-                   config=config.get("down"))  # fmt: skip
+    threshold_gemv(
+        h, w_down_t, zeros, bias=b_down, out=res2, deterministic=True, config=config.get("down")
+    )
     return res

@@ -123,11 +123,11 @@ def fused_mlp_kernel(
     g_rows = w_ptr + neu[:, None] * stride_w  # [BLOCK_N, 1]
     u_rows = w_ptr + (neu + N_UP)[:, None] * stride_w
     if GATED and not CATS:
-        g, u = _gated_dot(g_rows, u_rows, x_ptr, offs_b, mask_b, mask_n, D, stride_xb,
-                          BLOCK_B, BLOCK_K, UPCAST)  # fmt: skip
+        g, u = _gated_dot(
+            g_rows, u_rows, x_ptr, offs_b, mask_b, mask_n, D, stride_xb, BLOCK_B, BLOCK_K, UPCAST
+        )
     else:
-        g = rows_dot(g_rows, x_ptr, offs_b, mask_b, mask_n, D, stride_xb, BLOCK_B, BLOCK_K,
-                      UPCAST)  # fmt: skip
+        g = rows_dot(g_rows, x_ptr, offs_b, mask_b, mask_n, D, stride_xb, BLOCK_B, BLOCK_K, UPCAST)
     if HAS_BIAS:
         g += tl.load(b_ptr + neu, mask=mask_n, other=0.0).to(tl.float32)[:, None]
     a = act(g, ACT)  # [BLOCK_N, BLOCK_B]
@@ -136,8 +136,9 @@ def fused_mlp_kernel(
         keep = (tl.abs(a) > t[:, None]) & mask_b[None, :] & mask_n[:, None]
         keep_n = tl.max(keep.to(tl.int32), axis=1) > 0  # a row is read if any token keeps it
         if GATED:
-            u = rows_dot(u_rows, x_ptr, offs_b, mask_b, keep_n, D, stride_xb, BLOCK_B, BLOCK_K,
-                          UPCAST)  # fmt: skip
+            u = rows_dot(
+                u_rows, x_ptr, offs_b, mask_b, keep_n, D, stride_xb, BLOCK_B, BLOCK_K, UPCAST
+            )
     if GATED:
         if HAS_BIAS:
             u += tl.load(b_ptr + neu + N_UP, mask=mask_n, other=0.0).to(tl.float32)[:, None]

@@ -142,8 +142,9 @@ def threshold_gemv_kernel(
                       mask=m_c[:, None] & mask_d[None, :], other=0.0,
                       eviction_policy="evict_first")  # fmt: skip
         x_c = tl.load(x_ptr + rows_c, mask=m_c, other=0.0)
-        rows_n = tl.load(my_rows + BLOCK_R + offs_k, mask=(BLOCK_R + offs_k) < hi, other=0,
-                         cache_modifier=".cg")  # fmt: skip
+        rows_n = tl.load(
+            my_rows + BLOCK_R + offs_k, mask=(BLOCK_R + offs_k) < hi, other=0, cache_modifier=".cg"
+        )
         for r0 in range(lo, hi, BLOCK_R):
             nxt = r0 + BLOCK_R + offs_k
             m_n = nxt < hi
@@ -151,8 +152,9 @@ def threshold_gemv_kernel(
                           mask=m_n[:, None] & mask_d[None, :], other=0.0,
                           eviction_policy="evict_first")  # fmt: skip
             x_n = tl.load(x_ptr + rows_n, mask=m_n, other=0.0)
-            rows_nn = tl.load(my_rows + nxt + BLOCK_R, mask=(nxt + BLOCK_R) < hi, other=0,
-                              cache_modifier=".cg")  # fmt: skip
+            rows_nn = tl.load(
+                my_rows + nxt + BLOCK_R, mask=(nxt + BLOCK_R) < hi, other=0, cache_modifier=".cg"
+            )
             acc += x_c.to(tl.float32)[:, None] * w_c.to(tl.float32)
             w_c = w_n
             x_c = x_n

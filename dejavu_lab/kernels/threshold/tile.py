@@ -230,8 +230,9 @@ def launch(xb: torch.Tensor, w_t: torch.Tensor, thr, bias, out: torch.Tensor | N
         )  # fmt: skip
     else:
         if block_r < 16 or block_d < 16:
-            raise ValueError("config BLOCK_R and BLOCK_D must be >= 16 for a union batch "
-                             "(tensor-core tiles).")  # fmt: skip
+            raise ValueError(
+                "config BLOCK_R and BLOCK_D must be >= 16 for a union batch (tensor-core tiles)."
+            )
         threshold_tile_batch_kernel[grid](
             xb, w_t, thr_ptr, thr_value, ws, batch, d_in, d_out, xb.stride(0), w_t.stride(0),
             THR_SCALAR=scalar, BLOCK_B=batch_block(batch), BLOCK_R=block_r, BLOCK_D=block_d,
