@@ -122,19 +122,30 @@ def test_per_layer_budgets_dense_layers_and_sites():
         cal.thresholds("teal", 0.5, allocation="greedy")
 
 
-def test_engine_thresholds_follow_the_contract():
+def test_site_thresholds_are_what_the_engine_takes():
+    """TEAL and CATS: one float per site, unchanged on its way to the engine; WINA: a tensor
+    ``t / ||W[:, i]||`` per input column. The engine's config takes the dict as it is."""
+    from dejavu_lab.engine import Decoder, SparseConfig
+
     model, _, arch = random_model("tiny-llama")
     cal = calibrate(model, _ids(), cache=False, progress=False)
-    teal = cal.thresholds("teal", 0.5).engine_thresholds(model)
+    teal = cal.thresholds("teal", 0.5)
     wina = cal.thresholds("wina", 0.5)
-    wv = wina.engine_thresholds(model)
-    cats = cal.thresholds("cats", 0.5).engine_thresholds(model)
+    wv = wina.site_thresholds(model)
+    cats = cal.thresholds("cats", 0.5).site_thresholds(model)
     widths = {"attn_in": 64, "o_in": 64, "mlp_in": 64, "down_in": 192}
-    for (i, site), v in teal.items():
-        assert v.dtype == torch.float32 and v.shape == (widths[site],) and (v == v[0]).all()
+    assert teal.site_thresholds(model) == teal.values and len(teal.values) == 8
+    for (i, site), t in teal.values.items():
+        assert isinstance(t, float)
         c = column_norms(model, arch, i, site)
+        assert wv[(i, site)].shape == (widths[site],)
         torch.testing.assert_close(wv[(i, site)] * c, torch.full_like(c, wina.values[(i, site)]))
-    assert set(cats) == {(0, "gate"), (1, "gate")} and cats[(0, "gate")].shape == (192,)
+    assert set(cats) == {(0, "gate"), (1, "gate")} and isinstance(cats[(0, "gate")], float)
+    for method, thr, site in (("teal", teal.values, "mlp_in"), ("wina", wv, "mlp_in"),
+                              ("cats", cats, "gate")):  # fmt: skip
+        cfg = SparseConfig(method=method, thresholds=thr)
+        assert cfg.thresholds[(0, site)] is thr[(0, site)]  # no copy, no conversion
+        Decoder(model.half(), max_seq_len=8, sparse=cfg)  # the engine builds on them as given
 
 
 def test_cache_is_keyed_by_model_text_and_config(cache):

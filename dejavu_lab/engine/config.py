@@ -43,8 +43,8 @@ class SparseConfig:
     ``|act(gate)| > thr`` only; ``"dense"`` runs the dense path. ``thresholds`` maps
     ``(layer, site)`` to one number (TEAL's and CATS's one threshold per site, passed to the
     one-token kernels as a float) or to fp32 [d_in], one per input column (WINA's ``t /
-    ||W[:, i]||``; the calibrated object's ``engine_thresholds(model)``); a layer or site
-    missing from it runs dense.
+    ||W[:, i]||``): a calibration's ``Thresholds.site_thresholds(model)`` is that dict. A layer
+    or site missing from it runs dense.
 
     >>> import torch
     >>> from dejavu_lab.engine import Decoder
@@ -106,8 +106,7 @@ class SparseConfig:
         if not isinstance(self.thresholds, dict):
             raise EngineError(
                 f"method {self.method!r} needs thresholds: a dict {{(layer, site): float or fp32 "
-                "tensor}} "
-                "(e.g. calibrated.engine_thresholds(model), or engine.calibrate_thresholds)."
+                "tensor}} (e.g. calibrated.site_thresholds(model), or engine.calibrate_thresholds)."
             )
         sites = SITES[self.method]
         for key, thr in self.thresholds.items():

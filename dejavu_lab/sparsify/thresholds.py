@@ -4,8 +4,8 @@ A :class:`Thresholds` holds one score threshold ``t`` per (layer, site), a float
 of :meth:`dejavu_lab.sparsify.calibration.Calibration.thresholds`. The hooks read it as it is
 (:meth:`Thresholds.site_thresholds`): entry ``i`` of a site's input is kept iff
 ``|x[i]| > t`` (TEAL, CATS), or against a per-column tensor ``t / ‖W[:, i]‖₂`` (WINA). The
-engine takes the per-input-column form (:meth:`Thresholds.engine_thresholds`), one value per
-column of the site's weight. Thresholds and calibrations save as safetensors with the model
+engine takes the same dict (``SparseConfig(method, thresholds=thr.site_thresholds(model))``):
+a float stays a float all the way to the kernels. Thresholds and calibrations save as safetensors with the model
 fingerprint in the metadata; loading one for another model is a :class:`CalibrationError`.
 Files are written under a temporary name and renamed, so a crash never leaves half a file.
 """
@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from ..arch import Arch, get_arch
 from ..collect import fingerprint, fingerprint_id
 from ..errors import CalibrationError
-from ..vocab import METHODS, site_width
+from ..vocab import METHODS
 from .core import column_norms
 
 __all__ = ["CalibrationError", "Thresholds", "load_thresholds"]
@@ -40,8 +40,8 @@ class Thresholds:
     >>> m = random_model("tiny-llama")
     >>> thr = Thresholds("teal", {(0, "mlp_in"): 0.3}, {(0, "mlp_in"): 0.5},
     ...                  fingerprint(m.model))
-    >>> thr.engine_thresholds(m.model)[(0, "mlp_in")][:3]  # the engine's per-column form
-    tensor([0.3000, 0.3000, 0.3000])
+    >>> thr.site_thresholds(m.model)  # what the hooks and the engine take
+    {(0, 'mlp_in'): 0.3}
     """
 
     method: str  # a threshold method of dejavu_lab.vocab.METHODS
@@ -63,7 +63,8 @@ class Thresholds:
         """``{(layer, site): float | fp32 [d_in]}``: keep entry ``i`` iff ``|x[i]| > thr``.
 
         TEAL and CATS: the float ``t`` itself; WINA: the per-column tensor ``t / ‖W[:, i]‖₂``
-        of the site's stacked weights (a zero column is never read). The hooks take this form.
+        of the site's stacked weights (a zero column is never read). The hooks and the engine's
+        ``SparseConfig(method, thresholds=...)`` take this form.
 
         >>> from dejavu_lab.models import random_model
         >>> m = random_model("tiny-llama")
@@ -80,20 +81,6 @@ class Thresholds:
         for (i, site), t in sorted(self.values.items()):
             c = column_norms(model, arch, i, site).cpu()
             out[(i, site)] = torch.where(c > 0, t / c, torch.full_like(c, float("inf")))
-        return out
-
-    def engine_thresholds(self, model, arch: Arch | None = None) -> dict:
-        """``{(layer, site): fp32 [d_in]}``: read column ``i`` iff ``|x[i]| > thr[i]``.
-
-        :meth:`site_thresholds` with every float spread over the site's ``d_in`` columns. This
-        is the dict the engine's ``SparseConfig(method=..., thresholds=...)`` takes.
-        """
-        arch = arch or get_arch(model)
-        out = {}
-        for (i, site), t in self.site_thresholds(model, arch).items():
-            if isinstance(t, float):
-                t = torch.full((site_width(arch, site),), t, dtype=torch.float32)
-            out[(i, site)] = t
         return out
 
     def save(self, path: str | os.PathLike) -> Path:
