@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 
 from dejavu_lab import results
+from dejavu_lab.bench.timing import copy_ceiling, graph_us, print_rows, relerr, rotation_copies
 from dejavu_lab.kernels.cats.mlp import cats_hidden, cats_mlp, cats_mlp_ref
 from dejavu_lab.kernels.cats.sums import rows_sums
-from dejavu_lab.timing import copy_ceiling, graph_us, print_rows, relerr, rotation_copies
 
 SHAPES = [("llama-2-13b", 5120, 13824), ("llama-3-8b", 4096, 14336), ("llama-2-7b", 4096, 11008)]
 TILES = [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w}

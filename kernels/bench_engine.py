@@ -36,9 +36,9 @@ lm_head, all layers, each captured in a CUDA graph). A correctness check on smal
 first (engine vs HF logits, sparse with everything kept vs dense, graph vs eager). Results:
 ``results/engine_e2e.json`` (``--name``), with provenance; a table is printed at the end.
 
-The models, variants, checks and timing loops live in :mod:`dejavu_lab.engine_bench` (batch 1)
-and :mod:`dejavu_lab.engine_bench_batch` (``--batch``); the clocks and the copy ceiling in
-:mod:`dejavu_lab.timing` (``triton.testing.do_bench``'s median of a 2 GiB device copy).
+The models, variants, checks and timing loops live in :mod:`dejavu_lab.bench.engine` (batch 1)
+and :mod:`dejavu_lab.bench.engine_batch` (``--batch``); the clocks and the copy ceiling in
+:mod:`dejavu_lab.bench.timing` (``triton.testing.do_bench``'s median of a 2 GiB device copy).
 
     python kernels/bench_engine.py --models llama-2-13b,llama-3-8b,opt-30b --prompts 512 \
         --methods dense,dense_columns,dejavu,teal,wina,cats --sparsity 0.4,0.5 \
@@ -47,7 +47,7 @@ and :mod:`dejavu_lab.engine_bench_batch` (``--batch``); the clocks and the copy 
     python kernels/bench_engine.py --models facebook/opt-6.7b --prompts 512   # a real checkpoint
     python kernels/bench_engine.py --quick                    # CPU plumbing check, tiny shapes
     python kernels/bench_engine.py --batch 1,4,8,16,32 --models llama-3-8b,opt-30b \
-        --prompts 512,2048 --new-tokens 32              # batches: dejavu_lab/engine_bench_batch.py
+        --prompts 512,2048 --new-tokens 32              # batches: dejavu_lab/bench/engine_batch.py
     python kernels/bench_engine.py --tp 8 --models opt-175b  # torchrun kernels/bench_engine_tp.py
 """
 
@@ -61,8 +61,11 @@ from pathlib import Path
 
 import torch
 
-from dejavu_lab import engine_bench, results
-from dejavu_lab import engine_bench_batch as batch_bench
+from dejavu_lab import results
+from dejavu_lab.bench import engine as engine_bench
+from dejavu_lab.bench import engine_batch as batch_bench
+from dejavu_lab.bench.engine import build
+from dejavu_lab.bench.timing import copy_ceiling, cuda, relerr
 from dejavu_lab.engine import (
     DENSE_ENGINES,
     Decoder,
@@ -71,8 +74,6 @@ from dejavu_lab.engine import (
     decoder_weights,
     dense_ops,
 )
-from dejavu_lab.engine_bench import build
-from dejavu_lab.timing import copy_ceiling, cuda, relerr
 
 MODELS = ["opt-30b", "llama-2-13b", "llama-3-8b", "opt-13b", "opt-6.7b"]  # most important first
 
@@ -209,7 +210,7 @@ def main(argv=None):
     ap.add_argument(
         "--batch",
         default=None,
-        help="batch sizes, e.g. 1,4,8,16,32: time BatchDecoder (dejavu_lab/engine_bench_batch.py)",
+        help="batch sizes, e.g. 1,4,8,16,32: time BatchDecoder (dejavu_lab/bench/engine_batch.py)",
     )
     ap.add_argument(
         "--union-budget",

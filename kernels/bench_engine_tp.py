@@ -57,6 +57,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from dejavu_lab import results  # noqa: E402
+from dejavu_lab.bench.timing import copy_ceiling, relerr  # noqa: E402
 from dejavu_lab.engine import (  # noqa: E402
     Decoder,
     EngineError,
@@ -67,7 +68,6 @@ from dejavu_lab.engine import (  # noqa: E402
     step_bytes,
 )
 from dejavu_lab.models import random_model  # noqa: E402
-from dejavu_lab.timing import copy_ceiling, relerr  # noqa: E402
 
 AUTO = ("opt-175b", "opt-66b", "opt-30b", "opt-13b")  # largest first
 ROWS: list[dict] = []

@@ -34,6 +34,14 @@ import torch
 import torch.nn.functional as F
 
 from dejavu_lab import results
+from dejavu_lab.bench.timing import (
+    copy_ceiling,
+    graph_us,
+    print_rows,
+    relerr,
+    rotation_copies,
+    sweep,
+)
 from dejavu_lab.kernels import (
     cats_mlp,
     cats_mlp_ref,
@@ -42,14 +50,6 @@ from dejavu_lab.kernels import (
     sparse_mlp_down,
     sparse_mlp_up,
     tuning,
-)
-from dejavu_lab.timing import (
-    copy_ceiling,
-    graph_us,
-    print_rows,
-    relerr,
-    rotation_copies,
-    sweep,
 )
 
 SHAPES = [  # (name, d, n, gated, activation)

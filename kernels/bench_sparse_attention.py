@@ -20,8 +20,8 @@ import triton
 import triton.testing
 
 from dejavu_lab import results
-from dejavu_lab.kernel_bench import AttentionCase, attention_row
-from dejavu_lab.timing import copy_ceiling
+from dejavu_lab.bench.kernels import AttentionCase, attention_row
+from dejavu_lab.bench.timing import copy_ceiling
 
 SHAPE = {"n_heads": 96, "d_head": 128, "context": 1024}  # OPT-175B, a 1024-token context
 KEPT = [0.5, 0.25]

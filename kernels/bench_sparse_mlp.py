@@ -25,9 +25,9 @@ import triton
 import triton.testing
 
 from dejavu_lab import results
-from dejavu_lab.kernel_bench import MlpCase, mlp_row
+from dejavu_lab.bench.kernels import MlpCase, mlp_row
+from dejavu_lab.bench.timing import copy_ceiling
 from dejavu_lab.kernels import tuning
-from dejavu_lab.timing import copy_ceiling
 
 OPT_SHAPES = [(4096, 16384), (8192, 32768), (12288, 49152)]  # (d, hidden)
 LLAMA_SHAPES = [(4096, 11008), (5120, 13824), (4096, 14336)]

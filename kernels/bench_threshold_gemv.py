@@ -36,9 +36,9 @@ import sys
 import torch
 
 from dejavu_lab import results
+from dejavu_lab.bench.timing import copy_ceiling, graph_us, relerr
 from dejavu_lab.kernels import threshold_gemv, threshold_gemv_ref, tuning
 from dejavu_lab.kernels.threshold.gemv import default_config
-from dejavu_lab.timing import copy_ceiling, graph_us, relerr
 
 SHAPES = [  # (name, d_in, d_out): the weight is w_t [d_in, d_out]
     ("llama2-7b down", 11008, 4096),

@@ -11,7 +11,7 @@ variant it reports, per decode step:
 - the bytes the step reads (:func:`dejavu_lab.engine.step_bytes`) over the measured copy
   ceiling — the floor — against both.
 
-Random fp16 weights at real shapes (``dejavu_lab.engine_bench.build``), batch 1, prompt ``--prompt``,
+Random fp16 weights at real shapes (``dejavu_lab.bench.engine.build``), batch 1, prompt ``--prompt``,
 DejaVu with fixed random kept sets (the predictors' kernels are listed under their own names
 when ``--predictors`` is given), TEAL/WINA/CATS with thresholds calibrated on the prompt.
 Writes ``results/engine_profile.json`` (``--name``) with provenance; prints one table per run.
@@ -31,9 +31,9 @@ from collections import defaultdict
 import torch
 
 from dejavu_lab import results
+from dejavu_lab.bench.engine import SPARSITY, Variant, build, make_decoder, make_predictors
+from dejavu_lab.bench.timing import copy_ceiling, cuda
 from dejavu_lab.engine import SITES, SparseConfig, calibrate_thresholds, decoder_weights, step_bytes
-from dejavu_lab.engine_bench import SPARSITY, Variant, build, make_decoder, make_predictors
-from dejavu_lab.timing import copy_ceiling, cuda
 
 ROWS: list[dict] = []
 

@@ -111,6 +111,11 @@ RULES = [
         "compute never draws or parses arguments",
     ),
     ((P + "report",), (P + "cli",), "the book's tables and figures never parse arguments"),
+    (
+        (P + m for m in ("engine", "kernels", "sparsify", "measure", "cli")),
+        (P + "bench",),
+        "the benchmarks' layer sits above everything that computes",
+    ),
     ((P + "checks",), None, "checks read only errors and vocab"),
     ((P + "step_bytes",), None, "the byte model is arithmetic on the vocabulary's sites"),
     ((P + "engine",), (P + "sparsify",), "the engine counts its bytes without the quality path"),
@@ -166,6 +171,33 @@ def test_compute_imports_no_tables_or_figures():
         for name in sorted(_third_party_imports(path) & set(DRAWING))
     ]
     assert wrong == [], f"compute packages must not draw: {wrong}"
+
+
+# The package's layers, bottom up (the order of dejavu_lab/__init__.py's docstring): a module
+# imports from its own layer and the layers below it, never from one above.
+LAYERS = [
+    ("vocab", "errors", "checks"),
+    ("atomic", "assets", "results", "step_bytes"),
+    ("arch", "models", "hooks", "corpus", "budgets"),
+    ("collect", "predictors", "deferred_kv", "bytes_model", "sparsify", "lm_eval_tasks"),
+    ("measure",),
+    ("kernels", "engine"),
+    ("bench", "report", "cli"),
+]
+
+
+def _layer(module: str) -> int | None:
+    part = module.split(".")[1] if "." in module else ""
+    return next((i for i, names in enumerate(LAYERS) if part in names), None)
+
+
+def test_every_module_has_a_layer_and_no_import_points_up():
+    graph = import_graph()
+    unplaced = sorted(m for m in graph if m != "dejavu_lab" and _layer(m) is None)
+    assert unplaced == [], f"add these modules to a layer of LAYERS: {unplaced}"
+    up = sorted(f"{m} -> {t}" for m, ts in graph.items() for t in ts
+                if m != "dejavu_lab" and _layer(t) is not None and _layer(t) > _layer(m))  # fmt: skip
+    assert up == [], f"imports that point up a layer: {up}"
 
 
 def test_no_module_getattr_shims():

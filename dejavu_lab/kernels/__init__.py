@@ -18,8 +18,8 @@ helpers they share live in ``_common`` (checks), ``_neurons`` (activations, row 
 - :func:`cats_up`  — CATS's thresholded up step: the up rows of the neurons the gate keeps.
 
 All take a union batch of 1-32 tokens that share one index set (Appendix C.1).
-:mod:`dejavu_lab.kernel_bench` times them for ``kernels/bench_*.py`` (with the clocks of
-:mod:`dejavu_lab.timing`; recorded in ``results/``); :mod:`dejavu_lab.report.kernels` draws
+:mod:`dejavu_lab.bench.kernels` times them for ``kernels/bench_*.py`` (with the clocks of
+:mod:`dejavu_lab.bench.timing`; recorded in ``results/``); :mod:`dejavu_lab.report.kernels` draws
 those results for the chapter
 ``notebooks/60_sparse_kernels.md``.
 

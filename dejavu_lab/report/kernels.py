@@ -46,8 +46,8 @@ def load(*, live: bool | None = None, dims=(12288,), kept=(0.5, 0.2, 0.1, 0.05),
         if "tuning" in attn:  # the tile sweep's rows; the table rows have no flag
             attn = attn[attn["tuning"].isna()]
         return mlp, attn, prov, False
-    from ..kernel_bench import AttentionCase, MlpCase, attention_row, mlp_row
-    from ..timing import copy_ceiling
+    from ..bench.kernels import AttentionCase, MlpCase, attention_row, mlp_row
+    from ..bench.timing import copy_ceiling
 
     prov = results.provenance("notebooks/60_sparse_kernels.md (live)")
     prov["copy_tbps"] = copy_ceiling()

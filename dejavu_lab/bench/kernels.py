@@ -4,7 +4,7 @@ one result row per (op, kept fraction, batch, provider), for ``kernels/bench_spa
 
 Deja Vu Appendix E measures sparse MLP and attention against dense at batch 1; we report, for
 each case, the dense cuBLAS layer, a PyTorch ``index_select`` + matmul baseline and our Triton
-kernel, timed two ways (:func:`~dejavu_lab.timing.time_both`: events around one launch after an
+kernel, timed two ways (:func:`~dejavu_lab.bench.timing.time_both`: events around one launch after an
 L2 flush, and CUDA-graph replay), with the bytes that must move, the achieved bandwidth and the
 speedup over dense against the ideal 1 / kept fraction.
 
@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from .kernels import (
+from ..kernels import (
     sparse_attention,
     sparse_attention_ref,
     sparse_mlp_down,

@@ -1,6 +1,6 @@
 """The one GPU timing harness: clocks, the copy ceiling, relative errors, config sweeps and
-fixed-width tables, used by every ``kernels/*.py`` script, :mod:`dejavu_lab.kernel_bench` (the
-sparse kernels' timed cases), :mod:`dejavu_lab.engine_bench` and the chapters.
+fixed-width tables, used by every ``kernels/*.py`` script, :mod:`dejavu_lab.bench.kernels` (the
+sparse kernels' timed cases), :mod:`dejavu_lab.bench.engine` and the chapters.
 
 Two clocks: ``triton.testing.do_bench`` (events around one launch after an L2 flush) and CUDA
 graph replay, as a decoding engine runs (:func:`time_both`, :func:`graph_us`, :func:`graph_ms`);

@@ -6,7 +6,7 @@ end to end against Hugging Face ``generate`` (Deja Vu §5.1).
 :func:`make_decoder` builds one; :func:`keep_all_check` and :func:`graph_check` compare it
 with the dense decoder and with its own eager steps; :func:`bench_model` times every variant of
 one model into a list of result rows, each with the bytes it reads and the bandwidth it reaches
-against the copy ceiling (:func:`dejavu_lab.timing.copy_ceiling`); :func:`print_table` prints
+against the copy ceiling (:func:`dejavu_lab.bench.timing.copy_ceiling`); :func:`print_table` prints
 them. ``kernels/bench_engine.py`` (argparse, the loop over models, ``results.save``) and
 ``kernels/profile_engine.py`` call these.
 """
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .engine import (
+from ..engine import (
     DENSE_ENGINES,
     SITES,
     Decoder,
@@ -28,11 +28,11 @@ from .engine import (
     keep_all,
     step_bytes,
 )
-from .kernels import pdl
-from .kernels.cats import mlp as cats_mlp_module  # its SPLIT_GATE switch
-from .models import PRESETS, load_model, random_model
+from ..kernels import pdl
+from ..kernels.cats import mlp as cats_mlp_module  # its SPLIT_GATE switch
+from ..models import PRESETS, load_model, random_model
+from ..vocab import METHODS, method_names
 from .timing import cuda, graph_ms, relerr, timed
-from .vocab import METHODS, method_names
 
 THRESHOLD = method_names(family="threshold")  # the methods timed at each --sparsity
 

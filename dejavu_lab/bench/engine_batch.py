@@ -35,9 +35,9 @@ import gc
 
 import torch
 
-from .engine import BatchDecoder, Decoder, SparseConfig, decoder_weights
-from .engine.batch_quality import union_means
-from .engine_bench import build
+from ..engine import BatchDecoder, Decoder, SparseConfig, decoder_weights
+from ..engine.batch_quality import union_means
+from .engine import build
 from .timing import cuda, graph_ms, relerr, timed
 
 __all__ = [
