@@ -34,7 +34,7 @@ def _free_port() -> int:
 def run(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("tp") / "tp.json"
     # TRITON_INTERPRET=0: the kernels' torch references (the interpreter takes minutes for 16
-    # tokens; tests/test_kernels*.py check the kernels against them): this tests the plumbing
+    # tokens; tests/kernels/ checks the kernels against them): this tests the plumbing
     env = {
         **os.environ,
         "PYTHONPATH": str(ROOT),

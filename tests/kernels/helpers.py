@@ -1,4 +1,5 @@
-"""Helpers shared by the kernel tests: where tensors live, fresh seeds, error checks.
+"""Helpers shared by the kernel tests (tests/kernels/): where tensors live, fresh seeds, error
+checks, and the MLP problem that the fused and the CATS MLP tests both run.
 
 Import this module before ``dejavu_lab.kernels`` (it sets ``TRITON_INTERPRET=1`` unless set, so
 the Triton kernels run through the CPU interpreter). ``DEJAVU_TEST_DEVICE=cuda`` puts every
@@ -58,3 +59,32 @@ def assert_close(out, ref, dtype, seed):
 def pick(n, frac):
     """round(frac * n) distinct indices in random (unsorted) order, int32."""
     return torch.randperm(n)[: round(frac * n)].to(torch.int32)
+
+
+# The MLP problem that test_mlp.py (the fused sparse MLP) and test_cats_mlp.py (the CATS MLP)
+# both run.
+N, D = 96, 80  # neurons, model width (not multiples of the tiles: masked tails)
+CASES = {  # (activation, gated, biases)
+    "relu-bias": ("relu", False, True),
+    "gelu": ("gelu", False, False),
+    "swiglu": ("silu", True, False),
+    "geglu-tanh-bias": ("gelu_tanh", True, True),
+}
+
+
+def small(batch, **extra):
+    cfg = {"BLOCK_N": 4 if batch == 1 else 16, "BLOCK_K": 32, "BLOCK_C": 32, "num_warps": 4}
+    cfg["down"] = {"BLOCK_R": 16, "BLOCK_D": 32, "num_warps": 4, "programs": 8}
+    return {**cfg, **extra}
+
+
+def mlp(dtype, batch, case):
+    act, gated, biased = CASES[case]
+    x = torch.randn(batch, D, dtype=dtype)
+    w_in = (torch.randn(2 * N if gated else N, D) / D**0.5).to(dtype)
+    w_down_t = (torch.randn(N, D) / N**0.5).to(dtype)
+    b_in = (torch.randn(w_in.shape[0]) / 2).to(dtype) if biased else None
+    b_down = torch.randn(D, dtype=dtype) if biased else None
+    out = torch.full((batch, D), float("nan"), dtype=dtype)
+    kw = dict(activation=act, b_in=b_in, b_down=b_down)
+    return x, w_in, w_down_t, out, gated, kw

@@ -1,12 +1,12 @@
 """CATS's thresholded up kernel (:mod:`dejavu_lab.kernels.cats.up`) against its reference, and
 the CATS MLP's fused-gate path (TRITON_INTERPRET=1; tiny shapes, masked tails).
 
-    DEJAVU_TEST_DEVICE=cuda TRITON_INTERPRET=0 pytest tests/test_kernels_cats.py
+    DEJAVU_TEST_DEVICE=cuda TRITON_INTERPRET=0 pytest tests/kernels/test_cats.py
 """
 
 import pytest
 import torch
-from kernel_helpers import DTYPES, assert_close, on_device, seed
+from helpers import DTYPES, assert_close, on_device, seed
 
 from dejavu_lab.kernels import cats_mlp, cats_mlp_ref, cats_up, cats_up_ref
 

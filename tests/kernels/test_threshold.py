@@ -1,16 +1,16 @@
-"""The TEAL/WINA threshold GEMV against its PyTorch reference, run through TRITON_INTERPRET=1.
+"""The TEAL/WINA threshold GEMV (:mod:`dejavu_lab.kernels.threshold`) against its PyTorch reference, run through TRITON_INTERPRET=1.
 
 Fresh random inputs every run (the seed is in each failure message), thresholds set to keep a
 target fraction (one constant: TEAL; per column: WINA), outputs poisoned with NaN so an
 unwritten element fails, fp16 and bf16, batch 1 and union batches up to 32, every reduction
 and tiling variant. On a GPU box the same tests check the compiled kernel:
 
-    DEJAVU_TEST_DEVICE=cuda TRITON_INTERPRET=0 pytest tests/test_kernels_threshold.py
+    DEJAVU_TEST_DEVICE=cuda TRITON_INTERPRET=0 pytest tests/kernels/test_threshold.py
 """
 
 import pytest
 import torch
-from kernel_helpers import DEVICE, DTYPES, assert_close, on_device, seed
+from helpers import DEVICE, DTYPES, assert_close, on_device, seed
 
 from dejavu_lab.kernels import threshold_gemv, threshold_gemv_ref
 from dejavu_lab.kernels.threshold.gemv import default_config, threshold_gemv_kernel
@@ -225,49 +225,6 @@ def test_rejects_bad_options():
         threshold_gemv(x[0], w, t, config={"mode": "fast"})
     with pytest.raises(ValueError, match="BLOCK_R and BLOCK_D must be >= 16 for a union batch"):
         threshold_gemv(x, w, t, config={"mode": "tile", "BLOCK_R": 8, "BLOCK_D": 16})
-
-
-@pytest.mark.skipif(DEVICE != "cpu", reason="table logic only")
-def test_tuning_lookup_reads_recorded_tables(tmp_path, monkeypatch):
-    from dejavu_lab import results
-    from dejavu_lab.kernels import tuning
-
-    fast, slow = {"BLOCK_R": 16, "tag": "fast"}, {"BLOCK_R": 32, "tag": "slow"}
-    rows = [
-        {
-            "op": "threshold_gemv",
-            "d_in": 11008,
-            "d_out": 4096,
-            "batch": 1,
-            "kept": kept,
-            "config": cfg,
-            "us": us,
-        }
-        for kept, cfg, us in [
-            (0.1, fast, 5.0),
-            (0.1, slow, 6.0),
-            (0.5, fast, 14.0),
-            (0.5, slow, 12.0),
-            (0.2, slow, 9.0),
-            (0.2, fast, 7.0),
-        ]
-    ]
-    monkeypatch.setenv(results.ENV_DIR, str(tmp_path))
-    path = results.save("tuning_test", rows, command="test")
-    gpu = results.provenance("x")["gpu"]
-    monkeypatch.setenv(tuning.ENV, str(path))
-    tuning.reload()
-    try:
-        assert tuning._lookup("threshold_gemv", 11008, 4096, 0.5, 1, gpu)["tag"] == "slow"
-        assert tuning._lookup("threshold_gemv", 11008, 4096, 0.12, 1, gpu)["tag"] == "fast"
-        assert tuning._lookup("threshold_gemv", 11008, 4096, None, 1, gpu)["tag"] == "fast"
-        assert tuning._lookup("threshold_gemv", 14336, 4096, 0.1, 1, gpu)["tag"] == "fast"  # near
-        assert tuning._lookup("threshold_gemv", 2048, 512, 0.1, 1, gpu) is None  # too far
-        assert tuning._lookup("threshold_gemv", 11008, 4096, 0.1, 16, gpu) is None  # batch path
-        assert tuning._lookup("threshold_gemv", 11008, 4096, 0.1, 1, "other GPU") is None
-    finally:
-        monkeypatch.delenv(tuning.ENV)
-        tuning.reload()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
