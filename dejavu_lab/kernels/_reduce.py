@@ -11,7 +11,7 @@ acq_rel atomic on the counter; the last arrival's loads follow its acquire. ``FE
 makes every thread execute ``fence.acq_rel.gpu`` before the barrier, so its own atomics are
 performed at gpu scope before the counter moves. (Measured on an H200 with Triton 3.6: without
 it, relaxed fp32 atomics from many programs into one buffer could still be in flight when the
-last arrival read the sums; see ``tests/test_kernels_threshold.py``.)
+last arrival read the sums; see ``tests/kernels/test_threshold.py``.)
 """
 
 from __future__ import annotations
