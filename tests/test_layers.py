@@ -228,3 +228,17 @@ def test_the_counter_sees_imports_inside_functions(tmp_path):
         "def f():\n    import pandas.api\n    from plotly import io\n"
     )
     assert _third_party_imports(pkg / "sub" / "c.py") == {"pandas", "plotly"}
+
+
+def test_no_package_name_hides_one_of_its_modules():
+    """``from .cats_mlp import cats_mlp`` in a package's ``__init__`` made the module
+    unreachable as ``pkg.cats_mlp`` (the function took its name): no package does that."""
+    hidden = []
+    for init in ROOT.rglob("__init__.py"):
+        pkg = init.parent
+        subs = {p.stem for p in pkg.glob("*.py")} | {p.name for p in pkg.iterdir() if p.is_dir()}
+        for node in ast.parse(init.read_text()).body:
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+                hidden += [f"{pkg.name}.{a.asname or a.name}" for a in node.names
+                           if (a.asname or a.name) in subs]  # fmt: skip
+    assert hidden == [], f"package names that hide a module of the same name: {hidden}"
