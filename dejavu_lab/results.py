@@ -219,16 +219,18 @@ def add_repeat(name: str, rows: list[dict], *, command: str, extra: dict | None 
     ([{'ms': 0.42, 'repeat': 0}, {'ms': 0.43, 'repeat': 1}], 2)
     """
     _check(name, rows)
-    run = dict(recorded) if recorded is not None else _with_extra(provenance(command), extra)
+    run = _with_extra(dict(recorded) if recorded is not None else provenance(command), extra)
     run.pop("repeats", None)
     path = results_dir() / f"{name}.json"
     if not path.is_file():
         return _write(path, {**run, "repeats": [run]}, [{**r, "repeat": 0} for r in rows])
+    _, first = load(path)  # a damaged file is a ResultsError, as for any reader
+    first = {k: v for k, v in first.items() if k != "repeats"}
     data = json.loads(path.read_text())
-    first = {k: v for k, v in data["provenance"].items() if k != "repeats"}
     old = [{**r, "repeat": r.get("repeat", 0)} for r in data["rows"]]
-    k = 1 + max(r["repeat"] for r in old) if old else 0
     runs = list(data["provenance"].get("repeats") or [first])
+    # the next repeat: after every recorded row and every recorded run (a run may have no rows)
+    k = max(1 + max((r["repeat"] for r in old), default=-1), len(runs))
     runs += [first] * (k - len(runs))  # repeats recorded without their own provenance
     prov = {**first, "repeats": [*runs[:k], run]}
     return _write(path, prov, old + [{**r, "repeat": k} for r in rows])

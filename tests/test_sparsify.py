@@ -256,3 +256,14 @@ def test_lm_eval_missing_is_a_clear_error(monkeypatch):
     model, _, _ = random_model("tiny-opt")
     with pytest.raises(LmEvalError, match="pip install"):
         lm_eval_tasks(model, None, mlp_sparsity=0.5)
+
+
+def test_static_sets_of_another_model_are_refused():
+    from dejavu_lab.sparsify import sparsified, static_sets
+
+    small = random_model("tiny-llama").model
+    sets = static_sets(small, torch.randint(0, 128, (2, 16)), progress=False)
+    sets.mlp_score, sets.head_score = sets.mlp_score[:1], sets.head_score[:1]  # a 1-layer model's
+    with pytest.raises(ValueError, match="static sets have 1 layers but the model has 2"):
+        with sparsified(small, method="static", static=sets):
+            pass

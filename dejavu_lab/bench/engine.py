@@ -3,8 +3,8 @@ end to end against Hugging Face ``generate`` (Deja Vu §5.1).
 
 :func:`build` makes a random-weight model at a preset shape (or loads a checkpoint);
 :func:`variants` lists the engine configurations of ``--methods`` (:class:`Variant`);
-:func:`make_decoder` builds one; :func:`keep_all_check` and :func:`graph_check` compare it
-with the dense decoder and with its own eager steps; :func:`bench_model` times every variant of
+:func:`make_decoder` builds one; before timing, its keep-all logits are compared with the
+dense decoder's and its graph replays with its own eager steps; :func:`bench_model` times every variant of
 one model into a list of result rows, each with the bytes it reads and the bandwidth it reaches
 against the copy ceiling (:func:`dejavu_lab.bench.timing.copy_ceiling`); :func:`print_table` prints
 them. ``kernels/bench_engine.py`` (argparse, the loop over models, ``results.save``) and

@@ -455,7 +455,7 @@ class BatchDecoder(Decoder):
 
     def parts(self) -> dict:
         """Zero-argument callables running one part of a decode step over every layer at the
-        current batch size, for timing by :mod:`kernels.bench_engine` (``--batch``)."""
+        current batch size, for timing by :mod:`dejavu_lab.bench.engine` (``--batch``)."""
         L, attn, mlp, B = self.arch.n_layers, self.attn, self.mlp, self.B
         if self.W and self.n_steps - self.wstart >= self.W:
             self._flush()  # the window is full: a step would flush first (its rows are [0, W))

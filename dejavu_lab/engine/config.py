@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..budgets import budgets
+from ..checks import engine as check_engine
 from ..errors import EngineError
 from ..vocab import METHODS as METHODS_TABLE
 from ..vocab import method_names
@@ -81,8 +82,6 @@ class SparseConfig:
     def __post_init__(self):
         budgets(self.mlp_sparsity, 1, "mlp_sparsity")
         budgets(self.head_sparsity, 1, "head_sparsity")
-        from ..checks import engine as check_engine  # lazy: checks.engine names EngineError
-
         check_engine.size(self.kv_window, "kv_window", maximum=32, hint="tokens; 0 = no deferral")
         if self.method not in METHODS:
             raise EngineError(

@@ -451,7 +451,7 @@ class Decoder:
 
     def parts(self) -> dict:
         """Zero-argument callables running one part of a decode step over every layer, for
-        timing by :mod:`kernels.bench_engine` (each replays on the current static buffers)."""
+        timing by :mod:`dejavu_lab.bench.engine` (each replays on the current static buffers)."""
         L, attn, mlp = self.arch.n_layers, self.attn, self.mlp
         x = torch.randn(1, self.arch.d_model, dtype=self.w.dtype, device=self.w.device)
 

@@ -2,9 +2,9 @@
 
 A part of a DejaVu :class:`dejavu_lab.engine.Decoder` (its ``sets``): static index buffers (one
 row per layer, fixed sizes, so a CUDA graph can replay them) that its blocks read, filled either
-by hand (:meth:`KeptSets.set_indices`:
-oracle or random sets) or, inside the decode step, by the top-k of DejaVu's low-rank predictors
-(:mod:`dejavu_lab.predictors`) evaluated on the previous layer's input (lookahead). The two
+by hand (:meth:`KeptSets.set_indices`: oracle or random sets) or, inside the decode step, by the
+top-k of DejaVu's low-rank predictors (:mod:`dejavu_lab.predictors`) evaluated on the previous
+layer's input (lookahead). The two
 predictors of a layer read the same input, so they are evaluated stacked: one RMS norm and one
 GEMV for both ``d -> r`` halves, then each ``r -> n`` — the same function as
 ``Predictors.mlp_scores`` / ``head_scores``, in fewer launches.

@@ -195,12 +195,12 @@ class Calibration:
     def site_sparsities(
         self,
         method: str,
-        sparsity: Sequence[float],
+        sparsity,
         allocation: str = "uniform",
         sites: Sequence[str] | None = None,
     ) -> dict[tuple[int, str], float]:
-        """Each (layer, site)'s share removed for per-layer budgets ``sparsity`` (checked ones:
-        :meth:`thresholds` and :func:`~dejavu_lab.sparsify.core.sparsified` check them).
+        """Each (layer, site)'s share removed for a layer budget ``sparsity`` (one, or one per
+        layer; checked here, as every public entry checks it).
 
         ``"uniform"``: every site of the layer at the layer's budget. ``"greedy"`` (TEAL and
         WINA): the sites' shares on the greedy path where its bytes-weighted layer sparsity
@@ -212,12 +212,24 @@ class Calibration:
         >>> cal = calibrate(m.model, torch.randint(0, 128, (1, 16)), cache=False, progress=False)
         >>> cal.site_sparsities("cats", [0.5, 0.0])
         {(0, 'gate'): 0.5}
+        >>> cal.site_sparsities("cats", 1.5)
+        Traceback (most recent call last):
+        ...
+        ValueError: sparsity must be in [0, 1) ...
         """
+        checked = budgets(sparsity, self.n_layers, "sparsity")
+        return self._site_sparsities(method, checked, allocation, sites)
+
+    def _site_sparsities(
+        self,
+        method: str,
+        sparsity: list[float],
+        allocation: str = "uniform",
+        sites: Sequence[str] | None = None,
+    ) -> dict[tuple[int, str], float]:
+        """:meth:`site_sparsities` for budgets already checked (one per layer, in [0, 1))."""
         if method not in KINDS:
             raise CalibrationError(f"method must be one of {', '.join(KINDS)}, got {method!r}.")
-        # budgets checked where they came in: one per layer, each in [0, 1)
-        assert isinstance(sparsity, (list, tuple)) and len(sparsity) == self.n_layers, sparsity
-        assert all(0 <= x < 1 for x in sparsity), sparsity
         s = list(sparsity)
         names = KINDS[method]
         if sites is not None:
@@ -271,7 +283,7 @@ class Calibration:
 
     def _thresholds(self, method, s: list[float], allocation, sites=None) -> Thresholds:
         """:meth:`thresholds` for checked per-layer budgets (dense layers already at 0)."""
-        alloc = self.site_sparsities(method, s, allocation, sites)
+        alloc = self._site_sparsities(method, s, allocation, sites)
         values = {k: self.threshold(method, *k, v) for k, v in alloc.items()}
         info = {"calibration": str(self.path) if self.path else None, "text_sha": self.text_sha}
         alloc_name = allocation if greedy_allocates(method) else "uniform"

@@ -8,7 +8,8 @@ model's own forward runs unchanged. Two kinds of builders share helpers here:
 - unit masks (oracle, static, DejaVu predictors): keep a subset of MLP neurons
   (``mlp.hook_post``) and of query heads (``attn.hook_z``) per token — :func:`unit_mask_hooks`;
 - input thresholds (TEAL, WINA, CATS): zero the entries of a linear layer's input below a
-  per-column threshold at one of the :data:`SITES` — :func:`threshold_hooks`.
+  threshold (one number per site, or one per input column for WINA) at one of the
+  :data:`SITES` — :func:`threshold_hooks`.
 
 This measures *quality*: the dense work still happens on CPU; what a sparse step reads is
 counted by :mod:`dejavu_lab.step_bytes`.

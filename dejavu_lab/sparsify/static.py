@@ -125,6 +125,12 @@ def static_hooks(ctx: SparseContext) -> list:
     >>> bool((record["mlp"][1] == sets.mlp_keep()[1]).all())
     True
     """
+    n = len(ctx.static.mlp_score)
+    if n != ctx.arch.n_layers or len(ctx.static.head_score) != n:
+        raise ValueError(
+            f"these static sets have {n} layers but the model has {ctx.arch.n_layers}: they "
+            "were computed on another model; compute them on this one with static_sets(model, ...)."
+        )
     mlp_sets = _top(ctx.static.mlp_score, ctx.mlp)  # budgets sparsified has checked
     head_sets = _top(ctx.static.head_score, ctx.heads)
 
