@@ -32,6 +32,7 @@ from ..kernels import (
     threshold_gemv,
     threshold_sums,
 )
+from .weights import linear_t
 
 __all__ = ["DenseAttention", "StepState", "ThresholdAttention", "every_head", "rotate"]
 
@@ -44,10 +45,6 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     """
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
-def _mm(x: torch.Tensor, w_t: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    return x @ w_t if b is None else torch.addmm(b, x, w_t)
 
 
 class StepState:
@@ -109,7 +106,7 @@ class DenseAttention:
 
     def out(self, o: torch.Tensor) -> torch.Tensor:
         """[B, d]: o [B, H dh] times W_O^T."""
-        return _mm(o, self.lw.w_o_t, self.lw.b_o)
+        return linear_t(o, self.lw.w_o_t, self.lw.b_o)
 
     def qkv_rot(self, x: torch.Tensor) -> torch.Tensor:
         """[1, (H + 2 Hkv) dh]: q/k/v of x with queries and keys turned at this position."""

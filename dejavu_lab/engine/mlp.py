@@ -34,14 +34,11 @@ from ..kernels import (
     threshold_gemv_act,
     threshold_sums,
 )
+from .weights import linear_t
 
 __all__ = ["CatsMLP", "DenseMLP", "KeptMLP", "ThresholdMLP", "act", "gate_act", "mlp_block"]
 
 _ACT = {"relu": torch.relu, "gelu": F.gelu, "silu": F.silu}
-
-
-def _mm(x: torch.Tensor, w_t: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    return x @ w_t if b is None else torch.addmm(b, x, w_t)
 
 
 def gate_act(a: torch.Tensor, activation: str, gated: bool, n: int) -> torch.Tensor:
@@ -98,8 +95,8 @@ class DenseMLP:
         if (self.activation == "relu" and not self.gated and lw.b_in is not None
                 and lw.w_in is not None and x.is_cuda):  # fmt: skip
             h = torch._addmm_activation(lw.b_in, x, lw.w_in.t())  # cuBLASLt bias+ReLU epilogue
-            return _mm(h, lw.w_down_t, lw.b_down)
-        return _mm(self.hidden(x), lw.w_down_t, lw.b_down)
+            return linear_t(h, lw.w_down_t, lw.b_down)
+        return linear_t(self.hidden(x), lw.w_down_t, lw.b_down)
 
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
         """The hidden activations of x, dense: act(fc1 x) or act(gate x) * up x."""
@@ -168,7 +165,7 @@ class ThresholdMLP(DenseMLP):
         lw = self.lw
         h = self.hidden(x)
         if self.t_down is None:
-            return _mm(h, lw.w_down_t, lw.b_down)
+            return linear_t(h, lw.w_down_t, lw.b_down)
         return threshold_gemv(h, lw.w_down_t, self.t_down.at(x), bias=lw.b_down)
 
     def hidden(self, x: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,8 @@ from ..arch import Arch, get_arch
 from ..vocab import METHODS
 from .config import EngineError
 
-__all__ = ["DecoderWeights", "LayerWeights", "check_layout", "decoder_weights", "layout_for"]
+__all__ = ["DecoderWeights", "LayerWeights", "check_layout", "decoder_weights", "layout_for",
+           "linear_t"]  # fmt: skip
 
 ENGINE_TYPES = ("opt", "llama", "mistral", "qwen2")  # Arch tables whose blocks the engine runs
 
@@ -71,16 +72,22 @@ class LayerWeights:
         """Dense ``x @ W_QKV^T + b`` (cuBLAS) from whichever layout is stored; x [S, d]."""
         if self.w_qkv is not None:
             return F.linear(x, self.w_qkv, self.b_qkv)
-        return _mm(x, self.w_qkv_t, self.b_qkv)
+        return linear_t(x, self.w_qkv_t, self.b_qkv)
 
     def mlp_in(self, x: torch.Tensor) -> torch.Tensor:
         """Dense ``x @ W_in^T + b`` (fc1, or gate then up), either layout; x [S, d]."""
         if self.w_in is not None:
             return F.linear(x, self.w_in, self.b_in)
-        return _mm(x, self.w_in_t, self.b_in)
+        return linear_t(x, self.w_in_t, self.b_in)
 
 
-def _mm(x: torch.Tensor, w_t: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+def linear_t(x: torch.Tensor, w_t: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """``x @ w_t + b`` for a weight stored transposed ([d_in, d_out], the columns layout).
+
+    >>> x, w_t = torch.ones(1, 2), torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    >>> linear_t(x, w_t, torch.ones(3))
+    tensor([[ 6.,  8., 10.]])
+    """
     return x @ w_t if b is None else torch.addmm(b, x, w_t)
 
 
