@@ -26,6 +26,7 @@ __all__ = [
     "LmEvalError",
     "ModelNotFoundError",
     "PredictorError",
+    "QuantError",
     "ResultsError",
     "UnsupportedArchitectureError",
     "WriteError",
@@ -220,4 +221,16 @@ class CalibrationError(ValueError):
     Traceback (most recent call last):
     ...
     dejavu_lab.errors.CalibrationError: No thresholds file at no-such-file.safetensors.
+    """
+
+
+class QuantError(ValueError):
+    """A weight cannot be stored in, or read from, the 4-bit format as asked.
+
+    >>> import torch
+    >>> from dejavu_lab.quant import quantize
+    >>> quantize(torch.zeros(100, 8), group=32)
+    Traceback (most recent call last):
+    ...
+    dejavu_lab.errors.QuantError: 100 input rows do not split into groups of 32; pick a group ...
     """
