@@ -23,8 +23,9 @@ from pathlib import Path
 __all__ = ["DEPENDS", "Staleness", "commit_of", "note", "row_commits", "staleness"]
 
 #: what a speed recording depends on: the kernels, the engine, the shared timing harness and
-#: the scripts that drive them (paths relative to the repository root)
-DEPENDS = ("dejavu_lab/kernels", "dejavu_lab/engine", "dejavu_lab/bench", "kernels")
+#: the scripts that drive them (git pathspecs, relative to the repository root)
+DEPENDS = ("dejavu_lab/kernels", "dejavu_lab/engine", "dejavu_lab/bench", "kernels/bench_*.py",
+           "kernels/profile_*.py")  # fmt: skip
 ROOT = Path(__file__).resolve().parent.parent  # the repository this package runs from
 _HEX = re.compile(r"[0-9a-f]{7,40}")
 

@@ -16,10 +16,10 @@ def _git(repo: Path, *args: str) -> str:
 
 @pytest.fixture
 def repo(tmp_path):
-    """Commits: a kernel, the book twice (not a dependency), the engine twice."""
+    """Commits: a benchmark, the book and a checking script (not dependencies), the engine twice."""
     _git(tmp_path, "init", "-q")
     shas = []
-    for path, text in (("kernels/bench.py", "0"), ("book/a.md", "1"), ("book/a.md", "2"),
+    for path, text in (("kernels/bench_mlp.py", "0"), ("book/a.md", "1"), ("kernels/check.py", "2"),
                        ("dejavu_lab/engine/step.py", "3"), ("dejavu_lab/engine/step.py", "4")):  # fmt: skip
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / path).write_text(text)
@@ -32,7 +32,7 @@ def repo(tmp_path):
 def test_counts_only_commits_that_touch_the_timed_code(repo):
     root, shas = repo
     first = staleness.staleness(shas[0], root=root)
-    assert (first.commit, first.behind, first.dirty_here) == (shas[0], 2, False)  # book skipped
+    assert (first.commit, first.behind, first.dirty_here) == (shas[0], 2, False)  # book, check.py skipped
     assert staleness.staleness(shas[3] + "-dirty", root=root).recorded_dirty
     assert staleness.note({"git_sha": shas[2]}, root=root) == (
         f"measured at {shas[2][:7]}, 2 commits to the kernels and engine ago"
@@ -47,7 +47,7 @@ def test_counts_only_commits_that_touch_the_timed_code(repo):
 
 def test_uncommitted_changes_here_are_said(repo):
     root, shas = repo
-    (root / "kernels" / "bench.py").write_text("changed")
+    (root / "kernels" / "bench_mlp.py").write_text("changed")
     staleness._git.cache_clear()  # the answers are cached per process
     try:
         assert staleness.note({"git_sha": shas[4]}, root=root).endswith(

@@ -326,9 +326,12 @@ def gains_sentence(speed: pd.DataFrame) -> str:
     head = (f"The {s.index[0]} shape gains {first['measured speedup']:.2f}× (its bytes allow "
             f"{first['predicted speedup']:.2f}×)")  # fmt: skip
     text = head + ", " + source.listing(each[1:]) + "."
-    if first["measured speedup"] > s.iloc[-1]["measured speedup"]:
-        text += (" The larger the shape, the more sparsity pays: at small shapes the kernels are "
-                 "short, so fixed per-kernel costs weigh more.")  # fmt: skip
+    same = s[s["sparsity (MLP, heads)"] == first["sparsity (MLP, heads)"]]["measured speedup"]
+    if len(same) > 1 and same.is_monotonic_decreasing:  # by bytes, at one budget
+        mlp, heads = first["sparsity (MLP, heads)"].split(", ")
+        text += (f" At {mlp} MLP + {heads} heads removed, the larger the shape, the more "
+                 "sparsity pays: at small shapes the kernels are short, so fixed per-kernel "
+                 "costs weigh more.")  # fmt: skip
     return text
 
 
