@@ -22,7 +22,6 @@ sizes.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import subprocess
