@@ -2,6 +2,7 @@
 two tiny notebooks (the real chapters take minutes; the GPU box runs them)."""
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -28,8 +29,10 @@ def _cell(code: str) -> str:
 def gpu_check():
     spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
     module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = module  # its dataclass looks its module up there
     spec.loader.exec_module(module)
-    return module
+    yield module
+    del sys.modules["gpu_check"]
 
 
 @pytest.fixture
