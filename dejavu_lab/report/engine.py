@@ -349,7 +349,9 @@ def fused_sentence(fused: pd.DataFrame, fprov: dict, unfused: pd.DataFrame, upro
     def at(frame):
         e = _e2e(frame)
         e = e[(e["model"] == model) & (e["prompt"] == prompt)].set_index("engine")["ms_per_token"]
-        return (e["sparse"], e["dense"] / e["sparse"]) if {"sparse", "dense"} <= set(e.index) else None
+        if not {"sparse", "dense"} <= set(e.index):
+            return None
+        return e["sparse"], e["dense"] / e["sparse"]
 
     f, u = at(fused), at(unfused)
     if f is None or u is None:
