@@ -14,9 +14,9 @@
 It prints a table (chapter, cells, errors, seconds) and writes a log — that table, the tests'
 summary, each error's traceback and the short texts each chapter glued into its prose — to
 ``$DEJAVU_LAB_RESULTS/gpu_check.log`` (default ``results/``). The exit status is 1 when a test or
-a cell failed. Needs jupytext, nbclient and ipykernel only: no Sphinx, no jupyter-book
-(``myst_nb.glue`` imports without Sphinx). ``DEJAVU_QUICK=1`` runs the chapters at their quick
-sizes.
+a cell failed. Needs jupytext, nbclient and ipykernel beside what the chapters import (the
+package's dependencies, and myst-nb with docutils for ``myst_nb.glue``): no Sphinx, no
+jupyter-book. ``DEJAVU_QUICK=1`` runs the chapters at their quick sizes.
 """
 
 from __future__ import annotations
