@@ -10,7 +10,7 @@ HTML_MANAGER := @jupyter-widgets/html-manager@1.0.14
 MATHJAX := mathjax@3.2.2
 VENDOR := _static/vendor
 
-.PHONY: test book lab bench lint clean chromium
+.PHONY: test book lab bench gpu-check lint clean chromium
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -60,6 +60,11 @@ lab: $(STAMP)
 bench: $(STAMP)
 	@$(BIN)/python -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 'make bench needs an NVIDIA GPU; on a GPU box run it there (book/reproduce.md).')"
 	for f in kernels/bench_*.py; do $(BIN)/python $$f || exit 1; done
+
+# On a GPU box: the kernel tests compiled for the GPU, then the chapters that measure live
+# (60, 70, 75) executed as notebooks; a table, and the log in results/gpu_check.log.
+gpu-check: $(STAMP)
+	$(BIN)/python kernels/gpu_check.py
 
 clean:
 	rm -rf _build $(VENDOR) .pytest_cache .ruff_cache

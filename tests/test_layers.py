@@ -177,7 +177,7 @@ def test_compute_imports_no_tables_or_figures():
 # imports from its own layer and the layers below it, never from one above.
 LAYERS = [
     ("vocab", "errors", "checks"),
-    ("atomic", "assets", "results", "step_bytes"),
+    ("atomic", "assets", "results", "staleness", "step_bytes"),
     ("arch", "models", "hooks", "corpus", "budgets", "quant"),
     ("collect", "predictors", "deferred_kv", "bytes_model", "sparsify", "lm_eval_tasks"),
     ("measure",),

@@ -8,6 +8,8 @@ measure (or what ``kernels/*.py`` recorded in ``results/``) and draw it.
   (:func:`~dejavu_lab.report.book.size`), figure set-up, captions;
 - :mod:`~dejavu_lab.report.plots` — one colour per method (``COLORS``) and captions under a
   figure, for every chapter;
+- :mod:`~dejavu_lab.report.source` — where a speed chapter's numbers come from (live, or a
+  recording and its age), in captions and sentences;
 - :mod:`~dejavu_lab.report.explorer` — the budget explorer (chapter 45);
 - :mod:`~dejavu_lab.report.gated` — the quality side of the gated-MLP chapter (42): frontiers,
   thresholds, what each token kept;

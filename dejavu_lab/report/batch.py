@@ -10,19 +10,30 @@ goes as the batch grows; and the CPU measurements of :mod:`dejavu_lab.engine.bat
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pandas as pd
 import plotly.express as px
 
 from .. import results
 from ..engine.batch_quality import quality_rows, union_rows
+from . import source
 
 __all__ = [
     "PAPER",
     "TARGETS",
+    "attention_sentence",
     "batch_quality",
     "batch_unions",
     "breakdown_figure",
     "load",
+    "quality_sentence",
+    "ratios_sentence",
+    "targets_sentence",
+    "uncapped_sentence",
+    "union_sentence",
     "quality_table",
     "targets",
     "throughput_figure",
@@ -47,14 +58,29 @@ ENGINES = {
 }
 
 
-def load(name: str = NAME):
-    """(rows, provenance) of the recorded batched run.
+def load(live: bool | None = None, *, models: str = "llama-3-8b,opt-30b",
+         prompts: str = "512,2048", batches: str = "1,4,16,32", new_tokens: int = 16,
+         name: str = NAME):  # fmt: skip
+    """(rows, provenance, live): measure now when a GPU is here (``live=None``), with
+    ``kernels/bench_engine.py --batch`` over ``models`` x ``prompts`` x ``batches`` (written to
+    ``results/{name}_live.json``), else read the recorded run ``results/{name}.json``.
 
-    >>> frame, prov = load()
-    >>> "gpu" in prov, {"batch", "check"} <= set(frame["kind"])
-    (True, True)
+    >>> frame, prov, live = load(live=False)  # the recorded run, whatever machine this is
+    >>> live, "gpu" in prov, {"batch", "check"} <= set(frame["kind"])
+    (False, True, True)
     """
-    return results.load(name)
+    import torch
+
+    live = torch.cuda.is_available() if live is None else live
+    if live:
+        script = Path(__file__).resolve().parents[2] / "kernels" / "bench_engine.py"
+        name += "_live"
+        cmd = [sys.executable, str(script), "--batch", batches, "--models", models,
+               "--prompts", prompts, "--new-tokens", str(new_tokens), "--no-check",
+               "--name", name]  # fmt: skip
+        subprocess.run(cmd, check=True)
+    frame, prov = results.load(name)
+    return frame, prov, live
 
 
 def _runs(frame: pd.DataFrame) -> pd.DataFrame:
@@ -68,7 +94,7 @@ def throughput_table(frame: pd.DataFrame) -> pd.DataFrame:
     """Tokens/s per (model, prompt, batch): dense, sparse (capped, and the whole union where
     recorded), their ratios, and the GB each step reads.
 
-    >>> t = throughput_table(load()[0])
+    >>> t = throughput_table(load(live=False)[0])
     >>> list(t.columns)[:3]
     ['dense tok/s', 'sparse tok/s', 'sparse / dense']
     """
@@ -90,7 +116,7 @@ def throughput_table(frame: pd.DataFrame) -> pd.DataFrame:
 def targets(frame: pd.DataFrame) -> pd.DataFrame:
     """Our speed targets beside the recorded ratios (NaN where the run has no such row).
 
-    >>> targets(load()[0]).columns.tolist()
+    >>> targets(load(live=False)[0]).columns.tolist()
     ['target', 'measured', 'met']
     """
     t = throughput_table(frame)["sparse / dense"]
@@ -104,7 +130,7 @@ def targets(frame: pd.DataFrame) -> pd.DataFrame:
 def throughput_figure(frame: pd.DataFrame):
     """Tokens/s against the batch size, one panel per model, a line per engine and prompt.
 
-    >>> throughput_figure(load()[0]).layout.xaxis.type
+    >>> throughput_figure(load(live=False)[0]).layout.xaxis.type
     'log'
     """
     r = _runs(frame).copy()
@@ -127,7 +153,7 @@ def union_table(frame: pd.DataFrame) -> pd.DataFrame:
     """The realised unions of the sparse runs (mean over layers and steps) beside independent
     uniform sets of the same size, ``1 - (1 - p)^B``, and what the capped buffer reads.
 
-    >>> t = union_table(load()[0])
+    >>> t = union_table(load(live=False)[0])
     >>> "MLP union (measured)" in t.columns
     True
     """
@@ -148,7 +174,7 @@ def breakdown_figure(frame: pd.DataFrame, model: str, prompt: int):
     """ms of each part of the step over every layer (timed alone, CUDA graphs) per batch size,
     dense beside sparse: attention (projections and each sequence's cache), MLP, the unions.
 
-    >>> fig = breakdown_figure(load()[0], "llama-3-8b", 2048)
+    >>> fig = breakdown_figure(load(live=False)[0], "llama-3-8b", 2048)
     >>> sorted({t.name for t in fig.data}) == sorted({"attention", "MLP", "unions", "lm_head"})
     True
     """
@@ -244,7 +270,7 @@ def time_shares(frame: pd.DataFrame, model: str, prompt: int) -> pd.DataFrame:
     """Each part's share of the parts' total (attention, MLP, unions, lm_head) per engine and
     batch size, and the attention part's bandwidth on what it reads (weights + KV cache).
 
-    >>> t = time_shares(load()[0], "llama-3-8b", 2048)
+    >>> t = time_shares(load(live=False)[0], "llama-3-8b", 2048)
     >>> t.columns.tolist()
     ['attention', 'MLP', 'unions', 'lm_head', 'attention TB/s']
     """
@@ -285,3 +311,130 @@ def union_figure(measured: pd.DataFrame, predicted: pd.DataFrame):
                   title="The MLP union a batch asks for")  # fmt: skip
     fig.update_xaxes(tickvals=sorted(long["batch_size"].unique()))
     return fig
+
+
+def _at(ratios: list[tuple[int, float]]) -> str:
+    return source.listing([f"{r:.2f}× at B = {b}" for b, r in ratios])
+
+
+def ratios_sentence(frame: pd.DataFrame, model: str, prompt: int, batches=(1, 16, 32)) -> str:
+    """Sparse over dense tokens/s at ``model`` and ``prompt`` for the ``batches`` the run has.
+
+    >>> ratios_sentence(load(live=False)[0], "llama-3-8b", 2048)
+    'llama-3-8b shape, prompt 2048: ...× at B = 1, ...× at B = 16 and ...× at B = 32'
+    >>> ratios_sentence(load(live=False)[0], "llama-3-8b", 999)
+    'llama-3-8b shape, prompt 999: not in this run'
+    """
+    t = throughput_table(frame)
+    have = [(b, float(t.loc[(model, prompt, b), "sparse / dense"])) for b in batches
+            if (model, prompt, b) in t.index]  # fmt: skip
+    return f"{model} shape, prompt {prompt}: " + (_at(have) if have else "not in this run")
+
+
+def targets_sentence(frame: pd.DataFrame) -> str:
+    """Each speed target the run has a row for: the measured ratio, met or missed, and what
+    the bytes allow there.
+
+    >>> targets_sentence(load(live=False)[0])
+    'llama-3-8b, prompt 2048: ...× at B = 16 (target 1.5×, missed; the bytes allow ...×) and ...'
+    """
+    t, tt = targets(frame).dropna(subset=["measured"]), throughput_table(frame)
+    if not len(t):
+        return "This run has none of the targets' rows."
+    parts = []
+    for (model, prompt), g in t.groupby(level=["model", "prompt"], sort=False):
+        each = []
+        for (_, _, b), r in g.iterrows():
+            allow = tt.loc[(model, prompt, b), "bytes ratio"]
+            each.append(f"{r['measured']:.2f}× at B = {b} (target {r['target']:g}×, "
+                        f"{'met' if r['met'] else 'missed'}; the bytes allow {allow:.2f}×)")  # fmt: skip
+        parts.append(f"{model}, prompt {prompt}: " + source.listing(each))
+    return "; ".join(parts) + "."
+
+
+def uncapped_sentence(frame: pd.DataFrame) -> str:
+    """The whole union (no cap) against dense at the largest batch of each model that ran it.
+
+    >>> uncapped_sentence(load(live=False)[0])
+    'Without the cap the step is ...× the dense one at B = 32 (llama-3-8b, prompt 2048) and ...'
+    """
+    tt = throughput_table(frame)
+    if "whole union / dense" not in tt:
+        return "This run has no uncapped rows."
+    u = tt["whole union / dense"].dropna()
+    if not len(u):
+        return "This run has no uncapped rows."
+    each = []
+    for (model, prompt), g in u.groupby(level=["model", "prompt"], sort=False):
+        b = g.index.get_level_values("batch").max()
+        each.append(f"{g.loc[(model, prompt, b)]:.2f}× the dense one at B = {b} ({model}, "
+                    f"prompt {prompt})")  # fmt: skip
+    return "Without the cap the step is " + source.listing(each) + "."
+
+
+def attention_sentence(shares: pd.DataFrame) -> str:
+    """How the attention block's share of the sparse step and its bandwidth change from the
+    smallest to the largest batch of :func:`time_shares`.
+
+    >>> attention_sentence(time_shares(load(live=False)[0], "llama-3-8b", 2048))
+    'The attention block grows from ...% of the sparse step at B = 1 to ...% at B = 32. At B = 32 it moves ... TB/s in the dense engine and ... TB/s in the sparse one.'
+    """
+    if "sparse" not in shares.index.get_level_values("engine"):
+        return "This run has no timed parts of the sparse step."
+    sp = shares.loc["sparse"]
+    lo, hi = sp.index.min(), sp.index.max()
+    text = (f"The attention block grows from {100 * sp.loc[lo, 'attention']:.0f}% of the sparse "
+            f"step at B = {lo} to {100 * sp.loc[hi, 'attention']:.0f}% at B = {hi}.")  # fmt: skip
+    if ("dense", hi) in shares.index:
+        text += (f" At B = {hi} it moves {shares.loc[('dense', hi), 'attention TB/s']:.2f} TB/s in "
+                 f"the dense engine and {sp.loc[hi, 'attention TB/s']:.2f} TB/s in the sparse one.")  # fmt: skip
+    return text
+
+
+def union_sentence(measured: pd.DataFrame | None, predicted: pd.DataFrame | None) -> str:
+    """The demo model's MLP union at the largest batch: the engine's predicted sets beside
+    oracle and random sets (:func:`union_figure`'s inputs), or why there is none.
+
+    >>> m = pd.DataFrame({"batch_size": [1, 8], "block": "mlp", "layer": 0, "union": [0.5, 0.9]})
+    >>> p = pd.DataFrame({"batch_size": [1, 8], "block": "mlp", "layer": 0,
+    ...                   "union_sparsity": [0.5, 0.2], "uniform": [0.5, 0.004]})
+    >>> union_sentence(m, p)
+    'At B = 8 the union holds 90.0% of the neurons with the predicted sets, 80.0% with oracle sets and 99.6% with random sets.'
+    >>> union_sentence(None, None)
+    'The demo model did not load here, so its union was not measured.'
+    """
+    if measured is None or predicted is None:
+        return "The demo model did not load here, so its union was not measured."
+    um = measured[measured.block == "mlp"].groupby("batch_size").union.mean()
+    pm = predicted[predicted.block == "mlp"].groupby("batch_size")[["union_sparsity",
+                                                                    "uniform"]].mean()  # fmt: skip
+    return (f"At B = {int(um.index[-1])} the union holds {100 * um.iloc[-1]:.1f}% of the neurons "
+            f"with the predicted sets, {100 * (1 - pm['union_sparsity'].iloc[-1]):.1f}% with "
+            f"oracle sets and {100 * (1 - pm['uniform'].iloc[-1]):.1f}% with random sets.")  # fmt: skip
+
+
+def quality_sentence(quality: pd.DataFrame | None, heads_only: pd.DataFrame | None,
+                     union_budget: float) -> str:  # fmt: skip
+    """Mean perplexity alone, in the batch (whole union, capped union) and dense, and with
+    only the heads sparse (:func:`batch_quality`'s tables), or why there is none.
+
+    >>> q = pd.DataFrame({"window": [0] * 4, "perplexity": [30.0, 33.0, 32.0, 36.0],
+    ...                   "run": ["dense", "batch 1", "batch 2", "batch 2, union <= 50%"]})
+    >>> h = pd.DataFrame({"window": [0] * 2, "perplexity": [31.0, 31.0],
+    ...                   "run": ["batch 1", "batch 2"]})
+    >>> quality_sentence(q, h, 0.5)
+    'Over 1 held-out windows, the mean perplexity is 33.0 alone and 32.0 in a batch of 2 with the whole union (dense: 30.0); with the union capped at the per-token budget it is 36.0. With only the heads sparse, the batch gives 31.00 against 31.00 alone.'
+    """
+    if quality is None or heads_only is None:
+        return "The demo model did not load here, so the quality runs did not run."
+    q, h = quality_table(quality).loc["mean"], quality_table(heads_only).loc["mean"]
+    n = quality["window"].nunique()
+    b = next(c for c in q.index if c.startswith("batch ") and c != "batch 1" and "," not in c)
+    capped = f"{b}, union <= {union_budget:.0%}"
+    text = (f"Over {n} held-out windows, the mean perplexity is {q['batch 1']:.1f} alone and "
+            f"{q[b]:.1f} in a {b.replace('batch', 'batch of')} with the whole union (dense: "
+            f"{q['dense']:.1f})")  # fmt: skip
+    if capped in q:
+        text += f"; with the union capped at the per-token budget it is {q[capped]:.1f}"
+    return text + (f". With only the heads sparse, the batch gives {h[b]:.2f} against "
+                   f"{h['batch 1']:.2f} alone.")  # fmt: skip

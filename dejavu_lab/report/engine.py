@@ -16,11 +16,17 @@ import pandas as pd
 import plotly.express as px
 
 from .. import results
+from ..models import PRESETS
+from . import source
 
 __all__ = [
     "PAPER",
     "breakdown",
     "breakdown_figure",
+    "budgets_phrase",
+    "fused_sentence",
+    "gains_sentence",
+    "latency_intro",
     "latency_table",
     "load",
     "method_table",
@@ -245,3 +251,115 @@ def summary(frame: pd.DataFrame, model: str, prompt: int) -> pd.DataFrame:
     return pd.DataFrame(
         rows, index=["paper (OPT-175B, 8x A100)", f"ours ({model}, prompt {prompt})"]
     ).T
+
+
+def _budget(frame: pd.DataFrame, model: str) -> tuple[float, float] | None:
+    s = _e2e(frame)
+    s = s[(s["model"] == model) & (s["engine"] == "sparse")]
+    if not len(s):
+        return None
+    return float(s["mlp_sparsity"].iloc[0]), float(s["head_sparsity"].iloc[0])
+
+
+def budgets_phrase(frame: pd.DataFrame, models) -> str:
+    """The sparse engine's budgets of ``models``, as run: models sharing a budget named together.
+
+    >>> frame = load(live=False)[0]
+    >>> budgets_phrase(frame, ["opt-6.7b", "opt-30b", "llama-2-13b"])
+    'opt-6.7b and opt-30b at 85% MLP + 50% heads removed; llama-2-13b at 50% + 50%'
+    >>> budgets_phrase(frame, ["opt-6.7b"])  # a live run of one model names only that one
+    'opt-6.7b at 85% MLP + 50% heads removed'
+    """
+    groups: dict[tuple, list[str]] = {}
+    for m in models:
+        b = _budget(frame, m)
+        if b is not None:
+            groups.setdefault(b, []).append(m)
+    parts = []
+    for i, ((mlp, heads), ms) in enumerate(groups.items()):
+        how = f"{mlp:.0%} MLP + {heads:.0%} heads removed" if i == 0 else f"{mlp:.0%} + {heads:.0%}"
+        parts.append(f"{source.listing(ms)} at {how}")
+    return "; ".join(parts)
+
+
+def latency_intro(frame: pd.DataFrame, model: str, prov: dict, *, live: bool) -> str:
+    """The sentence above the latency table: which model, which weights, where it was measured,
+    and the sparse engine's budget there.
+
+    >>> frame, prov, _ = load(live=False)
+    >>> latency_intro(frame, "opt-30b", prov, live=False)
+    'Per-token decode latency (ms) at the opt-30b shape with random fp16 weights, batch 1, recorded on NVIDIA H200, ... The sparse engine keeps 15% of the MLP neurons and 50% of the heads, as the paper does.'
+    >>> latency_intro(frame, "facebook/opt-6.7b", {"gpu": "NVIDIA H200", "date": "2026-12-05"},
+    ...               live=True)[:99]
+    'Per-token decode latency (ms) of facebook/opt-6.7b with its own weights, batch 1, measured live on '
+    """
+    weights = (f"at the {model} shape with random fp16 weights" if model in PRESETS
+               else f"of {model} with its own weights")  # fmt: skip
+    text = (f"Per-token decode latency (ms) {weights}, batch 1, "
+            f"{source.origin(prov, live=live, frame=frame)}.")  # fmt: skip
+    b = _budget(frame, model)
+    if b is not None:
+        text += (f" The sparse engine keeps {1 - b[0]:.0%} of the MLP neurons and {1 - b[1]:.0%} "
+                 "of the heads" + (", as the paper does." if b == (0.85, 0.5) else "."))  # fmt: skip
+    return text
+
+
+def gains_sentence(speed: pd.DataFrame) -> str:
+    """Each model's measured speedup beside what its bytes allow (:func:`speedup_table`),
+    largest model first; with several, whether the larger shapes gain more.
+
+    >>> t = speedup_table(load(live=False)[0], prompt=512)
+    >>> gains_sentence(t)
+    'The opt-30b shape gains ...× (its bytes allow ...×), the llama-2-13b shape ...× (...×), ...'
+    >>> gains_sentence(t.loc[["opt-6.7b"]])  # a live run of one model
+    'Only the opt-6.7b shape ran: it gains ...× (its bytes allow ...×).'
+    """
+    if not len(speed):
+        return "No model ran both engines here."
+    s = speed.sort_values("dense GB/token", ascending=False)
+    each = [f"the {m} shape {r['measured speedup']:.2f}× ({r['predicted speedup']:.2f}×)"
+            for m, r in s.iterrows()]  # fmt: skip
+    first = s.iloc[0]
+    if len(s) == 1:
+        return (f"Only the {s.index[0]} shape ran: it gains {first['measured speedup']:.2f}× "
+                f"(its bytes allow {first['predicted speedup']:.2f}×).")  # fmt: skip
+    head = (f"The {s.index[0]} shape gains {first['measured speedup']:.2f}× (its bytes allow "
+            f"{first['predicted speedup']:.2f}×)")  # fmt: skip
+    text = head + ", " + source.listing(each[1:]) + "."
+    same = s[s["sparsity (MLP, heads)"] == first["sparsity (MLP, heads)"]]["measured speedup"]
+    if len(same) > 1 and same.is_monotonic_decreasing:  # by bytes, at one budget
+        mlp, heads = first["sparsity (MLP, heads)"].split(", ")
+        text += (f" At {mlp} MLP + {heads} heads removed, the larger the shape, the more "
+                 "sparsity pays: at small shapes the kernels are short, so fixed per-kernel "
+                 "costs weigh more.")  # fmt: skip
+    return text
+
+
+def fused_sentence(fused: pd.DataFrame, fprov: dict, unfused: pd.DataFrame, uprov: dict,
+                   model: str, prompt: int) -> str:  # fmt: skip
+    """The fused DejaVu step beside the unfused one, each against the dense step of its own
+    run (like with like: two recordings, two runs), with where each comes from.
+
+    >>> f, fp = results.load("engine_e2e_fused")
+    >>> u, up = results.load("engine_e2e")
+    >>> fused_sentence(f, fp, u, up, "opt-30b", 512)
+    "At the opt-30b shape, prompt 512, the fused step took ... ms per token, ...× faster than the dense step of its own run (results/engine_e2e_fused.json, recorded on ...); the unfused step ... ms, ...× faster than its run's dense step (results/engine_e2e.json, recorded on ...): the fused step is the slower."
+    """
+
+    def at(frame):
+        e = _e2e(frame)
+        e = e[(e["model"] == model) & (e["prompt"] == prompt)].set_index("engine")["ms_per_token"]
+        if not {"sparse", "dense"} <= set(e.index):
+            return None
+        return e["sparse"], e["dense"] / e["sparse"]
+
+    f, u = at(fused), at(unfused)
+    if f is None or u is None:
+        return f"The recordings have no fused and unfused step at {model}, prompt {prompt}."
+    which = "slower" if f[1] < u[1] else "faster"
+    return (f"At the {model} shape, prompt {prompt}, the fused step took {f[0]:.2f} ms per "
+            f"token, {f[1]:.2f}× faster than the dense step of its own run "
+            "(results/engine_e2e_fused.json, "
+            f"{source.origin(fprov, live=False, frame=fused)}); the unfused step {u[0]:.2f} ms, "
+            f"{u[1]:.2f}× faster than its run's dense step (results/engine_e2e.json, "
+            f"{source.origin(uprov, live=False, frame=unfused)}): the fused step is the {which}.")  # fmt: skip

@@ -14,24 +14,30 @@ import torch
 from .. import results
 
 __all__ = [
+    "attention_sentence",
     "bandwidth_figure",
     "decode_bytes_table",
+    "fit_sentence",
     "frac_table",
+    "gather_sentence",
     "load",
     "overhead_fit",
     "speedup_figure",
     "threshold_table",
     "transactions_table",
+    "union_sentence",
 ]
 
 NAMES = {"dense": "dense cuBLAS", "torch": "torch index_select + matmul", "triton": "ours (Triton)"}
 
 
 def load(*, live: bool | None = None, dims=(12288,), kept=(0.5, 0.2, 0.1, 0.05), batches=(1, 16)):
-    """(mlp rows, attention rows, provenance, measured_live) as DataFrames.
+    """(mlp rows, attention rows, provenance, measured_live) as DataFrames; a recording's
+    provenance is the MLP file's, with the attention file's under ``"attention"``.
 
     ``live`` defaults to "a CUDA GPU is present"; live runs measure ``dims`` x ``kept`` x
-    ``batches`` for both projections and OPT-175B attention at 50% of heads.
+    ``batches`` for both projections and OPT-175B attention at 50% of heads at each of
+    ``batches``.
 
     >>> mlp, attn, prov, live = load(live=False)  # the recorded run, whatever machine this is
     >>> live, "gpu" in prov, list(mlp.columns[:5])
@@ -42,7 +48,8 @@ def load(*, live: bool | None = None, dims=(12288,), kept=(0.5, 0.2, 0.1, 0.05),
     live = torch.cuda.is_available() if live is None else live
     if not live:
         mlp, prov = results.load("sparse_mlp")
-        attn, _ = results.load("sparse_attention")
+        attn, aprov = results.load("sparse_attention")
+        prov = {**prov, "attention": aprov}  # a run of its own: its own commit and date
         if "tuning" in attn:  # the tile sweep's rows; the table rows have no flag
             attn = attn[attn["tuning"].isna()]
         return mlp, attn, prov, False
@@ -62,9 +69,12 @@ def load(*, live: bool | None = None, dims=(12288,), kept=(0.5, 0.2, 0.1, 0.05),
         del case
         torch.cuda.empty_cache()
     attn_rows, adense = [], {}
-    acase = AttentionCase(batch=1)
-    for p in ("dense", "torch", "triton"):
-        attn_rows.append(attention_row(acase, 0.5, p, dense_cache=adense))
+    for b in batches:
+        acase = AttentionCase(batch=b)
+        for p in ("dense", "torch", "triton"):
+            attn_rows.append(attention_row(acase, 0.5, p, dense_cache=adense))
+        del acase
+        torch.cuda.empty_cache()
     return pd.DataFrame(rows), pd.DataFrame(attn_rows), prov, True
 
 
@@ -219,3 +229,97 @@ def threshold_table(name: str = "threshold_gemv") -> tuple[pd.DataFrame, dict]:
         "of ideal": df["frac_ideal"], "TB/s": df["ours_tbps"],
     })  # fmt: skip
     return out.set_index(["shape", "batch", "kept"]), prov
+
+
+def _ratio_range(lo: float, hi: float) -> str:
+    return f"{lo:.1f}×" if round(lo, 1) == round(hi, 1) else f"{lo:.1f}–{hi:.1f}×"
+
+
+def gather_sentence(mlp: pd.DataFrame, d: int, batch: int = 1) -> str:
+    """What the index_select + matmul baseline costs in the run drawn (batch 1, width ``d``):
+    its time against the dense layer at the largest kept fraction and against our kernel.
+
+    >>> gather_sentence(load(live=False)[0], 12288)
+    "At d = 12288 it takes ...× the dense layer's time at 50% kept, and ...× our kernel's across the budgets."
+    """
+    b = mlp[(mlp.d == d) & (mlp.batch == batch)]
+    t = b.pivot_table(index=["op", "kept"], columns="provider", values="graph_ms")
+    if not {"dense", "torch", "triton"} <= set(t.columns):
+        return f"This run has no baseline at d = {d}."
+    top = t.index.get_level_values("kept").max()
+    vs_dense = (t["torch"] / t["dense"]).xs(top, level="kept")
+    vs_ours = t["torch"] / t["triton"]
+    return (f"At d = {d} it takes {_ratio_range(vs_dense.min(), vs_dense.max())} the dense "
+            f"layer's time at {top:.0%} kept, and {_ratio_range(vs_ours.min(), vs_ours.max())} "
+            "our kernel's across the budgets.")  # fmt: skip
+
+
+def fit_sentence(fit: pd.DataFrame, d: int, batch: int = 1) -> str:
+    """How the fitted cap (:func:`overhead_fit`) compares with the measured fraction of ideal,
+    per projection, in the run drawn.
+
+    >>> fit_sentence(overhead_fit(load(live=False)[0]), 12288)
+    "At batch 1 the up-projection's fixed cost is ~... µs and ...; the down-projection's fixed cost is ~... µs and ..."
+    """
+    f = fit[(fit.d == d) & (fit.batch == batch)]
+    parts = []
+    for op in ("up", "down"):
+        g = f[f.op == op]
+        if not len(g):
+            continue
+        gap = g["measured"] - g["cap (fraction of ideal)"]
+        fixed = f"the {op}-projection's fixed cost is ~{g['fixed us'].iloc[0]:.0f} µs"
+        if gap.abs().max() < 0.015:
+            parts.append(f"{fixed} and its cap matches its measured fraction within "
+                         f"{gap.abs().max():.2f}")  # fmt: skip
+        elif gap.max() > 0:
+            parts.append(f"{fixed} and it beats its cap by up to {gap.max():.2f} (it streams "
+                         "faster than cuBLAS's dense GEMV, the ideal's denominator)")  # fmt: skip
+        else:
+            parts.append(f"{fixed} and it stays up to {-gap.min():.2f} under its cap")
+    if not parts:
+        return f"This run has no fit at d = {d}, batch {batch}."
+    return f"At batch {batch} " + "; ".join(parts) + "."
+
+
+def union_sentence(mlp: pd.DataFrame, d: int, batch: int = 16) -> str:
+    """Our kernels' fraction of ideal for a union batch at the two largest kept fractions, or
+    one sentence saying the run has no such batch.
+
+    >>> union_sentence(load(live=False)[0], 12288)
+    'At batch 16 our kernels reach ... (up) and ... (down) of the ideal at 50% union and ... / ... at 20%.'
+    >>> union_sentence(load(live=False)[0].query("batch == 1"), 12288)
+    'This run measured no batch of 16 tokens.'
+    """
+    ours = mlp[(mlp.provider == "triton") & (mlp.d == d) & (mlp.batch == batch)]
+    if not len(ours):
+        return f"This run measured no batch of {batch} tokens."
+    frac = ours.pivot_table(index="kept", columns="op", values="frac_ideal_graph")
+    kept = sorted(frac.index, reverse=True)[:2]
+    text = (f"At batch {batch} our kernels reach {frac.loc[kept[0], 'up']:.2f} (up) and "
+            f"{frac.loc[kept[0], 'down']:.2f} (down) of the ideal at {kept[0]:.0%} union")  # fmt: skip
+    if len(kept) > 1:
+        text += (f" and {frac.loc[kept[1], 'up']:.2f} / {frac.loc[kept[1], 'down']:.2f} "
+                 f"at {kept[1]:.0%}")  # fmt: skip
+    return text + "."
+
+
+def attention_sentence(attn: pd.DataFrame, kept: float = 0.5) -> str:
+    """Our sparse attention's fraction of ideal at ``kept`` of the heads, for each batch the
+    run measured.
+
+    >>> m, a, _, _ = load(live=False)
+    >>> attention_sentence(a)
+    '... of the ideal at batch 1 (... at batch 16).'
+    >>> attention_sentence(a[a.batch == 1])  # a run that timed one batch says only that one
+    '... of the ideal at batch 1.'
+    """
+    ours = attn[(attn.provider == "triton") & (attn.kept == kept)].sort_values("batch")
+    if not len(ours):
+        return f"not measured at {kept:.0%} of the heads in this run."
+    first, rest = ours.iloc[0], ours.iloc[1:]
+    text = f"{first.frac_ideal_graph:.2f} of the ideal at batch {int(first.batch)}"
+    if len(rest):
+        text += " (" + ", ".join(f"{r.frac_ideal_graph:.2f} at batch {int(r.batch)}"
+                                 for r in rest.itertuples()) + ")"  # fmt: skip
+    return text + "."
