@@ -41,7 +41,7 @@ from tqdm.auto import tqdm
 
 from ..arch import Arch, get_arch
 from ..budgets import budgets
-from ..collect import fingerprint, fingerprint_id
+from ..collect import fingerprint, fingerprint_id, note_stale
 from ..hooks import hooks
 from ..vocab import CALIBRATION_FORMAT, METHODS
 from .core import SITES, _check_windows, column_norms
@@ -411,6 +411,8 @@ def calibrate(
         except CalibrationError:
             cal = None  # damaged: recompute and overwrite
     if cal is None:
+        if cache and not path.exists():
+            note_stale(path, fp, "calibration")
         cal = _histograms(model, arch, windows, config, fp, sha, progress)
         if cache:
             cal.save(path)

@@ -22,6 +22,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from ..arch import Arch, get_arch
+from ..checks.files import older_fingerprint
 from ..collect import fingerprint, fingerprint_id
 from ..errors import CalibrationError
 from ..vocab import METHODS
@@ -143,6 +144,12 @@ def load_thresholds(path: str | os.PathLike, model=None, arch: Arch | None = Non
 
 
 def _check_fingerprint(fp: dict, model, arch, what: str) -> None:
+    if older_fingerprint(fp):
+        raise CalibrationError(
+            f"{what} under the older model fingerprint, which saw 8 rows of 3 weight matrices "
+            "only and cannot tell this model from another of its shape; calibrate this model "
+            "again with dejavu_lab.sparsify.calibration.calibrate."
+        )
     have = fingerprint(model, arch)
     if have != fp:
         diff = [k for k in have if have[k] != fp.get(k)]
