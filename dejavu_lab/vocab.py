@@ -131,6 +131,26 @@ class Method:
         """
         return self.family == "threshold" and self.score != "gate"
 
+    @property
+    def options(self) -> tuple[str, ...]:
+        """The arguments of ``sparsified`` (and the CLI flags behind them) this method reads,
+        from its row: the budgets of its ``family``, what it ``needs``, and ``allocation`` where
+        it has a choice (its default is ``"greedy"``). Any other one given is an error; every
+        method also takes ``dense_layers``.
+
+        >>> METHODS["cats"].options, METHODS["dense"].options
+        (('sparsity', 'thresholds'), ())
+        >>> METHODS["dejavu"].options
+        ('sparsity', 'mlp_sparsity', 'head_sparsity', 'predictors')
+        """
+        if self.family == "dense":
+            return ()
+        unit = self.family == "unit"
+        budgets = ("sparsity", "mlp_sparsity", "head_sparsity") if unit else ("sparsity",)
+        need = {"static sets": "static", "predictors": "predictors", "calibration": "thresholds"}
+        extra = (need[self.needs],) if self.needs in need else ()
+        return budgets + extra + (("allocation",) if self.allocation == "greedy" else ())
+
 
 _TEAL_SITES = ("attn_in", "o_in", "mlp_in", "down_in")
 _UNITS = ("mlp", "heads")
