@@ -41,6 +41,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from .. import atomic
 from ..arch import Arch, get_arch
 from ..budgets import budgets
 from ..checks.scalars import fraction, integer
@@ -420,17 +421,33 @@ def calibrate(
     fp = fingerprint(model, arch)
     sha = text_hash(windows)
     path = default_path(fp, sha, config)
+    if not cache:
+        return _calibrate(model, arch, windows, config, greedy, fp, sha, None, progress)
+    # one process calibrates; another one asking for the same waits, then loads its file
+    lock = path.with_name(f".{path.name}.lock")
+    with atomic.locked(lock, what="calibrating this model on this text", hint=_HINT):
+        atomic.clean_partials(path.parent)  # a killed run's temporary (we hold the lock)
+        return _calibrate(model, arch, windows, config, greedy, fp, sha, path, progress)
+
+
+_HINT = "set DEJAVU_LAB_CACHE to a writable folder with free space, or pass cache=False"
+
+
+def _calibrate(model, arch, windows, config, greedy, fp, sha, path, progress) -> Calibration:
+    """:func:`calibrate`'s work: read the cache file at ``path`` (None: no cache) or compute
+    the histograms, then the greedy paths missing; each stage saved whole as it finishes, so a
+    run killed in the greedy search resumes from the histograms."""
     cal = None
-    if cache and path.exists():
+    if path is not None and path.exists():
         try:
             cal = load_calibration(path, model, arch)
         except CalibrationError:
-            cal = None  # damaged: recompute and overwrite
+            cal = None  # damaged or from an older version: recompute and replace it
     if cal is None:
-        if cache and not path.exists():
+        if path is not None and not path.exists():
             note_stale(path, fp, "calibration")
         cal = _histograms(model, arch, windows, config, fp, sha, progress)
-        if cache:
+        if path is not None:
             cal.save(path)
     cal.config = config  # the same histograms; the greedy fields may differ
     missing = [g for g in greedy if cal.greedy_table(g) is None]
@@ -440,7 +457,7 @@ def calibrate(
         for g in missing:
             table = greedy_path(model, windows, cal, g, arch=arch, progress=progress)
             cal.greedy[f"{g}.{config.greedy_key()}"] = table
-        if cache:
+        if path is not None:
             cal.save(path)
     return cal
 

@@ -19,8 +19,9 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
+from .. import atomic
 from ..arch import Arch, get_arch
 from ..checks.files import older_fingerprint
 from ..collect import fingerprint, fingerprint_id
@@ -161,21 +162,23 @@ def _check_fingerprint(fp: dict, model, arch, what: str) -> None:
 
 
 def _save(tensors: dict, meta: dict, path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
-    try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=meta)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+    """Write atomically (:mod:`dejavu_lab.atomic`): a kill leaves the old file or the new one."""
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    hint = "pass another path, or set DEJAVU_LAB_CACHE to a writable folder with free space"
+    return atomic.save_tensors(Path(path), tensors, meta, hint=hint)
 
 
 def _load(path, fmt: str, what: str):
     path = Path(path)
     if not path.exists():
         raise CalibrationError(f"No {what} file at {path}.")
+    if path.is_dir():
+        names = sorted(p.name for p in path.glob("*.safetensors"))[:2]
+        inside = f" (it holds {', '.join(names)}{', …' if len(names) > 1 else ''})" if names else ""
+        raise CalibrationError(
+            f"{path} is a folder, not a {what} file{inside}; pass the path of one "
+            ".safetensors file written by save()."
+        )
     try:
         with safe_open(str(path), "pt") as f:
             meta = f.metadata() or {}
