@@ -94,8 +94,8 @@ def check(args) -> None:
                 raise InputError(f"{flag} goes with --method; pass --method too (e.g. --method "
                                  f"{spec.name}) or drop {flag}.")  # fmt: skip
             raise InputError(
-                f"{flag} goes with the older --mode, not with --method; drop it (--method "
-                f"{spec.name} reads its calibration text through --calibration-tokens)."
+                f"{flag} goes with the older --mode, not with --method; pass --calibration-tokens "
+                f"instead (the calibration text --method {spec.name} reads)."
             )
         if feeds is not ANY and not set(feeds) & set(spec.options):
             raise InputError(_unused(spec, flag, table, path, "--method" if new else "--mode"))

@@ -163,8 +163,8 @@ def sparsified(
     if model in _ACTIVE:
         raise InputError(
             f"sparsified blocks do not nest: this model already runs method {_ACTIVE[model]!r} "
-            "in an outer block, and the two would stack their masks; leave that block first "
-            "(one method per forward)."
+            "in an outer block, and the two would stack their masks; leave that block first, then "
+            "run the other (one method per forward)."
         )
     ctx = _context(
         model,

@@ -148,16 +148,16 @@ def _check_fingerprint(fp: dict, model, arch, what: str) -> None:
     if older_fingerprint(fp):
         raise CalibrationError(
             f"{what} under the older model fingerprint, which saw 8 rows of 3 weight matrices "
-            "only and cannot tell this model from another of its shape; calibrate this model "
-            "again with dejavu_lab.sparsify.calibration.calibrate."
+            "only and cannot tell this model from another of its shape; run "
+            "dejavu_lab.sparsify.calibration.calibrate on this model again."
         )
     have = fingerprint(model, arch)
     if have != fp:
         diff = [k for k in have if have[k] != fp.get(k)]
         raise CalibrationError(
             f"{what} for another model ({fingerprint_id(fp)}, this one is "
-            f"{fingerprint_id(have)}; differs in {', '.join(diff)}); calibrate this model with "
-            "dejavu_lab.sparsify.calibration.calibrate."
+            f"{fingerprint_id(have)}; differs in {', '.join(diff)}); run "
+            "dejavu_lab.sparsify.calibration.calibrate on this model."
         )
 
 
