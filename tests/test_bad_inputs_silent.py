@@ -277,6 +277,7 @@ def test_texts_without_a_window(w, text, words):
 
 def test_sparsified_blocks_do_not_nest(w):
     ids = w.ids[:1]
+    want = sparse_perplexity(w.model, ids, progress=False, mlp_sparsity=0.5)
     with torch.no_grad():
         dense = w.model(input_ids=ids).logits
         with sparsified(w.model, mlp_sparsity=0.5):
@@ -285,6 +286,12 @@ def test_sparsified_blocks_do_not_nest(w):
             refuse([w.root], inner.__enter__, InputError, "sparsified blocks do not nest",
                    "runs method 'oracle'", "leave that block first")  # fmt: skip
             assert torch.equal(w.model(input_ids=ids).logits, outer)  # the outer block stands
+            # a block that asks for nothing measures the outer one (sparse_perplexity's way)
+            with sparsified(w.model):
+                assert torch.equal(w.model(input_ids=ids).logits, outer)
+            assert sparse_perplexity(w.model, ids, progress=False) == want
+            refuse([w.root], lambda: sparse_perplexity(w.model, ids, progress=False, method="dense"),
+                   InputError, "do not nest")  # fmt: skip
         assert torch.equal(w.model(input_ids=ids).logits, dense)
         with sparsified(w.model, mlp_sparsity=0.5):  # after it, a new block is fine
             assert torch.equal(w.model(input_ids=ids).logits, outer)
@@ -297,7 +304,7 @@ def test_sparsified_blocks_do_not_nest(w):
         (float("inf"), "is inf"),
         (torch.full((64,), float("nan")), "holds 64 NaN or -inf of 64"),
         (torch.tensor([0.1] * 63 + [float("-inf")]), "holds 1 NaN or -inf"),
-        (torch.zeros(64, dtype=torch.long), "1-D float tensor"),
+        (torch.zeros(64, dtype=torch.long), "1-D tensor of floats"),
     ],
     ids=["nan", "inf", "nan-tensor", "minus-inf-in-tensor", "integer-tensor"],
 )

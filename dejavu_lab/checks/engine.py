@@ -113,8 +113,8 @@ def threshold(key, thr) -> None:
         return
     if not isinstance(thr, torch.Tensor) or thr.dim() != 1 or not thr.is_floating_point():
         raise EngineError(
-            f"thresholds[{key!r}] must be a number (one threshold for the site) or a 1-D float "
-            "tensor (one threshold per input column); pass e.g. 0.1."
+            f"thresholds[{key!r}] must be a number (one threshold for the site) or a 1-D tensor "
+            "of floats (one threshold per input column); pass e.g. 0.1."
         )
     bad = int((torch.isnan(thr) | (thr == float("-inf"))).sum()) if thr.device.type != "meta" else 0
     if bad:

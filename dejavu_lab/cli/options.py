@@ -73,7 +73,14 @@ def given(args) -> frozenset[str]:
 
 def check(args) -> None:
     """Refuse, in one sentence, a flag of ``args.command`` that its method or mode does not
-    read, ``--mode`` next to ``--method``, and ``--max-tokens`` below one window."""
+    read, ``--mode`` next to ``--method``, and ``--max-tokens`` below one window.
+
+    >>> from dejavu_lab.cli.main import parser
+    >>> check(parser().parse_args("perplexity --method dense --sparsity 0.5".split()))
+    Traceback (most recent call last):
+    ...
+    dejavu_lab.errors.InputError: --method dense runs the model unchanged and reads no --sparsity; ...
+    """
     table = FLAGS.get(getattr(args, "command", None))
     if table is None:
         return

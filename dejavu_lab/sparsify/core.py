@@ -154,18 +154,17 @@ def sparsified(
     masks, ``record["mlp"][layer]`` [b, p, n] and ``record["heads"][layer]`` [b, p, h].
     ``kept``: a :class:`~dejavu_lab.sparsify.kept.Kept` counting what each site kept.
 
+    An argument the method does not read (:attr:`dejavu_lab.vocab.Method.options`) is an
+    ``InputError``, as is a block inside another on the same model that names a method or a
+    budget (the two would stack); one that asks for nothing, as ``sparse_perplexity(model,
+    ids)`` measuring the outer block, runs the outer block's method.
+
     >>> from dejavu_lab.models import random_model
     >>> model, _, arch = random_model("tiny-opt")
     >>> with sparsified(model, mlp_sparsity=0.5, head_sparsity=0.25):
     ...     logits = model(input_ids=torch.tensor([[1, 2, 3]])).logits
     """
     model = not_a_bundle(model)
-    if model in _ACTIVE:
-        raise InputError(
-            f"sparsified blocks do not nest: this model already runs method {_ACTIVE[model]!r} "
-            "in an outer block, and the two would stack their masks; leave that block first, then "
-            "run the other (one method per forward)."
-        )
     ctx = _context(
         model,
         method=method,
@@ -183,6 +182,16 @@ def sparsified(
         kept=kept,
     )
     fns = METHODS[ctx.method](ctx)
+    outer = _ACTIVE.get(model)
+    if outer is not None:
+        if fns or method is not None or mode is not None:
+            raise InputError(
+                f"sparsified blocks do not nest: this model already runs method {outer!r} in an "
+                "outer block, and the two would stack their masks; leave that block first, then "
+                "run the other (one method per forward)."
+            )
+        yield  # asks for nothing (e.g. sparse_perplexity(model, ids)): the outer block runs
+        return
     _ACTIVE[model] = ctx.method
     try:
         if not fns:  # dense everywhere: run the model untouched
