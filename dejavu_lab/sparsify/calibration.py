@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
-import numbers
 import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
@@ -44,7 +42,7 @@ from tqdm.auto import tqdm
 from .. import atomic
 from ..arch import Arch, get_arch
 from ..budgets import budgets
-from ..checks.scalars import fraction, integer
+from ..checks import configs as check_configs
 from ..collect import fingerprint, fingerprint_id, note_stale
 from ..hooks import hooks
 from ..vocab import CALIBRATION_FORMAT, METHODS
@@ -79,9 +77,6 @@ KINDS = {m.name: m.sites for m in METHODS.values() if m.family == "threshold"}
 # the input-sparse methods and their scores, histogrammed at each input site
 _INPUT = {m.name: m.score for m in METHODS.values() if m.input_sparse}
 FORMAT = CALIBRATION_FORMAT
-# histogram bins per (layer, site): 2**16 float64 counts over 9 sites and 30 layers are 141 MB;
-# the default 4096 already resolve a quantile to 0.7% in value
-MAX_BINS = 65536
 
 
 def greedy_allocates(method: str) -> bool:
@@ -117,25 +112,7 @@ class CalibrationConfig:
     greedy_last: float = 0.5  # output error counted on the last share of positions (TEAL: 0.25)
 
     def __post_init__(self):
-        e = CalibrationError
-        hint = f"the default 4096 resolve a quantile to 0.7%; {MAX_BINS} take 141 MB at 30 layers"
-        bins = integer(self.bins, "bins", minimum=16, maximum=MAX_BINS, error=e, hint=hint)
-        object.__setattr__(self, "bins", bins)  # 4096.0 is 4096, in the cache key too
-        gt = integer(self.greedy_tokens, "greedy_tokens", minimum=2, error=e, hint="block tokens")
-        object.__setattr__(self, "greedy_tokens", gt)
-        for name in ("log10_min", "log10_max"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
-                raise e(f"{name} must be a finite number (a power of ten), got {v!r}; pass e.g. "
-                        f"{name}={getattr(CalibrationConfig, name)}.")  # fmt: skip
-        if not self.log10_min < self.log10_max:
-            raise e("log10_min must be below log10_max; pass e.g. log10_min=-8, log10_max=4.")
-        fraction(self.greedy_step, "greedy_step", closed="right", example=0.04, error=e)
-        if self.greedy_step > 0.5:
-            raise e(f"greedy_step must be at most 0.5, got {self.greedy_step}; pass e.g. 0.04.")
-        fraction(self.greedy_max_site_step, "greedy_max_site_step", closed="right", error=e)
-        budgets(self.greedy_max, 1, "greedy_max")
-        fraction(self.greedy_last, "greedy_last", closed="right", example=0.5, error=e)
+        check_configs.calibration_config(self)  # each field whole/finite and in range
 
     def key(self) -> str:
         """Hash of the histogram fields (the cache file's name)."""
