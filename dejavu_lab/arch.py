@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .checks.models import not_a_bundle
 from .errors import ArchMismatchError, UnsupportedArchitectureError
 
 __all__ = [
@@ -280,7 +281,7 @@ def get_arch(model_or_config) -> Arch:
     >>> get_arch(random_model("tiny-opt").model).family
     'opt'
     """
-    cfg = getattr(model_or_config, "config", model_or_config)
+    cfg = getattr(not_a_bundle(model_or_config), "config", model_or_config)
     model_type = getattr(cfg, "model_type", None)
     if model_type not in ARCH_TABLES:
         raise UnsupportedArchitectureError(

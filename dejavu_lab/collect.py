@@ -28,6 +28,9 @@ import hashlib
 import json
 import math
 import os
+import re
+import sys
+import weakref
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -45,7 +48,7 @@ from .checks.scalars import integer
 from .corpus import CorpusError, load_text, token_windows
 from .errors import CollectionError
 from .hooks import hooks
-from .vocab import COLLECTION_FORMAT, fingerprint_id
+from .vocab import COLLECTION_FORMAT, FINGERPRINT_VERSION, fingerprint_id
 
 __all__ = [
     "default_dir",
@@ -55,6 +58,7 @@ __all__ = [
     "Collection",
     "collect",
     "fingerprint",
+    "note_stale",
     "open_collection",
     "pack_bits",
     "unpack_bits",
@@ -86,26 +90,61 @@ class CollectConfig:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:10]
 
 
-def fingerprint(model, arch: Arch | None = None) -> dict:
-    """Architecture, shapes and a hash of a few weights: enough to tell two models apart.
+# model -> (what its tensors were when hashed, the fingerprint): hashing every weight takes ~0.3 s
+# for the demo model on one core, and every sparsified() block checks its thresholds/predictors
+_SEEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_CHUNK = 1 << 24  # bytes hashed per step: a GPU tensor crosses to the host 16 MiB at a time
+
+
+def fingerprint(
+    model, arch: Arch | None = None, *, fresh: bool = False, weights: bool = True
+) -> dict:
+    """Architecture, shapes and a sha256 of every parameter and buffer: what tells two models
+    apart, and the key of every cached file made from a model (collections, calibrations,
+    thresholds, predictors).
+
+    The digest covers each tensor's name, dtype, shape and bytes, streamed in 16 MiB slices (a
+    GPU tensor is copied to the host one slice at a time; CPU tensors are read in place): one
+    weight changed anywhere gives another fingerprint. The result is remembered per model until
+    one of its tensors is replaced, moved or changed in place (torch's version counter); a
+    write that bypasses the counter (``param.data[...] = ...``, numpy) is not seen: pass
+    ``fresh=True`` after one. Tensors on the meta device have no bytes: their names and shapes
+    are hashed, and the fingerprint says ``"weights": "meta"``; so does ``weights=False``, for
+    what needs the model's shape only (random predictors timed by a speed benchmark, where
+    hashing tens of GB would cost half a minute).
 
     >>> from dejavu_lab.models import random_model
-    >>> fp = fingerprint(random_model("tiny-llama").model)
-    >>> fp["model_type"], fp["n_layers"], fp["d_mlp"], fp["gated"]
-    ('llama', 2, 192, True)
+    >>> m = random_model("tiny-llama").model
+    >>> fp = fingerprint(m)
+    >>> fp["model_type"], fp["n_layers"], fp["d_mlp"], fp["gated"], fp["version"]
+    ('llama', 2, 192, True, 2)
     >>> fingerprint(random_model("tiny-llama", seed=1).model) == fp  # other weights
     False
+    >>> with torch.no_grad():
+    ...     m.model.layers[-1].mlp.down_proj.weight[-1, -1] += 1e-3  # one weight of the last row
+    >>> fingerprint(m)["weights_sha256"] != fp["weights_sha256"]
+    True
     """
     arch = arch or get_arch(model)
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    state = tuple(
+        (n, t.device, t.dtype, tuple(t.shape), t.data_ptr() if not t.is_meta else 0, t._version)
+        for n, t in tensors
+    )
+    seen = _SEEN.get(model)
+    if seen is not None and seen[0] == state and not fresh and weights:
+        return dict(seen[1])
     h = hashlib.sha256()
-    parts = [
-        model.get_input_embeddings().weight,
-        arch.part(model, 0, "q").weight,
-        arch.part(model, arch.n_layers - 1, "mlp_out").weight,
-    ]
-    for w in parts:
-        h.update(w.detach()[:8].float().cpu().contiguous().numpy().tobytes())
-    return {
+    meta = False
+    for name, t in tensors:
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        if t.is_meta or not weights:
+            meta = True
+            continue
+        flat = t.detach().contiguous().reshape(-1).view(torch.uint8)  # the bytes, no copy on CPU
+        for i in range(0, flat.numel(), _CHUNK):
+            h.update(flat[i : i + _CHUNK].cpu().numpy().data)
+    fp = {
         "model_type": arch.model_type,
         "n_layers": arch.n_layers,
         "d_model": arch.d_model,
@@ -115,7 +154,51 @@ def fingerprint(model, arch: Arch | None = None) -> dict:
         "d_mlp": arch.d_mlp,
         "gated": arch.gated,
         "weights_sha256": h.hexdigest()[:16],
+        "version": FINGERPRINT_VERSION,
     }
+    if meta:
+        fp["weights"] = "meta"
+    if weights:
+        _SEEN[model] = (state, fp)
+    return dict(fp)
+
+
+def note_stale(path: Path, fp: dict, what: str) -> Path | None:
+    """Say on stderr, in one line, that a cache entry next to ``path`` (about to be computed)
+    was keyed by the older fingerprint and is recomputed; return that entry, if any.
+
+    ``path`` is named ``{fingerprint_id(fp)}{rest}``; the older fingerprint named the same entry
+    with 8 hex digits of its hash (:func:`~dejavu_lab.vocab.fingerprint_id`). It saw 8 rows of 3
+    weight matrices only, so its entries may belong to another model of the same shape: they
+    are never used, only reported once (the recomputed entry is found from then on).
+
+    >>> import contextlib, io, tempfile
+    >>> from dejavu_lab.models import random_model
+    >>> fp = fingerprint(random_model("tiny-llama").model)
+    >>> folder = Path(tempfile.mkdtemp())
+    >>> new = folder / f"{fingerprint_id(fp)}-0123456789.safetensors"
+    >>> _ = (folder / "llama-L2-d64-89abcdef-0123456789.safetensors").write_bytes(b"old")
+    >>> err = io.StringIO()
+    >>> with contextlib.redirect_stderr(err):
+    ...     note_stale(new, fp, "calibration").name
+    'llama-L2-d64-89abcdef-0123456789.safetensors'
+    >>> print(err.getvalue().strip())
+    dejavu_lab: the cached calibration llama-L2-d64-89abcdef-0123456789.safetensors was keyed by the older model fingerprint (8 rows of 3 weight matrices); recomputing it once under the whole-model fingerprint.
+    """
+    fid = fingerprint_id(fp)
+    if not path.name.startswith(fid) or not path.parent.is_dir():
+        return None
+    head, rest = fid.rsplit("-", 1)[0], path.name[len(fid) :]
+    pattern = re.compile(rf"{re.escape(head)}-[0-9a-f]{{8}}{re.escape(rest)}")
+    old = next((p for p in sorted(path.parent.iterdir()) if pattern.fullmatch(p.name)), None)
+    if old is not None:
+        print(
+            f"dejavu_lab: the cached {what} {old.name} was keyed by the older model fingerprint "
+            "(8 rows of 3 weight matrices); recomputing it once under the whole-model "
+            "fingerprint.",
+            file=sys.stderr,
+        )
+    return old
 
 
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:
@@ -317,6 +400,8 @@ def collect(
         manifest["windows_sha256"] = sha
     out = Path(out_dir) if out_dir is not None else default_dir(fp, config, sha)
     mpath = out / "manifest.json"
+    if out_dir is None and not mpath.exists():
+        note_stale(out, fp, "collection")
     _check_manifest(mpath, manifest, out)  # refuse another config before waiting for a lock
     atomic.make_dirs(out, hint=_HINT)
     with atomic.locked(out, what="collecting into this folder", hint=_HINT):

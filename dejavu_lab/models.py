@@ -35,7 +35,7 @@ from transformers import (
     PreTrainedModel,
 )
 
-from . import assets
+from . import assets, atomic
 from .arch import SUPPORTED, Arch, UnsupportedArchitectureError, get_arch
 from .checks import models as check_models
 from .errors import ModelNotFoundError
@@ -347,7 +347,17 @@ def _config(path, spec: str) -> PretrainedConfig:
 
 
 def _demo_dir() -> Path:
-    """fp32 safetensors of the demo model, converted from its GGUF once and cached."""
+    """fp32 safetensors of the demo model, converted from its GGUF once and cached; one process
+    converts at a time (a second waits, then finds the folder done)."""
+    out = assets.cache_dir() / "smollm2-135m-instruct-hf"
+    if (out / "model.safetensors").exists() and (out / "config.json").exists():
+        return out
+    with atomic.locked(out.with_name(f".{out.name}.lock"), what="converting the demo model"):
+        return _convert_demo()
+
+
+def _convert_demo() -> Path:
+    """The conversion :func:`_demo_dir` runs under its lock (done already: nothing to do)."""
     out = assets.cache_dir() / "smollm2-135m-instruct-hf"
     if (out / "model.safetensors").exists() and (out / "config.json").exists():
         return out

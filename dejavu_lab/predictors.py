@@ -43,7 +43,7 @@ from .budgets import budgets, head_gram, head_output_norms, n_keep, topk_mask
 from .checks import configs as check_configs
 from .checks import files as check_files
 from .checks import tokens as check_tokens
-from .collect import Collection, fingerprint, fingerprint_id
+from .collect import Collection, fingerprint, fingerprint_id, note_stale
 from .errors import PredictorError
 from .hooks import hooks
 
@@ -158,6 +158,12 @@ class Predictors(nn.Module):
         return self.heads[layer].to(x.device)(x)
 
     def check_model(self, model, arch: Arch | None = None) -> None:
+        if check_files.older_fingerprint(self.fingerprint):
+            raise PredictorError(
+                "These predictors carry the older model fingerprint, which saw 8 rows of 3 "
+                "weight matrices only and cannot tell this model from another of its shape; "
+                "train them again with `dejavu-lab train-predictors`."
+            )
         fp = fingerprint(model, arch)
         if fp != self.fingerprint:
             diff = [k for k in fp if fp[k] != self.fingerprint.get(k)]
@@ -595,6 +601,7 @@ def get_or_train(
     t0 = time.perf_counter()
     if (pred := _cached(path, collect_config, model, arch)) is not None:
         return pred
+    note_stale(path, fp, "predictors")
     lock = path.with_name(f".{path.name}.lock")
     with atomic.locked(lock, what="training these predictors", hint=_HINT):
         if (pred := _cached(path, collect_config, model, arch)) is not None:

@@ -23,6 +23,7 @@ __all__ = [
     "COLLECTION_FORMAT",
     "CORPORA",
     "FINGERPRINT_KEYS",
+    "FINGERPRINT_VERSION",
     "HOOK_POINTS",
     "METHODS",
     "SITES",
@@ -130,6 +131,26 @@ class Method:
         """
         return self.family == "threshold" and self.score != "gate"
 
+    @property
+    def options(self) -> tuple[str, ...]:
+        """The arguments of ``sparsified`` (and the CLI flags behind them) this method reads,
+        from its row: the budgets of its ``family``, what it ``needs``, and ``allocation`` where
+        it has a choice (its default is ``"greedy"``). Any other one given is an error; every
+        method also takes ``dense_layers``.
+
+        >>> METHODS["cats"].options, METHODS["dense"].options
+        (('sparsity', 'thresholds'), ())
+        >>> METHODS["dejavu"].options
+        ('sparsity', 'mlp_sparsity', 'head_sparsity', 'predictors')
+        """
+        if self.family == "dense":
+            return ()
+        unit = self.family == "unit"
+        budgets = ("sparsity", "mlp_sparsity", "head_sparsity") if unit else ("sparsity",)
+        need = {"static sets": "static", "predictors": "predictors", "calibration": "thresholds"}
+        extra = (need[self.needs],) if self.needs in need else ()
+        return budgets + extra + (("allocation",) if self.allocation == "greedy" else ())
+
 
 _TEAL_SITES = ("attn_in", "o_in", "mlp_in", "down_in")
 _UNITS = ("mlp", "heads")
@@ -188,14 +209,21 @@ CORPORA = ("demo", "wikitext-2", "c4")  # load_text's names: demo is offline, th
 COLLECTION_FORMAT = 1  # collection folders (bump when the chunk layout changes)
 CALIBRATION_FORMAT = "dejavu-lab-calibration/1"  # calibration files
 # the fields of a model fingerprint that must match for a cached file to belong to a model
-FINGERPRINT_KEYS = ("model_type", "n_layers", "d_model", "n_heads", "d_mlp", "weights_sha256")
+FINGERPRINT_KEYS = (
+    "model_type", "n_layers", "d_model", "n_heads", "d_mlp", "weights_sha256", "version"
+)  # fmt: skip
+# 2: sha256 over every parameter's and buffer's bytes (1, unmarked: 8 rows of 3 matrices)
+FINGERPRINT_VERSION = 2
 
 
 def fingerprint_id(fp: dict) -> str:
     """A short readable name for a model fingerprint, used in cache folder and file names.
 
+    Twelve hex digits of the weights' hash (the older fingerprint, which hashed a few rows of
+    three matrices, named its entries with eight: such names are never looked up again).
+
     >>> fingerprint_id({"model_type": "llama", "n_layers": 2, "d_model": 64,
     ...                 "weights_sha256": "0123456789abcdef"})
-    'llama-L2-d64-01234567'
+    'llama-L2-d64-0123456789ab'
     """
-    return f"{fp['model_type']}-L{fp['n_layers']}-d{fp['d_model']}-{fp['weights_sha256'][:8]}"
+    return f"{fp['model_type']}-L{fp['n_layers']}-d{fp['d_model']}-{fp['weights_sha256'][:12]}"

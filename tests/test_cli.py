@@ -188,19 +188,25 @@ SMALL = ["--window", "64", "--max-tokens", "128", "--calibration-tokens", "128"]
 
 
 def test_perplexity_methods_print_one_json_object(capsys, tmp_cache):
-    dense = _json(capsys, "--method", "dense", "--sparsity", "0.5", *SMALL)
+    dense = _json(capsys, "--method", "dense", "--window", "64", "--max-tokens", "128")
     assert KEYS <= set(dense) and dense["method"] == "dense" and dense["sparsity"] == 0.0
     assert dense["tokens"] == 128 and dense["bytes_per_token_fraction"] == 1.0
     assert dense["skip_windows"] == 8192 // 64  # after the training text
-    for method in ("oracle", "static", "cats", "wina"):
-        r = _json(
-            capsys, "--method", method, "--sparsity", "0.5", "--allocation", "uniform", *SMALL
-        )
+    # each method with the flags it reads (another one is refused: test_bad_inputs_silent.py)
+    for method, extra in (
+        ("oracle", []),
+        ("static", ["--calibration-tokens", "128"]),
+        ("cats", ["--calibration-tokens", "128"]),
+        ("wina", ["--calibration-tokens", "128", "--allocation", "uniform"]),
+    ):
+        r = _json(capsys, "--method", method, "--sparsity", "0.5", *SMALL[:4], *extra)
         assert KEYS <= set(r) and r["method"] == method and r["sparsity"] == 0.5
         assert r["tokens"] == 128 and r["perplexity"] > dense["perplexity"]
         assert 0.3 < r["bytes_per_token_fraction"] < 0.9
     assert list(tmp_cache.glob("calibration/*.safetensors"))  # the calibration was cached
-    heads = _json(capsys, "--method", "oracle", "--sparsity", "0.5", "--head-sparsity", "0", *SMALL)
+    heads = _json(
+        capsys, "--method", "oracle", "--sparsity", "0.5", "--head-sparsity", "0", *SMALL[:4]
+    )
     assert heads["kept"] == {"mlp": 0.5}  # explicit per-kind budgets override --sparsity
 
 
@@ -248,7 +254,7 @@ def test_corpus_and_calibration_files(capsys, tmp_cache, tmp_path):
         (["--method", "teal", "--corpus", "TINY"], "fewer than one window of 512"),
         (["--method", "teal", "--corpus", "LATIN1"], "is not UTF-8 text"),
         (["--method", "wina", "--max-tokens", "100"], "less than one window of 512"),
-        (["--sparsity", "0.5"], "go with --method"),
+        (["--sparsity", "0.5"], "goes with --method"),
         (["--method", "dense", "--max-tokens", "0"], "--max-tokens must be a positive integer"),
     ],
 )
@@ -273,7 +279,7 @@ def test_text_shorter_than_one_window_after_tokenising(capsys, tmp_path):
     short = tmp_path / "short.txt"
     short.write_text("word " * 120, encoding="utf-8")  # 600 bytes, ~120 tokens
     rc, out, err = _run(capsys, "perplexity", "--method", "dense", "--corpus", str(short),
-                        "--calibration", "demo", "--no-progress")  # fmt: skip
+                        "--skip-windows", "0", "--no-progress")  # fmt: skip
     assert rc == 2 and out == "" and "fewer than one window" in err
 
 

@@ -94,7 +94,7 @@ def make_predictors(model, arch, device):
         print(f"predictors unavailable ({exc}); sparse runs use fixed random sets only")
         return None
     cfg = PredictorConfig(mode="lookahead")
-    return Predictors(fingerprint(model, arch), cfg).to(device).eval()
+    return Predictors(fingerprint(model, arch, weights=False), cfg).to(device).eval()
 
 
 def _hf_row(model, ids, new_tokens: int, compiled: bool = False) -> dict:

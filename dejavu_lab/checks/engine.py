@@ -7,12 +7,15 @@ flattened silently into one prompt of ``2 S`` tokens; ``max_seq_len=16.5`` faile
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
 from ..errors import EngineError
 from .scalars import integer
 
-__all__ = ["max_seq_len", "prompt", "size"]
+__all__ = ["max_seq_len", "prompt", "size", "threshold"]
 
 
 def _engine_error():
@@ -85,3 +88,37 @@ def prompt(ids, *, batch: int = 1, vocab: int | None = None) -> torch.Tensor:
                 "tokenize with this model's own tokenizer."
             )
     return ids.long()
+
+
+def threshold(key, thr) -> None:
+    """One entry of ``SparseConfig.thresholds``: a finite number (one threshold for the site), or
+    a 1-D float tensor (one per input column) without NaN or -inf; +inf marks a column never
+    read (WINA's ``t / ||W[:, i]||`` of a zero column).
+
+    A NaN compared with ``|x| > thr`` is False: the site was silently never read.
+
+    >>> threshold((0, "mlp_in"), torch.tensor([0.1, float("inf")]))  # fine
+    >>> threshold((0, "mlp_in"), torch.tensor([0.1, float("nan")]))
+    Traceback (most recent call last):
+    ...
+    dejavu_lab.errors.EngineError: thresholds[(0, 'mlp_in')] holds 1 NaN or -inf ...
+    """
+    if isinstance(thr, numbers.Real) and not isinstance(thr, bool):
+        if not math.isfinite(thr):
+            raise EngineError(
+                f"thresholds[{key!r}] is {thr}, which no |x| passes the way a threshold should "
+                "(NaN: never read; inf: the whole site dropped); pass a finite number, e.g. "
+                "calibrated.site_thresholds(model)[key]."
+            )
+        return
+    if not isinstance(thr, torch.Tensor) or thr.dim() != 1 or not thr.is_floating_point():
+        raise EngineError(
+            f"thresholds[{key!r}] must be a number (one threshold for the site) or a 1-D tensor "
+            "of floats (one threshold per input column); pass e.g. 0.1."
+        )
+    bad = int((torch.isnan(thr) | (thr == float("-inf"))).sum()) if thr.device.type != "meta" else 0
+    if bad:
+        raise EngineError(
+            f"thresholds[{key!r}] holds {bad} NaN or -inf of {thr.numel()} (a NaN column is never "
+            "read, -inf keeps it always); pass finite thresholds (+inf marks a column never read)."
+        )

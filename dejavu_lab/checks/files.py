@@ -16,9 +16,17 @@ import torch
 
 from ..errors import CollectionError
 from ..vocab import COLLECTION_FORMAT as FORMAT
-from ..vocab import FINGERPRINT_KEYS, fingerprint_id
+from ..vocab import FINGERPRINT_KEYS, FINGERPRINT_VERSION, fingerprint_id
 
-__all__ = ["finite", "manifest", "metadata_json", "read_manifest", "same_model", "state_matches"]
+__all__ = [
+    "finite",
+    "manifest",
+    "metadata_json",
+    "older_fingerprint",
+    "read_manifest",
+    "same_model",
+    "state_matches",
+]
 
 
 def _collection_error(msg: str):
@@ -112,7 +120,7 @@ def manifest(obj, path) -> dict:
             f"dejavu-lab wrote it); {again}"
         )
     fp, cfg = obj.get("fingerprint"), obj.get("config")
-    if not isinstance(fp, dict) or any(k not in fp for k in FINGERPRINT_KEYS):
+    if not isinstance(fp, dict) or any(k not in fp for k in FINGERPRINT_KEYS if k != "version"):
         raise _collection_error(f"{path} lacks the model fingerprint; {again}")
     if not isinstance(cfg, dict) or "window" not in cfg:
         raise _collection_error(f"{path} lacks the collect config; {again}")
@@ -167,9 +175,25 @@ def same_model(man: dict, fp: dict, where) -> None:
     dejavu_lab.errors.CollectionError: col was collected from another model (llama-L2-d64-...
     """
     theirs = man["fingerprint"]
+    if older_fingerprint(theirs):
+        raise _collection_error(
+            f"{where} was collected under the older model fingerprint, which saw 8 rows of 3 "
+            "weight matrices only and cannot tell this model from another of its shape; delete "
+            "it and collect again."
+        )
     if any(theirs.get(k) != fp.get(k) for k in FINGERPRINT_KEYS):
         raise _collection_error(
             f"{where} was collected from another model ({fingerprint_id(theirs)}; this one is "
             f"{fingerprint_id(fp)}); collect from this model with `dejavu-lab collect`, or load "
             "the model it came from."
         )
+
+
+def older_fingerprint(fp: dict) -> bool:
+    """Whether a fingerprint read from a file predates the whole-model one (it hashed 8 rows of
+    3 weight matrices, so a model differing elsewhere got the same one).
+
+    >>> older_fingerprint({"model_type": "llama", "weights_sha256": "0123456789abcdef"})
+    True
+    """
+    return not isinstance(fp, dict) or fp.get("version") != FINGERPRINT_VERSION

@@ -20,7 +20,7 @@ import torch
 
 from ..errors import InputError, ModelNotFoundError
 
-__all__ = ["device", "model_dir", "model_spec"]
+__all__ = ["device", "model_dir", "model_spec", "not_a_bundle"]
 
 WEIGHT_GLOBS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.msgpack", "*.h5", "*.ckpt")
 TOKENIZER_FILES = (
@@ -165,3 +165,24 @@ def model_dir(path: str | Path) -> str | Path:
             "save them there with tokenizer.save_pretrained(folder)."
         )
     return path
+
+
+def not_a_bundle(model):
+    """Refuse the whole ``load_model()`` result where its model is meant; ``model`` back.
+
+    ``load_model`` returns ``(model, tokenizer, arch)``; passed whole, the tuple used to reach
+    the adapter lookup as "Architecture None is not supported".
+
+    >>> from dejavu_lab.models import random_model
+    >>> not_a_bundle(random_model("tiny-llama"))
+    Traceback (most recent call last):
+    ...
+    dejavu_lab.errors.InputError: got the whole load_model() result (model, tokenizer, arch) where the model goes; pass its .model (e.g. lm = load_model(...); lm.model), or unpack it: model, tokenizer, arch = load_model(...).
+    """
+    if isinstance(model, tuple) and all(hasattr(model, a) for a in ("model", "arch")):
+        raise InputError(
+            "got the whole load_model() result (model, tokenizer, arch) where the model goes; "
+            "pass its .model (e.g. lm = load_model(...); lm.model), or unpack it: "
+            "model, tokenizer, arch = load_model(...)."
+        )
+    return model

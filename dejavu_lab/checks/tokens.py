@@ -138,6 +138,10 @@ def text(value, tokenizer) -> str:
     Traceback (most recent call last):
     ...
     dejavu_lab.errors.CorpusError: text must be one string, got a list; join the documents ...
+    >>> text(" " * 4000, tokenizer)
+    Traceback (most recent call last):
+    ...
+    dejavu_lab.errors.CorpusError: the text is only whitespace (4000 characters); pass real text ...
     """
     if tokenizer is None or not callable(tokenizer):
         raise _error(
@@ -148,5 +152,10 @@ def text(value, tokenizer) -> str:
         raise _error(
             f"text must be one string, got a {type(value).__name__}; join the documents first, "
             "e.g. '\\n\\n'.join(docs)."
+        )
+    if not value.strip():  # whitespace tokenizes to windows of spaces: a measurement of nothing
+        raise _error(
+            f"the text is {'empty' if not value else 'only whitespace'} ({len(value)} "
+            "characters); pass real text (a corpus name, or a file of prose)."
         )
     return value

@@ -41,6 +41,21 @@ class Parser(argparse.ArgumentParser):
     SystemExit: 2
     """
 
+    def parse_known_args(self, args=None, namespace=None):
+        """Parse, and record in ``flags_given`` the dests typed on the command line (a flag at
+        its default value is still a flag the user chose: :mod:`dejavu_lab.cli.options`)."""
+        self._typed: set[str] = set()
+        ns, rest = super().parse_known_args(args, namespace)
+        # a subcommand's parser has run inside and left its own record on ns
+        ns.flags_given = frozenset(getattr(ns, "flags_given", ())) | self._typed
+        return ns, rest
+
+    def _get_values(self, action, arg_strings):
+        # argparse converts the strings of each option it meets here, and only those (defaults
+        # go through _get_value): the one hook that tells typed flags from defaults
+        self._typed.add(action.dest)
+        return super()._get_values(action, arg_strings)
+
     def error(self, message: str):
         if not message.endswith("."):  # argparse's own words: say where the usage is
             message += f"; run `{self.prog} --help` for the options."

@@ -32,6 +32,7 @@ from .args import (
     static_sets_for,
     text_source,
 )
+from .options import check as check_options
 
 __all__ = ["CALIBRATION_TOKENS", "TRAIN_TOKENS", "add_parser", "cmd_perplexity", "prepare"]
 
@@ -121,6 +122,7 @@ def cmd_perplexity(args) -> None:
     """
     if args.window < 2:
         raise ValueError(f"--window must be at least 2 tokens, got {args.window}.")
+    check_options(args)  # a flag the method or mode does not read is an error
     if args.method is not None:
         return _perplexity_method(args)
     if args.sparsity is not None or args.calibration is not None:

@@ -19,6 +19,7 @@ from pathlib import Path
 from ..vocab import ALIASES, method_names
 from ..vocab import method as method_spec
 from .args import budget, common_args, corpus_windows, count, layer_list, load, static_sets_for
+from .options import check as check_options
 
 __all__ = ["add_parser", "cmd_eval_tasks", "prepare"]
 
@@ -130,6 +131,7 @@ def cmd_eval_tasks(args) -> None:
 
     from ..lm_eval_tasks import lm_eval_tasks
 
+    check_options(args)  # a flag the method does not read is an error
     if not args.tasks:
         raise ValueError("--tasks is empty; pass comma-separated lm-eval task names.")
     model, tok, arch = load(args)

@@ -118,12 +118,7 @@ class SparseConfig:
                     f"thresholds has site {key[1]!r}, which method {self.method!r} does not use; "
                     f"its sites are {', '.join(sites)}."
                 )
-            one = isinstance(thr, (int, float)) and not isinstance(thr, bool)
-            if not (one and thr == thr) and not (isinstance(thr, torch.Tensor) and thr.dim() == 1):
-                raise EngineError(
-                    f"thresholds[{key!r}] must be a number (one threshold for the site) or a 1-D "
-                    "tensor (one threshold per input column)."
-                )
+            check_engine.threshold(key, thr)  # finite numbers; tensors without NaN or -inf
 
 
 def dense_ops(spec: str | dict | None) -> dict[str, str]:

@@ -96,7 +96,7 @@ def perplexity_sweep(
                     mlp_sparsity=ms,
                     head_sparsity=hs,
                     mode=mode,
-                    static=static,
+                    static=static if mode == "static" else None,  # the other modes take none
                     dense_layers=tuple(dense_layers),
                     arch=arch,
                 )

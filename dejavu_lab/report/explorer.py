@@ -79,7 +79,9 @@ def _kwargs(method, ms, hs, s, n_dense, predictors, static, thresholds, allocati
         kw.update(mlp_sparsity=ms, head_sparsity=hs, predictors=predictors, static=static)
     elif method in THRESHOLD_METHODS:
         kw.update(sparsity=s, thresholds=thresholds, allocation=allocation)
-    return kw
+    # sparsified refuses what the method does not read (a CATS run has no allocation to choose)
+    takes = VOCAB_METHODS[ALIASES.get(method, method)].options
+    return {k: v for k, v in kw.items() if k in takes or k in ("method", "dense_layers", "arch")}
 
 
 def budget_grid(

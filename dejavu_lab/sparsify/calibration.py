@@ -39,9 +39,11 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from .. import atomic
 from ..arch import Arch, get_arch
 from ..budgets import budgets
-from ..collect import fingerprint, fingerprint_id
+from ..checks import configs as check_configs
+from ..collect import fingerprint, fingerprint_id, note_stale
 from ..hooks import hooks
 from ..vocab import CALIBRATION_FORMAT, METHODS
 from .core import SITES, _check_windows, column_norms
@@ -110,15 +112,7 @@ class CalibrationConfig:
     greedy_last: float = 0.5  # output error counted on the last share of positions (TEAL: 0.25)
 
     def __post_init__(self):
-        if self.bins < 16:
-            raise CalibrationError(f"bins must be at least 16, got {self.bins}.")
-        if not self.log10_min < self.log10_max:
-            raise CalibrationError("log10_min must be below log10_max.")
-        if not 0 < self.greedy_step <= 0.5 or not 0 < self.greedy_max_site_step <= 1:
-            raise CalibrationError("greedy_step must be in (0, 0.5] and its site cap in (0, 1].")
-        budgets(self.greedy_max, 1, "greedy_max")
-        if self.greedy_tokens < 2 or not 0 < self.greedy_last <= 1:
-            raise CalibrationError("greedy_tokens must be >= 2 and greedy_last in (0, 1].")
+        check_configs.calibration_config(self)  # each field whole/finite and in range
 
     def key(self) -> str:
         """Hash of the histogram fields (the cache file's name)."""
@@ -404,15 +398,33 @@ def calibrate(
     fp = fingerprint(model, arch)
     sha = text_hash(windows)
     path = default_path(fp, sha, config)
+    if not cache:
+        return _calibrate(model, arch, windows, config, greedy, fp, sha, None, progress)
+    # one process calibrates; another one asking for the same waits, then loads its file
+    lock = path.with_name(f".{path.name}.lock")
+    with atomic.locked(lock, what="calibrating this model on this text", hint=_HINT):
+        atomic.clean_partials(path.parent)  # a killed run's temporary (we hold the lock)
+        return _calibrate(model, arch, windows, config, greedy, fp, sha, path, progress)
+
+
+_HINT = "set DEJAVU_LAB_CACHE to a writable folder with free space, or pass cache=False"
+
+
+def _calibrate(model, arch, windows, config, greedy, fp, sha, path, progress) -> Calibration:
+    """:func:`calibrate`'s work: read the cache file at ``path`` (None: no cache) or compute
+    the histograms, then the greedy paths missing; each stage saved whole as it finishes, so a
+    run killed in the greedy search resumes from the histograms."""
     cal = None
-    if cache and path.exists():
+    if path is not None and path.exists():
         try:
             cal = load_calibration(path, model, arch)
         except CalibrationError:
-            cal = None  # damaged: recompute and overwrite
+            cal = None  # damaged or from an older version: recompute and replace it
     if cal is None:
+        if path is not None and not path.exists():
+            note_stale(path, fp, "calibration")
         cal = _histograms(model, arch, windows, config, fp, sha, progress)
-        if cache:
+        if path is not None:
             cal.save(path)
     cal.config = config  # the same histograms; the greedy fields may differ
     missing = [g for g in greedy if cal.greedy_table(g) is None]
@@ -422,7 +434,7 @@ def calibrate(
         for g in missing:
             table = greedy_path(model, windows, cal, g, arch=arch, progress=progress)
             cal.greedy[f"{g}.{config.greedy_key()}"] = table
-        if cache:
+        if path is not None:
             cal.save(path)
     return cal
 

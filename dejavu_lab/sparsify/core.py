@@ -17,6 +17,7 @@ counted by :mod:`dejavu_lab.step_bytes`.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -26,7 +27,9 @@ from torch import nn
 
 from ..arch import Arch, get_arch
 from ..budgets import budgets, n_keep
+from ..checks.models import not_a_bundle
 from ..corpus import CorpusError
+from ..errors import InputError
 from ..hooks import hooks
 from ..vocab import ALIASES, SITES
 from ..vocab import METHODS as TABLE
@@ -151,11 +154,17 @@ def sparsified(
     masks, ``record["mlp"][layer]`` [b, p, n] and ``record["heads"][layer]`` [b, p, h].
     ``kept``: a :class:`~dejavu_lab.sparsify.kept.Kept` counting what each site kept.
 
+    An argument the method does not read (:attr:`dejavu_lab.vocab.Method.options`) is an
+    ``InputError``, as is a block inside another on the same model that names a method or a
+    budget (the two would stack); one that asks for nothing, as ``sparse_perplexity(model,
+    ids)`` measuring the outer block, runs the outer block's method.
+
     >>> from dejavu_lab.models import random_model
     >>> model, _, arch = random_model("tiny-opt")
     >>> with sparsified(model, mlp_sparsity=0.5, head_sparsity=0.25):
     ...     logits = model(input_ids=torch.tensor([[1, 2, 3]])).logits
     """
+    model = not_a_bundle(model)
     ctx = _context(
         model,
         method=method,
@@ -173,14 +182,66 @@ def sparsified(
         kept=kept,
     )
     fns = METHODS[ctx.method](ctx)
-    if not fns:  # dense everywhere: run the model untouched
-        yield
+    outer = _ACTIVE.get(model)
+    if outer is not None:
+        if fns or method is not None or mode is not None:
+            raise InputError(
+                f"sparsified blocks do not nest: this model already runs method {outer!r} in an "
+                "outer block, and the two would stack their masks; leave that block first, then "
+                "run the other (one method per forward)."
+            )
+        yield  # asks for nothing (e.g. sparse_perplexity(model, ids)): the outer block runs
         return
-    with hooks(model, fns, ctx.arch):
-        try:
+    _ACTIVE[model] = ctx.method
+    try:
+        if not fns:  # dense everywhere: run the model untouched
             yield
-        finally:
-            ctx.state.clear()
+            return
+        with hooks(model, fns, ctx.arch):
+            try:
+                yield
+            finally:
+                ctx.state.clear()
+    finally:
+        _ACTIVE.pop(model, None)
+
+
+# model -> the method of the sparsified block it runs in (blocks do not nest)
+_ACTIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _check_options(spec, given: dict) -> None:
+    """Refuse an argument the method does not read (:attr:`dejavu_lab.vocab.Method.options`):
+    dropped in silence, ``method="dense", sparsity=0.5`` ran dense and ``method="cats",
+    mlp_sparsity=0.9`` ran CATS at its own budget.
+
+    >>> from dejavu_lab.vocab import METHODS as T
+    >>> _check_options(T["cats"], {"sparsity": 0.5, "mlp_sparsity": 0.9})
+    Traceback (most recent call last):
+    ...
+    dejavu_lab.errors.InputError: method='cats' does not use mlp_sparsity; it takes sparsity, thresholds (and dense_layers): pass only those.
+    """
+    unused = [
+        k
+        for k, v in given.items()
+        if k not in spec.options and (v != "uniform" if k == "allocation" else v is not None)
+    ]
+    if unused:
+        if spec.family == "dense":
+            raise InputError(
+                f"method='dense' runs the model unchanged and takes no {', '.join(unused)}; "
+                "drop it, or pass a sparsity method (e.g. method='oracle')."
+            )
+        raise InputError(
+            f"method={spec.name!r} does not use {', '.join(unused)}; it takes "
+            f"{', '.join(spec.options)} (and dense_layers): pass only those."
+        )
+    both = given["mlp_sparsity"] is not None and given["head_sparsity"] is not None
+    if spec.family == "unit" and both and given["sparsity"] is not None:
+        raise InputError(
+            "sparsity is the default of mlp_sparsity and head_sparsity, and both are given, so "
+            "it would be unused; pass sparsity alone, or the two budgets."
+        )
 
 
 def _method_name(method, mode) -> str:
@@ -214,6 +275,11 @@ def _context(
     arch = arch or get_arch(model)
     name = _method_name(method, mode)
     spec = method_spec(name)
+    _check_options(
+        spec,
+        dict(sparsity=sparsity, mlp_sparsity=mlp_sparsity, head_sparsity=head_sparsity,
+             static=static, predictors=predictors, thresholds=thresholds, allocation=allocation),
+    )  # fmt: skip
     L = arch.n_layers
     unit = spec.family != "threshold"  # dense and the unit masks take mlp/head budgets
     if spec.needs == "static sets":

@@ -19,9 +19,11 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
+from .. import atomic
 from ..arch import Arch, get_arch
+from ..checks.files import older_fingerprint
 from ..collect import fingerprint, fingerprint_id
 from ..errors import CalibrationError
 from ..vocab import METHODS
@@ -143,32 +145,40 @@ def load_thresholds(path: str | os.PathLike, model=None, arch: Arch | None = Non
 
 
 def _check_fingerprint(fp: dict, model, arch, what: str) -> None:
+    if older_fingerprint(fp):
+        raise CalibrationError(
+            f"{what} under the older model fingerprint, which saw 8 rows of 3 weight matrices "
+            "only and cannot tell this model from another of its shape; run "
+            "dejavu_lab.sparsify.calibration.calibrate on this model again."
+        )
     have = fingerprint(model, arch)
     if have != fp:
         diff = [k for k in have if have[k] != fp.get(k)]
         raise CalibrationError(
             f"{what} for another model ({fingerprint_id(fp)}, this one is "
-            f"{fingerprint_id(have)}; differs in {', '.join(diff)}); calibrate this model with "
-            "dejavu_lab.sparsify.calibration.calibrate."
+            f"{fingerprint_id(have)}; differs in {', '.join(diff)}); run "
+            "dejavu_lab.sparsify.calibration.calibrate on this model."
         )
 
 
 def _save(tensors: dict, meta: dict, path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
-    try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=meta)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+    """Write atomically (:mod:`dejavu_lab.atomic`): a kill leaves the old file or the new one."""
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    hint = "pass another path, or set DEJAVU_LAB_CACHE to a writable folder with free space"
+    return atomic.save_tensors(Path(path), tensors, meta, hint=hint)
 
 
 def _load(path, fmt: str, what: str):
     path = Path(path)
     if not path.exists():
         raise CalibrationError(f"No {what} file at {path}.")
+    if path.is_dir():
+        names = sorted(p.name for p in path.glob("*.safetensors"))[:2]
+        inside = f" (it holds {', '.join(names)}{', …' if len(names) > 1 else ''})" if names else ""
+        raise CalibrationError(
+            f"{path} is a folder, not a {what} file{inside}; pass the path of one "
+            ".safetensors file written by save()."
+        )
     try:
         with safe_open(str(path), "pt") as f:
             meta = f.metadata() or {}

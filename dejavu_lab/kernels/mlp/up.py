@@ -231,6 +231,10 @@ def sparse_mlp_up(
     (blocks of ``rows_per_index`` rows); returns [k * rows_per_index] or [B, k * rows_per_index]
     in ``idx`` order. ``validate`` (default: unless capturing a CUDA graph) checks index range and
     uniqueness, which reads them back to the host: pass ``validate=False`` in timed loops.
+    ``validate=False`` trusts ``idx``: an index past the rows makes the kernel read memory beyond
+    the weight and return whatever it holds (0.0, NaN or huge values, silently; on a GPU possibly
+    an illegal-address fault that ends the CUDA context), and a repeated index computes its row
+    twice. Only the plain-PyTorch path (CPU without ``TRITON_INTERPRET``) raises ``IndexError``.
 
     >>> _ = torch.manual_seed(0)
     >>> x = torch.randn(2, 16, dtype=torch.float16)  # a union batch of 2 tokens, d = 16
