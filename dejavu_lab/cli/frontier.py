@@ -274,7 +274,7 @@ def _run(args, model, tok, arch, specs: dict, sparsities: list[float]):
                     train_tokens=args.train_tokens, arch=arch, progress=progress)  # fmt: skip
                 for s in todo:
                     bar.set_postfix_str(f"{name} at {s}")
-                    row = evaluate_point(model, held_out, name, spec, s, ready)
+                    row = evaluate_point(model, held_out, name, spec, s, ready, progress=progress)
                     state.add(spec, s, {**row, "git_sha": git_sha})
                     computed += 1
                     bar.update()

@@ -32,7 +32,7 @@ import torch
 
 from ..arch import get_arch
 from ..corpus import CorpusError, load_text, token_windows
-from ..vocab import CORPORA, METHODS, method
+from ..vocab import CORPORA, METHODS, SITES, method
 from .calibration import calibrate, greedy_allocates
 from .evaluate import sparse_eval
 
@@ -42,6 +42,7 @@ __all__ = [
     "TRAIN_TOKENS",
     "TRAINING_FREE",
     "VARIANTS",
+    "allocations",
     "at_bytes",
     "crossing_records",
     "evaluate_point",
@@ -62,14 +63,26 @@ CALIBRATION_TOKENS = TRAIN_TOKENS
 SHINGLE = 16  # tokens in a row two texts must share to count as overlapping (study_windows)
 
 
+def allocations(name: str) -> tuple[str, ...]:
+    """The ways a method's budget can be spread over a layer's sites: ``uniform`` or TEAL's
+    ``greedy`` search for the methods sparsifying every linear input of a layer (those without
+    their own search borrow TEAL's); none for the others (one site, or neurons and heads).
+
+    >>> allocations("teal"), allocations("cats"), allocations("oracle")
+    (('uniform', 'greedy'), (), ())
+    """
+    m = method(name)
+    return ("uniform", "greedy") if m.family != "unit" and set(m.sites) == set(SITES) else ()
+
+
 def _variants() -> dict[str, dict]:
     """name -> how to run it, for every non-dense method of the table: sparse_eval's method
-    and, for the methods with TEAL's greedy search, one variant per allocation."""
+    and, for the methods with a choice of allocation, one variant per allocation."""
     out: dict[str, dict] = {}
     for m in METHODS.values():
         if m.family == "dense":
             continue
-        if greedy_allocates(m.name):
+        if allocations(m.name):
             for a in ("uniform", "greedy"):
                 out[f"{m.name} ({a})"] = {"method": m.name, "allocation": a}
         else:
@@ -106,11 +119,11 @@ def parse_variant(text: str) -> tuple[str, dict]:
     m = method(name)  # KeyError naming the methods
     if m.family == "dense":
         raise ValueError("dense is always measured (the reference row); leave it out.")
-    if not greedy_allocates(m.name):
+    if not allocations(m.name):
         if allocation not in ("", "uniform"):
-            greedy = " and ".join(n for n in METHODS if greedy_allocates(n))
+            some = " and ".join(n for n in METHODS if n != "dense" and allocations(n))
             raise ValueError(
-                f"{m.name} has no {allocation} allocation (only {greedy} have); write {m.name}."
+                f"{m.name} has no {allocation} allocation (only {some} have); write {m.name}."
             )
         return m.name, dict(VARIANTS[m.name])
     allocation = allocation or m.allocation
@@ -231,7 +244,9 @@ def prepare(
     if m.needs == "nothing":
         return {}
     if m.needs == "calibration":
-        greedy = [m.name] if spec.get("allocation") == "greedy" and greedy_allocates(m.name) else []
+        greedy = []
+        if spec.get("allocation") == "greedy":  # its own greedy search, or TEAL's shares
+            greedy = [m.name if greedy_allocates(m.name) else "teal"]
         return {"cal": calibrate(model, calib, greedy=greedy, arch=arch, progress=progress)}
     if m.needs == "static sets":
         from .static import static_sets
@@ -265,7 +280,7 @@ def evaluate_point(
     if spec["method"] == "dense":
         r = sparse_eval(model, held_out, method="dense", progress=progress)
     else:
-        kw = _kwargs(spec, sparsity, ready.get("cal"), ready.get("static"), ready.get("predictors"))
+        kw = _kwargs(spec, sparsity, ready, model)
         r = sparse_eval(model, held_out, progress=progress, **kw)
     return _row(name, spec, sparsity, r, time.perf_counter() - t0)
 
@@ -331,7 +346,8 @@ def _specs(variants) -> dict[str, dict]:
     return dict(parse_variant(v) for v in variants)
 
 
-def _kwargs(spec: dict, s: float, cal, static, predictors) -> dict:
+def _kwargs(spec: dict, s: float, ready: dict, model) -> dict:
+    """sparse_eval's keywords for ``spec`` at ``s``, from what :func:`prepare` built."""
     m = METHODS.get(spec["method"])  # None for a name outside the table: refused below
     kw = {"method": spec["method"], "dense_layers": tuple(spec.get("dense_layers", ()))}
     if m is not None and m.family == "unit":
@@ -340,11 +356,13 @@ def _kwargs(spec: dict, s: float, cal, static, predictors) -> dict:
             if k in spec:
                 kw[k] = spec[k]
         if m.needs == "static sets":
-            kw["static"] = static
+            kw["static"] = ready["static"]
         if m.needs == "predictors":
-            kw["predictors"] = predictors
+            kw["predictors"] = ready["predictors"]
     else:
-        kw["thresholds"] = cal.thresholds(
+        if "cal" not in ready:
+            raise ValueError(f"{spec['method']} needs a calibration to read thresholds from.")
+        kw["thresholds"] = ready["cal"].thresholds(
             spec["method"],
             s,
             allocation=spec.get("allocation", "uniform"),
