@@ -210,3 +210,19 @@ def test_a_run_killed_after_its_first_point_resumes_where_it_stopped(capsys, tmp
     # the killed process ran on one thread, this one maybe on more: rounding may differ
     ppl = [r["perplexity"] for r in whole["rows"]]
     assert [r["perplexity"] for r in resumed["rows"]] == pytest.approx(ppl, rel=1e-4)
+
+
+def test_the_demo_recording_holds_every_training_free_variant_with_its_provenance():
+    """results/frontier_demo.json (chapter 42 reads it): every point, where and how it ran."""
+    from dejavu_lab import results
+    from dejavu_lab.cli.frontier import _variants
+
+    frame, prov = results.load("frontier_demo")
+    variants = [name for name, _ in _variants("training-free")]
+    assert set(frame["variant"]) == {"dense", *variants}
+    assert (frame[frame.variant != "dense"].groupby("variant").size() == 5).all()
+    assert prov["command"].startswith("dejavu-lab frontier --model demo")
+    assert prov["tokens"] >= 4096 and prov["window"] == 512 and prov["calibration_tokens"] == 8192
+    for key in ("cpu", "torch", "dtype", "threads", "git_sha", "text_sha", "model_fingerprint"):
+        assert prov[key], key
+    assert (frame["ppl_ratio"].iloc[1:] > 1).all() and frame["perplexity"].iloc[0] > 1
