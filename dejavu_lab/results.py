@@ -102,6 +102,8 @@ def provenance(command: str) -> dict[str, Any]:
         "command": command,
         "host": platform.node(),
         "python": platform.python_version(),
+        "cpu": _cpu_name(),  # CPU runs (perplexity frontiers) depend on it as GPU runs on "gpu"
+        "cpu_count": os.cpu_count(),
     }
     try:
         import torch
@@ -123,6 +125,18 @@ def provenance(command: str) -> dict[str, Any]:
     except ImportError:
         pass
     return info
+
+
+def _cpu_name() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo), else what :mod:`platform` knows."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
 
 
 def _driver_version() -> str | None:

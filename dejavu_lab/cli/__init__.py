@@ -6,5 +6,6 @@
   a model and a corpus's windows;
 - :mod:`~dejavu_lab.cli.perplexity`: ``perplexity``, dense or with any method;
 - :mod:`~dejavu_lab.cli.predictors`: ``collect``, ``train-predictors``, ``eval``;
-- :mod:`~dejavu_lab.cli.tasks`: ``eval-tasks`` (lm-evaluation-harness).
+- :mod:`~dejavu_lab.cli.tasks`: ``eval-tasks`` (lm-evaluation-harness);
+- :mod:`~dejavu_lab.cli.frontier`: ``frontier``, every method at every sparsity (resumable).
 """

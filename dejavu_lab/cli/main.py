@@ -9,6 +9,7 @@
     dejavu-lab train-predictors --model demo --mode both         # collects first if needed
     dejavu-lab eval --model demo --predictors P.safetensors --mlp-sparsity 0.5
     dejavu-lab eval-tasks --model demo --method oracle --sparsity 0.5 --limit 50  # lm-eval
+    dejavu-lab frontier --model demo --methods teal cats --record NAME --json  # resumable
 
 Every subcommand prints its result on stdout, progress bars on stderr, and on a bad input one
 line ``dejavu-lab: error: ...`` with exit status 2.
@@ -20,7 +21,7 @@ import argparse
 import errno
 import sys
 
-from . import perplexity, predictors, tasks
+from . import frontier, perplexity, predictors, tasks
 from .args import Parser
 
 __all__ = ["COMMANDS", "main", "parser"]
@@ -42,6 +43,7 @@ def parser() -> argparse.ArgumentParser:
     perplexity.add_parser(sub)
     predictors.add_parsers(sub)
     tasks.add_parser(sub)
+    frontier.add_parser(sub)
     return ap
 
 
@@ -51,6 +53,7 @@ COMMANDS = {
     "train-predictors": predictors.cmd_train,
     "eval": predictors.cmd_eval,
     "eval-tasks": tasks.cmd_eval_tasks,
+    "frontier": frontier.cmd_frontier,
 }
 
 
@@ -72,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parser().parse_args(argv)
     except SystemExit as e:  # --help (0) or a bad argument (2): argparse has printed why
         return e.code or 0
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # recorded with the results
     from transformers.utils import logging as hf_logging
 
     from ..assets import AssetError

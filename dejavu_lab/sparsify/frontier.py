@@ -5,30 +5,34 @@ dense gate), so a sparsity of 50% buys different savings; this study puts them o
 the decoder-layer weight bytes a decoding step reads (:mod:`dejavu_lab.step_bytes`).
 The text follows chapter 40: the corpus's first ``train_tokens`` (8192) tokens are training
 text — calibration reads its first ``calibration_tokens``, DejaVu's predictors train on all of
-it — and perplexity is measured on the ``eval_windows`` windows right after it.
+it — and perplexity is measured on the ``eval_windows`` windows right after it. Calibration
+may read another text instead; its windows that share text with the evaluated ones are left
+out (:func:`study_windows`).
 
-:func:`frontier` returns one row per (variant, sparsity); :func:`at_bytes` reads each curve at
-given byte fractions, the form of our quality targets. From a shell::
-
-    python -m dejavu_lab.sparsify.frontier --json > frontier.json
+:func:`frontier` returns one row per (variant, sparsity); it is :func:`prepare` once per
+variant (a calibration, static sets or predictors, each cached) and :func:`evaluate_point` per
+sparsity, the steps ``dejavu-lab frontier`` runs one at a time so that a killed run resumes
+(:mod:`dejavu_lab.sparsify.frontier_state`). :func:`at_bytes` reads each curve at given byte
+fractions, the form of our quality targets. The variants are every non-dense row of
+:data:`dejavu_lab.vocab.METHODS`, with both allocations for the methods that have TEAL's
+greedy one (:data:`VARIANTS`), named on the command line as :func:`parse_variant` reads them.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import torch
 
 from ..arch import get_arch
-from ..corpus import load_text, token_windows
-from ..vocab import METHODS
+from ..corpus import CorpusError, load_text, token_windows
+from ..vocab import CORPORA, METHODS, SITES, method
 from .calibration import calibrate, greedy_allocates
 from .evaluate import sparse_eval
 
@@ -36,10 +40,16 @@ __all__ = [
     "CALIBRATION_TOKENS",
     "SPARSITIES",
     "TRAIN_TOKENS",
+    "TRAINING_FREE",
     "VARIANTS",
+    "allocations",
     "at_bytes",
+    "crossing_records",
+    "evaluate_point",
     "frontier",
-    "main",
+    "overlapping",
+    "parse_variant",
+    "prepare",
     "study_windows",
 ]
 
@@ -50,20 +60,107 @@ TRAIN_TOKENS = 8192  # chapter 40's training text: the corpus's first tokens
 # on the 1024 held-out tokens, on all 8192 +31%, on 24k (beyond the held-out text too) +37%:
 # the spread of the thresholds' estimate, not a trend
 CALIBRATION_TOKENS = TRAIN_TOKENS
+SHINGLE = 16  # tokens in a row two texts must share to count as overlapping (study_windows)
 
-# name -> how to run it: sparse_eval's method plus, for the threshold methods, the
-# allocation over a layer's sites (and optionally which sites), and dense layers.
-VARIANTS: dict[str, dict] = {
-    "oracle": {"method": "oracle"},
-    "static": {"method": "static"},
-    "dejavu": {"method": "dejavu"},
-    "cats": {"method": "cats"},
-    "teal (uniform)": {"method": "teal", "allocation": "uniform"},
-    "teal (greedy)": {"method": "teal", "allocation": "greedy"},
-    "wina (greedy)": {"method": "wina", "allocation": "greedy"},
-}
+
+def allocations(name: str) -> tuple[str, ...]:
+    """The ways a method's budget can be spread over a layer's sites: ``uniform`` or TEAL's
+    ``greedy`` search for the methods sparsifying every linear input of a layer (those without
+    their own search borrow TEAL's); none for the others (one site, or neurons and heads).
+
+    >>> allocations("teal"), allocations("cats"), allocations("oracle")
+    (('uniform', 'greedy'), (), ())
+    """
+    m = method(name)
+    return ("uniform", "greedy") if m.family != "unit" and set(m.sites) == set(SITES) else ()
+
+
+def _variants() -> dict[str, dict]:
+    """name -> how to run it, for every non-dense method of the table: sparse_eval's method
+    and, for the methods with a choice of allocation, one variant per allocation."""
+    out: dict[str, dict] = {}
+    for m in METHODS.values():
+        if m.family == "dense":
+            continue
+        if allocations(m.name):
+            for a in ("uniform", "greedy"):
+                out[f"{m.name} ({a})"] = {"method": m.name, "allocation": a}
+        else:
+            out[m.name] = {"method": m.name}
+    return out
+
+
+# name -> spec: sparse_eval's method plus, for the threshold methods, the allocation over a
+# layer's sites (and optionally which sites, and dense layers). A spec may also carry
+# ``sites``, ``dense_layers``, ``mlp_sparsity`` or ``head_sparsity``.
+VARIANTS: dict[str, dict] = _variants()
 # methods that need no trained predictor (but static sets or a calibration)
 TRAINING_FREE = tuple(m.name for m in METHODS.values() if m.needs in ("static sets", "calibration"))
+
+
+def parse_variant(text: str) -> tuple[str, dict]:
+    """``(variant name, spec)`` of a method as users write it: ``teal`` (its default
+    allocation), ``teal:uniform``, ``wina:greedy``, ``cats``, ``oracle``, or a name of
+    :data:`VARIANTS` such as ``"teal (greedy)"``. ``KeyError``/``ValueError``: one sentence.
+
+    >>> parse_variant("teal"), parse_variant("cats")
+    (('teal (greedy)', {'method': 'teal', 'allocation': 'greedy'}), ('cats', {'method': 'cats'}))
+    >>> parse_variant("wina:uniform")[0], parse_variant("predicted")[0]  # an older name
+    ('wina (uniform)', 'dejavu')
+    >>> parse_variant("cats:greedy")
+    Traceback (most recent call last):
+    ...
+    ValueError: cats has no greedy allocation (only teal and wina have); write cats.
+    """
+    text = text.strip()
+    if text in VARIANTS:
+        return text, dict(VARIANTS[text])
+    name, _, allocation = text.partition(":")
+    m = method(name)  # KeyError naming the methods
+    if m.family == "dense":
+        raise ValueError("dense is always measured (the reference row); leave it out.")
+    if not allocations(m.name):
+        if allocation not in ("", "uniform"):
+            some = " and ".join(n for n in METHODS if n != "dense" and allocations(n))
+            raise ValueError(
+                f"{m.name} has no {allocation} allocation (only {some} have); write {m.name}."
+            )
+        return m.name, dict(VARIANTS[m.name])
+    allocation = allocation or m.allocation
+    if allocation not in ("uniform", "greedy"):
+        raise ValueError(
+            f"unknown allocation {allocation!r} in {text!r}; write {m.name}:uniform or "
+            f"{m.name}:greedy."
+        )
+    variant = f"{m.name} ({allocation})"
+    return variant, dict(VARIANTS[variant])
+
+
+def _text(source: str) -> str:
+    """A corpus by name (:func:`~dejavu_lab.corpus.load_text`) or a UTF-8 text file."""
+    if source in CORPORA:
+        return load_text(source)
+    try:
+        return Path(source).expanduser().read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise CorpusError(f"{source} is not UTF-8 text; pass a UTF-8 text file.") from None
+
+
+def overlapping(windows: torch.Tensor, other: torch.Tensor, k: int = SHINGLE) -> torch.Tensor:
+    """Which of ``windows`` [n, w] share a run of ``k`` tokens with any window of ``other``:
+    bool [n]. Two tokenisations of the same passage agree away from its ends, so a shared
+    ``k``-token run finds a copied passage wherever it starts.
+
+    >>> a = torch.arange(40).view(4, 10)
+    >>> overlapping(a, torch.arange(13, 30).view(1, 17), k=4).tolist()
+    [False, True, True, False]
+    """
+    k = max(1, min(k, windows.shape[1], other.shape[1]))
+    seen = {tuple(r[i : i + k]) for r in other.tolist() for i in range(len(r) - k + 1)}
+    return torch.tensor(
+        [any(tuple(r[i : i + k]) in seen for i in range(len(r) - k + 1)) for r in windows.tolist()],
+        dtype=torch.bool,
+    )
 
 
 def study_windows(
@@ -73,8 +170,14 @@ def study_windows(
     eval_windows: int = 2,
     train_tokens: int = TRAIN_TOKENS,
     calibration_tokens: int = CALIBRATION_TOKENS,
+    calibration: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(calibration windows, held-out windows) of the study, as chapter 40 cuts the corpus.
+
+    ``corpus`` and ``calibration``: corpus names or text files. Without ``calibration`` (or
+    with the corpus itself) calibration reads the first ``calibration_tokens`` of the corpus's
+    ``train_tokens`` training tokens; with another text, its first windows that share no
+    :data:`SHINGLE`-token run with the held-out windows (:func:`overlapping`).
 
     >>> from dejavu_lab.models import load_model
     >>> calib, held_out = study_windows(load_model("demo").tokenizer)
@@ -83,12 +186,103 @@ def study_windows(
     """
     skip = math.ceil(train_tokens / window)
     n_calib = max(1, math.ceil(calibration_tokens / window))
-    if n_calib > skip:
-        raise ValueError("calibration_tokens must not exceed train_tokens.")
-    w = token_windows(tokenizer, load_text(corpus), window, skip + eval_windows)
+    same = calibration is None or calibration == corpus
+    if same and n_calib > skip:
+        raise ValueError(
+            f"calibration_tokens ({calibration_tokens}) must not exceed train_tokens "
+            f"({train_tokens}): the evaluated text starts after them; calibrate on fewer tokens "
+            "or on another text."
+        )
+    w = token_windows(tokenizer, _text(corpus), window, skip + eval_windows)
     if w.shape[0] <= skip:
-        raise ValueError(f"{corpus} has no {window}-token window after {train_tokens} tokens.")
-    return w[:n_calib], w[skip:]
+        raise CorpusError(
+            f"{corpus} has no {window}-token window after its first {train_tokens} tokens "
+            "(the training text); pass a longer text, fewer training tokens or a smaller window."
+        )
+    held_out = w[skip:]
+    if same:
+        return w[:n_calib], held_out
+    c = token_windows(tokenizer, _text(calibration), window)
+    keep = c[~overlapping(c, held_out)]
+    if keep.shape[0] < n_calib:
+        raise CorpusError(
+            f"{calibration} has {keep.shape[0]} {window}-token windows outside the evaluated "
+            f"text ({c.shape[0] - keep.shape[0]} overlap it), fewer than the {n_calib} "
+            "calibration needs; calibrate on fewer tokens or on a longer text."
+        )
+    return keep[:n_calib], held_out
+
+
+def prepare(
+    model,
+    tokenizer,
+    spec: dict,
+    calib: torch.Tensor,
+    *,
+    corpus: str = "demo",
+    window: int = 512,
+    train_tokens: int = TRAIN_TOKENS,
+    predictors=None,
+    arch=None,
+    progress: bool = False,
+) -> dict:
+    """What the variant ``spec`` needs before it runs, built from the calibration windows
+    ``calib`` [n, window] as its row of :data:`~dejavu_lab.vocab.METHODS` says: ``{"cal": ...}``
+    (a :class:`~dejavu_lab.sparsify.calibration.Calibration`, cached, with TEAL's greedy path
+    for a greedy variant), ``{"static": ...}``, ``{"predictors": ...}`` (``predictors``, or
+    trained once on the corpus's training text, cached), or ``{}``.
+
+    >>> from dejavu_lab.models import random_model
+    >>> m = random_model("tiny-llama")
+    >>> calib = torch.randint(0, 128, (1, 16))
+    >>> sorted(prepare(m.model, None, {"method": "cats"}, calib)), prepare(m.model, None,
+    ...     {"method": "oracle"}, calib)
+    (['cal'], {})
+    """
+    arch = arch or get_arch(model)
+    m = method(spec["method"])
+    if m.needs == "nothing":
+        return {}
+    if m.needs == "calibration":
+        greedy = []
+        if spec.get("allocation") == "greedy":  # its own greedy search, or TEAL's shares
+            greedy = [m.name if greedy_allocates(m.name) else "teal"]
+        return {"cal": calibrate(model, calib, greedy=greedy, arch=arch, progress=progress)}
+    if m.needs == "static sets":
+        from .static import static_sets
+
+        return {"static": static_sets(model, calib, arch=arch, progress=progress)}
+    if m.needs == "predictors":
+        if predictors is None:
+            predictors = _predictors(model, tokenizer, corpus, window, train_tokens, progress)
+        return {"predictors": predictors}
+    raise ValueError(
+        f"the frontier does not know how to prepare what {m.name} needs ({m.needs!r}); "
+        "run it through dejavu_lab.sparsify.sparsified with what it needs."
+    )
+
+
+def evaluate_point(
+    model, held_out: torch.Tensor, name: str, spec: dict, sparsity: float, ready: dict,
+    *, progress: bool = False,
+) -> dict:  # fmt: skip
+    """One row of the frontier: the variant ``name`` (``spec``) at ``sparsity`` on the held-out
+    windows [n, window], with what :func:`prepare` built (``ready``; ``{}`` for dense).
+
+    >>> from dejavu_lab.models import random_model
+    >>> m = random_model("tiny-llama")
+    >>> row = evaluate_point(m.model, torch.randint(0, 128, (1, 16)), "oracle",
+    ...                      {"method": "oracle"}, 0.5, {})
+    >>> row["variant"], row["sparsity"], round(row["bytes_per_token_fraction"], 2)
+    ('oracle', 0.5, 0.51)
+    """
+    t0 = time.perf_counter()
+    if spec["method"] == "dense":
+        r = sparse_eval(model, held_out, method="dense", progress=progress)
+    else:
+        kw = _kwargs(spec, sparsity, ready, model)
+        r = sparse_eval(model, held_out, progress=progress, **kw)
+    return _row(name, spec, sparsity, r, time.perf_counter() - t0)
 
 
 def frontier(
@@ -102,15 +296,17 @@ def frontier(
     eval_windows: int = 2,
     train_tokens: int = TRAIN_TOKENS,
     calibration_tokens: int = CALIBRATION_TOKENS,
+    calibration: str | None = None,
     predictors=None,
     progress: bool = False,
 ) -> pd.DataFrame:
     """Perplexity and bytes per token for each variant at each sparsity, plus the dense row.
 
-    ``variants``: names of :data:`VARIANTS` or a dict name -> spec (``method``, and optionally
-    ``allocation``, ``sites``, ``dense_layers``, ``head_sparsity``). ``predictors``: DejaVu
-    predictors for ``"dejavu"`` (default: :func:`dejavu_lab.predictors.get_or_train` on the
-    training text, cached). Calibrations are cached (:func:`calibrate`).
+    ``variants``: names of :data:`VARIANTS` (or as :func:`parse_variant` reads them) or a dict
+    name -> spec (``method``, and optionally ``allocation``, ``sites``, ``dense_layers``,
+    ``head_sparsity``). ``predictors``: DejaVu predictors for ``"dejavu"`` (default:
+    :func:`dejavu_lab.predictors.get_or_train` on the training text, cached). Calibrations are
+    cached (:func:`calibrate`).
 
     >>> from dejavu_lab.models import load_model
     >>> model, tok, _ = load_model("demo")
@@ -125,36 +321,17 @@ def frontier(
     specs = _specs(variants)
     arch = get_arch(model)
     calib, held_out = study_windows(
-        tokenizer, corpus, window, eval_windows, train_tokens, calibration_tokens
+        tokenizer, corpus, window, eval_windows, train_tokens, calibration_tokens, calibration
     )
-    needs = {METHODS[m].needs for m in (s["method"] for s in specs.values()) if m in METHODS}
-    greedy = sorted(
-        {
-            s["method"]
-            for s in specs.values()
-            if s.get("allocation") == "greedy" and greedy_allocates(s["method"])
-        }
-    )
-    cal = None
-    if "calibration" in needs:
-        cal = calibrate(model, calib, greedy=greedy, arch=arch, progress=progress)
-    static = None
-    if "static sets" in needs:
-        from .static import static_sets
-
-        static = static_sets(model, calib, arch=arch, progress=progress)
-    if "predictors" in needs and predictors is None:
-        predictors = _predictors(model, tokenizer, corpus, window, train_tokens, progress)
-    rows = []
-    t0 = time.perf_counter()
-    r = sparse_eval(model, held_out, method="dense", progress=progress)
-    rows.append(_row("dense", {"method": "dense"}, 0.0, r, time.perf_counter() - t0))
+    rows = [
+        evaluate_point(model, held_out, "dense", {"method": "dense"}, 0.0, {}, progress=progress)
+    ]
     for name, spec in specs.items():
+        ready = prepare(model, tokenizer, spec, calib, corpus=corpus, window=window,
+                        train_tokens=train_tokens, predictors=predictors, arch=arch,
+                        progress=progress)  # fmt: skip
         for s in sparsities:
-            t0 = time.perf_counter()
-            kw = _kwargs(spec, s, cal, static, predictors)
-            r = sparse_eval(model, held_out, progress=progress, **kw)
-            rows.append(_row(name, spec, s, r, time.perf_counter() - t0))
+            rows.append(evaluate_point(model, held_out, name, spec, s, ready, progress=progress))
     df = pd.DataFrame(rows)
     df["ppl_ratio"] = df["perplexity"] / df["perplexity"].iloc[0]
     df.attrs.update(tokens=int(held_out.numel()), calibration_tokens=int(calib.numel()))
@@ -166,13 +343,11 @@ def _specs(variants) -> dict[str, dict]:
         return dict(VARIANTS)
     if isinstance(variants, dict):
         return dict(variants)
-    unknown = [v for v in variants if v not in VARIANTS]
-    if unknown:
-        raise ValueError(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}.")
-    return {v: VARIANTS[v] for v in variants}
+    return dict(parse_variant(v) for v in variants)
 
 
-def _kwargs(spec: dict, s: float, cal, static, predictors) -> dict:
+def _kwargs(spec: dict, s: float, ready: dict, model) -> dict:
+    """sparse_eval's keywords for ``spec`` at ``s``, from what :func:`prepare` built."""
     m = METHODS.get(spec["method"])  # None for a name outside the table: refused below
     kw = {"method": spec["method"], "dense_layers": tuple(spec.get("dense_layers", ()))}
     if m is not None and m.family == "unit":
@@ -181,11 +356,13 @@ def _kwargs(spec: dict, s: float, cal, static, predictors) -> dict:
             if k in spec:
                 kw[k] = spec[k]
         if m.needs == "static sets":
-            kw["static"] = static
+            kw["static"] = ready["static"]
         if m.needs == "predictors":
-            kw["predictors"] = predictors
+            kw["predictors"] = ready["predictors"]
     else:
-        kw["thresholds"] = cal.thresholds(
+        if "cal" not in ready:
+            raise ValueError(f"{spec['method']} needs a calibration to read thresholds from.")
+        kw["thresholds"] = ready["cal"].thresholds(
             spec["method"],
             s,
             allocation=spec.get("allocation", "uniform"),
@@ -212,6 +389,11 @@ def _predictors(model, tokenizer, corpus, window, train_tokens, progress):
     from ..collect import CollectConfig
     from ..predictors import PredictorConfig, get_or_train
 
+    if corpus not in CORPORA:
+        raise ValueError(
+            "dejavu trains its predictors on a named corpus's training text; with a text file "
+            "pass trained predictors (see `dejavu-lab train-predictors`) or leave dejavu out."
+        )
     cfg = CollectConfig(corpus=corpus, window=window, max_tokens=train_tokens)
     return get_or_train(model, tokenizer, PredictorConfig(), cfg, progress=progress)
 
@@ -264,70 +446,12 @@ def _read(x: np.ndarray, y: np.ndarray, f: float, window: float) -> float:
     return float(np.exp(np.interp(f, x, y)))
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m dejavu_lab.sparsify.frontier``: run the study, print a table or JSON.
+def crossing_records(crossing: pd.DataFrame) -> list[dict]:
+    """:func:`at_bytes`'s table as JSON-ready records (NaN -> None), one per variant.
 
-    >>> import contextlib, io, json
-    >>> out = io.StringIO()
-    >>> with contextlib.redirect_stdout(out):
-    ...     rc = main(["--variants", "oracle", "--sparsities", "0.5", "--window", "32",
-    ...                "--eval-windows", "1", "--train-tokens", "64", "--json"])
-    >>> rc, [r["variant"] for r in json.loads(out.getvalue())["rows"]]
-    (0, ['dense', 'oracle'])
+    >>> df = pd.DataFrame({0.5: [1.2, float("nan")]}, index=pd.Index(["a", "b"], name="variant"))
+    >>> crossing_records(df)
+    [{'variant': 'a', 0.5: 1.2}, {'variant': 'b', 0.5: None}]
     """
-    ap = argparse.ArgumentParser(prog="python -m dejavu_lab.sparsify.frontier")
-    ap.add_argument("--model", default="demo")
-    ap.add_argument("--corpus", default="demo")
-    ap.add_argument("--variants", nargs="+", default=None, choices=list(VARIANTS))
-    ap.add_argument("--sparsities", nargs="+", type=float, default=list(SPARSITIES))
-    ap.add_argument("--window", type=int, default=512)
-    ap.add_argument("--eval-windows", type=int, default=2)
-    ap.add_argument("--train-tokens", type=int, default=8192)
-    ap.add_argument("--calibration-tokens", type=int, default=None)
-    ap.add_argument(
-        "--fit-window",
-        type=float,
-        default=0.0,
-        help="also read the curves at the targets by a local line fit (see at_bytes)",
-    )
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    ap.add_argument("--json", action="store_true", help="print one JSON object")
-    args = ap.parse_args(argv)
-    if not 0 <= args.fit_window < 1:
-        ap.error(f"--fit-window must be in [0, 1), got {args.fit_window}")
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    from ..models import load_model
-
-    model, tok, _ = load_model(args.model)
-    calib_tokens = args.calibration_tokens or min(CALIBRATION_TOKENS, args.train_tokens)
-    df = frontier(
-        model,
-        tok,
-        args.variants,
-        args.sparsities,
-        corpus=args.corpus,
-        window=args.window,
-        eval_windows=args.eval_windows,
-        train_tokens=args.train_tokens,
-        calibration_tokens=calib_tokens,
-    )
-    if args.json:
-        out = {**df.attrs, "rows": df.to_dict("records"), "at_bytes": _records(at_bytes(df))}
-        if args.fit_window > 0:
-            out["at_bytes_fit"] = _records(at_bytes(df, window=args.fit_window))
-            out["fit_window"] = args.fit_window
-        print(json.dumps(out))
-    else:
-        cols = ["variant", "sparsity", "perplexity", "ppl_ratio", "bytes_per_token_fraction"]
-        print(df[cols].to_string(index=False, float_format="%.3f"))
-    return 0
-
-
-def _records(crossing: pd.DataFrame) -> list[dict]:
     crossing = crossing.reset_index()
     return crossing.astype(object).where(crossing.notna(), None).to_dict("records")
-
-
-if __name__ == "__main__":
-    sys.exit(main())
