@@ -123,7 +123,7 @@ def _convert(file: Path, spec: str, sha256: str, out: Path, *, quiet: bool) -> N
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.convert-", dir=out.parent))
         tmp.chmod(0o755)  # mkdtemp makes it private; a cache entry reads like any folder
         AutoConfig.for_model(**cfg).save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        _save_tokenizer(tokenizer, tmp, spec)
         save_model(model, str(tmp / "model.safetensors"))  # shared (tied) weights stored once
         source = {"gguf": file.name, "bytes": file.stat().st_size, "sha256": sha256}
         (tmp / "source.json").write_text(json.dumps(source, indent=1))
@@ -132,11 +132,38 @@ def _convert(file: Path, spec: str, sha256: str, out: Path, *, quiet: bool) -> N
         if out.exists():  # a half-written folder from an older version: replace it
             shutil.rmtree(out)
         os.replace(tmp, out)
+    except ModelNotFoundError:  # an OSError too, but not a disk's: its own sentence
+        raise
     except OSError as e:
         raise atomic.WriteError(atomic.WriteError.explain(e, out.parent, _HINT)) from None
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+# Text whose tokens a saved tokenizer must reproduce: spaces, tabs, newlines, digits, code, accents
+_PROBE = "The fire crossed Hill Top  on\tSunday.\n\ndef f(x):\n    return x**2  # 3.14 café 東京\n"
+
+
+def _save_tokenizer(tokenizer, folder: Path, spec: str) -> None:
+    """Save the GGUF's tokenizer so that it reads back the same: transformers rebuilds some
+    tokenizer classes from their own definition rather than the saved ``tokenizer.json`` (a
+    byte-level vocabulary in a Gemma-3 GGUF came back splitting spaces differently), so when the
+    class does not read back the same, the folder names the generic class, which reads
+    ``tokenizer.json`` as it was written."""
+    tokenizer.save_pretrained(folder)
+    want = tokenizer(_PROBE).input_ids
+    if AutoTokenizer.from_pretrained(folder)(_PROBE).input_ids == want:
+        return
+    config = folder / "tokenizer_config.json"
+    settings = json.loads(config.read_text())
+    settings["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config.write_text(json.dumps(settings, indent=2))
+    if AutoTokenizer.from_pretrained(folder)(_PROBE).input_ids != want:
+        raise ModelNotFoundError(
+            f"The tokenizer of {spec!r} does not read back the same once saved, so it cannot be "
+            "cached; convert the GGUF to a Hugging Face folder with its own tokenizer files."
+        )
 
 
 def _dequantized() -> dict:

@@ -173,3 +173,11 @@ def test_a_gguf_is_dequantised_once_then_read_from_the_cache(cache, tmp_path, mo
         torch.testing.assert_close(again(ids).logits, first(ids).logits, atol=0, rtol=0)
         torch.testing.assert_close(again(ids).logits, model(ids).logits, atol=1e-5, rtol=0)
         torch.testing.assert_close(half(ids).logits.float(), first(ids).logits, atol=0.1, rtol=0)
+
+
+def test_calibration_shows_its_progress_on_stderr(capsys, cache, folder):
+    rc = main(["perplexity", "--model", folder, "--method", "teal", "--sparsity", "0.5",
+               "--window", "32", "--max-windows", "1", "--calibration-tokens", "64", "--json"])  # fmt: skip
+    out, err = capsys.readouterr()
+    assert rc == 0 and json.loads(out)["method"] == "teal"  # stdout: the result only
+    assert "calibration:" in err and "teal greedy:" in err  # the histograms, then TEAL's search
