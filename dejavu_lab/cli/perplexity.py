@@ -129,7 +129,7 @@ def cmd_perplexity(args) -> None:
     >>> from dejavu_lab.cli.main import parser
     >>> cmd_perplexity(parser().parse_args(
     ...     "perplexity --window 8 --max-windows 1 --mlp-sparsity 0.5 --no-progress".split()))
-    200.2
+    81.7
     """
     if args.window < 2:
         raise ValueError(f"--window must be at least 2 tokens, got {args.window}.")
