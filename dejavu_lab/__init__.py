@@ -8,7 +8,8 @@ Modules, one idea each, in layers; a module imports only from its own layer and 
 - base: :mod:`atomic` (crash-safe files), :mod:`assets` (pinned offline files), :mod:`results`
   (recorded GPU runs with provenance), :mod:`staleness` (a recording's commit against the code
   here), :mod:`step_bytes` (the bytes a decode step reads);
-- models and text: :mod:`arch` (per-family module tables), :mod:`models`, :mod:`hooks`
+- models and text: :mod:`arch` (per-family module tables), :mod:`gguf_cache` (GGUF files
+  dequantised once, cached), :mod:`models`, :mod:`hooks`
   (TransformerLens-style activation hooks), :mod:`corpus` (text, windows, perplexity),
   :mod:`budgets` (kept counts per layer);
 - sparsity: :mod:`collect`, :mod:`predictors`, :mod:`deferred_kv`, :mod:`bytes_model`,

@@ -32,8 +32,8 @@ from _audit import refuse, sentence, tree
 from _tiny_folder import build
 from safetensors import safe_open
 
-from dejavu_lab import models
-from dejavu_lab.assets import fetch
+from dejavu_lab import gguf_cache, models
+from dejavu_lab.assets import ASSETS, fetch
 from dejavu_lab.checks import InputError
 from dejavu_lab.cli.main import main
 from dejavu_lab.collect import (
@@ -45,7 +45,7 @@ from dejavu_lab.collect import (
 )
 from dejavu_lab.corpus import CorpusError, token_windows
 from dejavu_lab.engine import EngineError, SparseConfig
-from dejavu_lab.errors import BusyError
+from dejavu_lab.errors import AssetError
 from dejavu_lab.kernels import sparse_mlp_up
 from dejavu_lab.models import load_model, random_model
 from dejavu_lab.predictors import PredictorConfig, PredictorError, Predictors, load_predictors
@@ -367,22 +367,31 @@ out.mkdir()
 """
 
 
-def test_two_processes_never_convert_the_demo_model_at_once(tmp_path, monkeypatch, capsys):
-    """Another process holds the conversion lock: a converter with a timeout gives up in one
-    sentence; one without waits, says so once, and finds the folder the other one wrote (it
-    fetches nothing: this cache has no GGUF)."""
+def test_two_processes_never_convert_a_gguf_at_once(tmp_path, monkeypatch, capsys):
+    """Another process holds a GGUF's conversion lock (the demo model's here): a converter with
+    a timeout gives up in one sentence; one without waits, says so once, and finds the folder the
+    other one wrote (it fetches nothing: the source is never called)."""
     monkeypatch.setenv("DEJAVU_LAB_CACHE", str(tmp_path))
-    out = tmp_path / "smollm2-135m-instruct-hf"
-    lock = tmp_path / f".{out.name}.lock"
+    asset = ASSETS[models.DEMO_ASSET]
+    out = gguf_cache.entry_dir(asset.filename, asset.sha256)
+    lock = out.parent / f".{out.name}.lock"
+    lock.parent.mkdir(parents=True)
+
+    def convert():
+        def source():
+            raise AssertionError("the other process converts it")
+
+        return gguf_cache.converted("demo", asset.filename, asset.sha256, source)
+
     p = subprocess.Popen([sys.executable, "-c", HOLD, str(lock), str(out)],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # fmt: skip
     try:
         assert p.stdout.readline().strip() == b"held"
         monkeypatch.setenv("DEJAVU_LAB_LOCK_TIMEOUT", "0.2")
-        refuse([tmp_path], models._demo_dir, BusyError, "Another process is converting the demo")
+        refuse([tmp_path], convert, AssetError, "Another process is converting")
         monkeypatch.delenv("DEJAVU_LAB_LOCK_TIMEOUT")
         got = []
-        waiter = threading.Thread(target=lambda: got.append(models._demo_dir()))
+        waiter = threading.Thread(target=lambda: got.append(convert()))
         waiter.start()
         time.sleep(1.0)  # the waiter says once that it waits
         assert not got
@@ -391,7 +400,7 @@ def test_two_processes_never_convert_the_demo_model_at_once(tmp_path, monkeypatc
         waiter.join(60)
         assert got == [out] and (out / "model.safetensors").read_bytes() == b"converted"
         err = capsys.readouterr().err
-        assert err.count("another process is converting the demo model") == 1, err
+        assert err.count("another process is converting") == 1, err
     finally:
         p.kill()
         p.wait()

@@ -190,7 +190,7 @@ SMALL = ["--window", "64", "--max-tokens", "128", "--calibration-tokens", "128"]
 def test_perplexity_methods_print_one_json_object(capsys, tmp_cache):
     dense = _json(capsys, "--method", "dense", "--window", "64", "--max-tokens", "128")
     assert KEYS <= set(dense) and dense["method"] == "dense" and dense["sparsity"] == 0.0
-    assert dense["tokens"] == 128 and dense["bytes_per_token_fraction"] == 1.0
+    assert dense["tokens"] == 126 and dense["bytes_per_token_fraction"] == 1.0  # 2 x 63 scored
     assert dense["skip_windows"] == 8192 // 64  # after the training text
     # each method with the flags it reads (another one is refused: test_bad_inputs_silent.py)
     for method, extra in (
@@ -201,7 +201,8 @@ def test_perplexity_methods_print_one_json_object(capsys, tmp_cache):
     ):
         r = _json(capsys, "--method", method, "--sparsity", "0.5", *SMALL[:4], *extra)
         assert KEYS <= set(r) and r["method"] == method and r["sparsity"] == 0.5
-        assert r["tokens"] == 128 and r["perplexity"] > dense["perplexity"]
+        assert r["tokens"] == 126 and r["perplexity"] > dense["perplexity"]
+        assert r["eval_tokens"] == dense["eval_tokens"]  # the same text as the dense run
         assert 0.3 < r["bytes_per_token_fraction"] < 0.9
     assert list(tmp_cache.glob("calibration/*.safetensors"))  # the calibration was cached
     heads = _json(
@@ -236,11 +237,10 @@ def test_corpus_and_calibration_files(capsys, tmp_cache, tmp_path):
     calib.write_text(text[:6000], encoding="utf-8")
     r = _json(capsys, "--method", "cats", "--sparsity", "0.3", "--corpus", str(corpus),
               "--calibration", str(calib), "--window", "64", "--calibration-tokens", "256")  # fmt: skip
-    assert r["corpus"] == str(corpus) and r["calibration"] == str(calib) and r["tokens"] >= 64
-    assert r["skip_windows"] == 0
-    rc, _, err = _run(capsys, "perplexity", "--method", "dense", "--corpus", str(corpus),
-                      "--window", "64", "--no-progress")  # fmt: skip
-    assert rc == 2 and "--calibration demo" in err and len(err.splitlines()) == 1
+    assert r["corpus"] == str(corpus) and r["calibration"] == str(calib) and r["tokens"] >= 63
+    assert r["skip_windows"] == 0 and r["eval_tokens"][0] == 0  # a text file is scored whole
+    dense = _json(capsys, "--method", "dense", "--corpus", str(corpus), "--window", "64")
+    assert dense["eval_tokens"] == r["eval_tokens"]
 
 
 @pytest.mark.parametrize(

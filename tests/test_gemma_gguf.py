@@ -78,6 +78,12 @@ def write_gguf(model, path, add_bos: bool = False) -> None:
     w.close()
 
 
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """A fresh cache folder: the tiny GGUFs' conversions stay out of the real cache."""
+    monkeypatch.setenv("DEJAVU_LAB_CACHE", str(tmp_path / "cache"))
+
+
 def tiny(preset):
     # GGUF carries neither Gemma-3's query_pre_attn_scalar nor its layer pattern: transformers
     # reads them as the real models' values (256; five local layers to one global), so the
@@ -94,7 +100,7 @@ def tiny(preset):
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gemma3"])
 @pytest.mark.parametrize("as_folder", [True, False], ids=["folder", "file"])
-def test_gguf_file_or_folder_loads_the_same_model(tmp_path, preset, as_folder):
+def test_gguf_file_or_folder_loads_the_same_model(cache, tmp_path, preset, as_folder):
     model, arch = tiny(preset)
     write_gguf(model, tmp_path / "tiny.Q8_0.gguf")
     spec = tmp_path if as_folder else tmp_path / "tiny.Q8_0.gguf"  # pathlib.Path works too
@@ -106,7 +112,7 @@ def test_gguf_file_or_folder_loads_the_same_model(tmp_path, preset, as_folder):
     assert tokenizer("ab c").input_ids == [97, 98, 32, 99]  # byte-level: a, b, space, c
 
 
-def test_gguf_tokenizer_asking_for_bos_gets_it_in_windows(tmp_path):
+def test_gguf_tokenizer_asking_for_bos_gets_it_in_windows(cache, tmp_path):
     model, _ = tiny("tiny-gemma3")
     write_gguf(model, tmp_path / "g.gguf", add_bos=True)
     _, tokenizer, _ = load_model(str(tmp_path / "g.gguf"))
@@ -114,7 +120,7 @@ def test_gguf_tokenizer_asking_for_bos_gets_it_in_windows(tmp_path):
     assert w.add_bos and (w[:, 0] == tokenizer.bos_token_id).all()
 
 
-def test_bad_gguf_specs_are_one_sentence(tmp_path):
+def test_bad_gguf_specs_are_one_sentence(cache, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ModelNotFoundError, match="holds neither config.json nor a .gguf file"):
         load_model(str(tmp_path / "empty"))
@@ -138,7 +144,7 @@ def test_bad_gguf_specs_are_one_sentence(tmp_path):
     assert gguf_file("facebook/opt-125m") is None and gguf_file(cut) is None
 
 
-def test_gguf_of_an_architecture_we_have_no_table_for(tmp_path):
+def test_gguf_of_an_architecture_we_have_no_table_for(cache, tmp_path):
     w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "gpt2")  # transformers reads it; we don't
     w.add_block_count(1)
     w.add_context_length(16)

@@ -178,7 +178,7 @@ def test_compute_imports_no_tables_or_figures():
 LAYERS = [
     ("vocab", "errors", "checks"),
     ("atomic", "assets", "results", "staleness", "step_bytes"),
-    ("arch", "models", "hooks", "corpus", "budgets", "quant"),
+    ("arch", "gguf_cache", "models", "hooks", "corpus", "budgets", "quant"),
     ("collect", "predictors", "deferred_kv", "bytes_model", "sparsify", "lm_eval_tasks"),
     ("measure",),
     ("kernels", "engine"),

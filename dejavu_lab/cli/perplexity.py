@@ -4,6 +4,12 @@ bytes per token a sparse step would read (:func:`dejavu_lab.sparsify.sparse_eval
 What a method needs before it runs (a calibration, static sets, predictors) is read from its row
 of :data:`dejavu_lab.vocab.METHODS` (:func:`prepare`), so a new method needs nothing here.
 
+Which tokens are scored depends on the corpus and the window options only, never on the method
+or on ``--calibration`` (:func:`eval_skip`), so a dense and a sparse run compare the same text: a
+named corpus's first 8192 tokens are its training text (calibration, predictors) and are never
+scored; a text file is scored from its first token. The JSON says which range it scored
+(``eval_tokens``: [first, last + 1] text-token offsets) and how many predictions (``tokens``).
+
 >>> import argparse
 >>> sub = argparse.ArgumentParser().add_subparsers(dest="command")
 >>> add_parser(sub)
@@ -60,8 +66,9 @@ def add_parser(sub) -> None:
         "--skip-windows",
         type=count(0),
         default=None,
-        help="start after this many windows (default 0; with --method and no other "
-        f"--calibration text: the corpus's first {TRAIN_TOKENS} training tokens)",
+        help="start after this many windows (default: after a named corpus's first "
+        f"{TRAIN_TOKENS} tokens, its training text, for every method and with or without "
+        "--calibration; 0 for a text file)",
     )
     sparsity_args(p)
     _method_args(p)
@@ -106,7 +113,12 @@ def _method_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--predictor-mode", choices=["same", "lookahead"], default="lookahead", help="dejavu"
     )
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object (files in it: as given on the command line; cache files "
+        "relative to the cache directory, $DEJAVU_LAB_CACHE)",
+    )
 
 
 def cmd_perplexity(args) -> None:
@@ -118,7 +130,7 @@ def cmd_perplexity(args) -> None:
     >>> from dejavu_lab.cli.main import parser
     >>> cmd_perplexity(parser().parse_args(
     ...     "perplexity --window 8 --max-windows 1 --mlp-sparsity 0.5 --no-progress".split()))
-    200.2
+    81.7
     """
     if args.window < 2:
         raise ValueError(f"--window must be at least 2 tokens, got {args.window}.")
@@ -131,7 +143,7 @@ def cmd_perplexity(args) -> None:
 
     check_text_files(args)
     model, tok, arch = load(args)
-    windows = corpus_windows(args, tok, args.max_windows, args.skip_windows or 0)
+    windows = _eval_windows(args, tok, args.max_windows, eval_skip(args))
     ms = 0.0 if args.mlp_sparsity is None else args.mlp_sparsity
     hs = 0.0 if args.head_sparsity is None else args.head_sparsity
     kw = dict(mlp_sparsity=ms, head_sparsity=hs, dense_layers=args.dense_layers, mode=args.mode)
@@ -147,33 +159,77 @@ def cmd_perplexity(args) -> None:
         kw["static"] = static_sets(model, calib, mlp_sparsity=ms, head_sparsity=hs)
     r = sparse_eval(model, windows, progress=not args.no_progress, **kw)
     if args.json:
-        out = {**_result_json(r, args, windows), "mode": args.mode}
+        out = {**_result_json(r, args, windows, model), "mode": args.mode}
         print(json.dumps(out))
     else:
         print(f"{r.perplexity:.4f}")
 
 
-def _result_json(r, args, windows) -> dict:
+def _result_json(r, args, windows, model) -> dict:
+    import torch
+
+    n, width = windows.shape
+    step = width - 1 if windows.add_bos else width  # text tokens per window
+    start = eval_skip(args) * step
     return {
         "perplexity": r.perplexity,
-        "tokens": r.tokens,
+        "tokens": n * (width - 1),  # predictions scored: each window's tokens 2..window
         "method": r.method,
         "sparsity": r.sparsity,
         "bytes_per_token_fraction": r.bytes_per_token_fraction,
         "kept": r.kept,
         "model": args.model,
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
         "corpus": args.corpus,
         "window": args.window,
-        "windows": int(windows.shape[0]),
+        "windows": int(n),
+        "eval_tokens": [start, start + n * step],  # text-token offsets in the tokenised corpus
     }
+
+
+def eval_skip(args) -> int:
+    """Windows of the corpus before the scored text: ``--skip-windows``, else a named corpus's
+    training text (its first ``TRAIN_TOKENS``), else 0 (a text file) -- whatever the method and
+    whether or not ``--calibration`` is given.
+
+    >>> from dejavu_lab.cli.main import parser
+    >>> eval_skip(parser().parse_args("perplexity --method dense".split()))
+    16
+    >>> eval_skip(parser().parse_args("perplexity --method teal --calibration wikitext-2".split()))
+    16
+    """
+    from ..vocab import CORPORA
+
+    if args.skip_windows is not None:
+        return args.skip_windows
+    return math.ceil(TRAIN_TOKENS / args.window) if args.corpus in CORPORA else 0
+
+
+def _eval_windows(args, tok, n: int | None, skip: int):
+    """The scored windows; a named corpus with nothing after its training text, one sentence."""
+    from ..corpus import CorpusError
+
+    try:
+        return corpus_windows(args, tok, n, skip)
+    except CorpusError:
+        if skip == 0 or args.skip_windows is not None:
+            raise
+        corpus_windows(args, tok, 1, 0)  # not even one window in all of it: say that instead
+        raise CorpusError(
+            f"{args.corpus} has no {args.window}-token windows after its first {TRAIN_TOKENS} "
+            "tokens, its training text, which are never scored; pass --skip-windows 0 to score "
+            "it from the start (with --calibration on other text) or use a longer corpus."
+        ) from None
 
 
 def _perplexity_method(args) -> None:
     """``perplexity --method M --sparsity S``: quality and bytes of any method, as JSON or text.
 
-    The corpus's first 8192 tokens (``TRAIN_TOKENS``: chapter 40's training text) are
-    training text: with no other ``--calibration``, calibration (thresholds, static sets, the
-    predictors) reads its first ``--calibration-tokens`` and evaluation starts after it.
+    A named corpus's first 8192 tokens (``TRAIN_TOKENS``: chapter 40's training text) are
+    training text, never scored (:func:`eval_skip`): with no other ``--calibration``,
+    calibration (thresholds, static sets, the predictors) reads its first
+    ``--calibration-tokens``.
 
     >>> import contextlib, io, json
     >>> from dejavu_lab.cli.main import parser
@@ -183,40 +239,26 @@ def _perplexity_method(args) -> None:
     >>> with contextlib.redirect_stdout(out):  # calibrates once, then reads the cache
     ...     cmd_perplexity(parser().parse_args(argv))
     >>> r = json.loads(out.getvalue())
-    >>> r["method"], r["tokens"], r["sparsity"], round(r["bytes_per_token_fraction"], 1)
-    ('cats', 16, 0.5, 0.7)
+    >>> r["method"], r["tokens"], r["eval_tokens"], r["sparsity"]  # 15 predictions per window
+    ('cats', 15, [8192, 8208], 0.5)
     """
-    from ..corpus import CorpusError
     from ..sparsify import sparse_eval
 
     spec = method_spec(args.method)
-    same_text = args.calibration is None or args.calibration == args.corpus
     if args.max_tokens is not None and args.max_tokens < args.window:
         raise ValueError(
             f"--max-tokens {args.max_tokens} is less than one window of {args.window} tokens."
         )
-    train_windows = math.ceil(TRAIN_TOKENS / args.window)
-    skip = args.skip_windows
-    if skip is None:
-        skip = train_windows if same_text else 0
+    skip = eval_skip(args)
     n_eval = None if args.max_tokens is None else args.max_tokens // args.window
     n_eval = args.max_windows if n_eval is None else n_eval
     check_text_files(args)
     model, tok, arch = load(args)
-    try:
-        windows = corpus_windows(args, tok, n_eval, skip)
-    except CorpusError:
-        if not same_text or skip == 0 or args.skip_windows is not None:
-            raise
-        raise CorpusError(
-            f"{args.corpus} has no {args.window}-token windows after its first {TRAIN_TOKENS} "
-            "tokens, which are calibration text when --calibration is not given; pass "
-            "--calibration demo (or another text) or a longer corpus."
-        ) from None
+    windows = _eval_windows(args, tok, n_eval, skip)
     kw, calib_info = prepare(args, spec, model, tok, arch, skip=skip)
     r = sparse_eval(model, windows, progress=not args.no_progress, **kw)
     out = {
-        **_result_json(r, args, windows),
+        **_result_json(r, args, windows, model),
         "sparsity": _sparsity(args, spec),
         "skip_windows": skip,
     }
@@ -259,12 +301,18 @@ def prepare(args, spec: Method, model, tok, arch, *, skip: int = 0) -> tuple[dic
         kw["sparsity"] = sparsity
     if spec.needs in ("static sets", "calibration"):
         n_calib = max(1, math.ceil(args.calibration_tokens / args.window))
-        calib = corpus_windows(args, tok, n_calib, 0, source=source)
+        if same_text and skip == 0:
+            raise ValueError(
+                f"{args.corpus} is scored from its first token, so {spec.name}'s calibration "
+                "text must come from elsewhere; pass --calibration (a corpus name or another "
+                "text file), or --skip-windows N to calibrate on its first N windows."
+            )
         if same_text and n_calib > skip:
             raise ValueError(
                 f"--calibration-tokens {args.calibration_tokens} overlap the evaluated text "
                 f"(it starts after {skip} windows); calibrate on fewer tokens or another text."
             )
+        calib = corpus_windows(args, tok, n_calib, 0, source=source)
         info = {"calibration": source, "calibration_tokens": int(calib.numel())}
     if spec.needs == "static sets":
         kw["static"] = static_sets_for(model, calib, kw, args)
@@ -278,11 +326,28 @@ def prepare(args, spec: Method, model, tok, arch, *, skip: int = 0) -> tuple[dic
             model, calib, greedy=greedy, arch=arch, progress=not args.no_progress
         )
         kw["allocation"] = allocation
-        info["calibration_file"] = str(kw["thresholds"].path)
+        info["calibration_file"] = _cache_relative(kw["thresholds"].path)
     elif spec.needs == "predictors":
         kw["predictors"] = _predictors(args, model, tok, arch, source)
-        info = {"predictors": kw["predictors"].info.get("path")}
+        info = {"predictors": _cache_relative(kw["predictors"].info.get("path"))}
     return kw, info
+
+
+def _cache_relative(path) -> str | None:
+    """A file under the cache directory as a path relative to it; any other path as given.
+
+    >>> from dejavu_lab.assets import cache_dir
+    >>> _cache_relative(cache_dir() / "calibration" / "x.safetensors")
+    'calibration/x.safetensors'
+    """
+    from ..assets import cache_dir
+
+    if path is None:
+        return None
+    try:
+        return str(Path(path).relative_to(cache_dir()))
+    except ValueError:
+        return str(path)
 
 
 def _predictors(args, model, tok, arch, source: str):
