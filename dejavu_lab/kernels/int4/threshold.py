@@ -18,8 +18,15 @@ from __future__ import annotations
 import torch
 
 from ...quant import Int4Weight
-from .._common import as_batch, check_device, check_float, check_thr, check_vector, output
-from .._common import use_triton
+from .._common import (
+    as_batch,
+    check_device,
+    check_float,
+    check_thr,
+    check_vector,
+    output,
+    use_triton,
+)
 from .dense import check_int4, int4_gemv_ref
 from .kernel import default_config, launch
 
