@@ -50,7 +50,7 @@ def gemlite_version() -> str | None:
 def gemlite_layer(w: Int4Weight):
     """gemlite's 4-bit layer holding the same weight as ``w``: codes ``[out, in]``, scales and
     HQQ zeros ``[out, in / group]`` (``w_t = q s + m = (q - z) s`` with ``z = -m / s``)."""
-    from gemlite.core import DType, GemLiteLinearTriton
+    from gemlite import DType, GemLiteLinearTriton
 
     d_in, d_out = w.shape
     dtype = {torch.float16: DType.FP16, torch.bfloat16: DType.BF16}[w.dtype]

@@ -71,6 +71,7 @@ VARIANTS = {  # every config computes the same function
     "rows-inside-a-group": {**SMALL, "BLOCK_R": 16},
     "groups-inside-a-step": {**SMALL, "BLOCK_R": 128},
     "gather-unpack": {**SMALL, "unpack": 1},
+    "groups-inside-a-gather-step": {**SMALL, "BLOCK_R": 128, "unpack": 1},
     "one-split": {**SMALL, "split": 1},
     "many-splits-atomic": {**SMALL, "split": 8, "reduce": "atomic"},
     "wide-columns": {"BLOCK_R": 64, "BLOCK_D": 128, "num_warps": 2, "programs": 4},

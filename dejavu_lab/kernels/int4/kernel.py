@@ -23,9 +23,11 @@ mins are read only when one of its rows is kept); 2 kept rows (row ``r`` of the 
 row ``idx[r]``, x holds the listed rows' activations in list order: Deja Vu's down projection).
 
 Codes are read as words of ``NPE`` nibbles (int32: 8 outputs per load element, when the output
-count allows), unpacked with shifts: ``UNPACK=0`` shifts a [rows, words, NPE] tile and
-reshapes it to [rows, outputs]; ``UNPACK=1`` loads each word once per output it holds (the
-repeats hit L1) and shifts by the output's nibble — two ways to the same codes, timed by
+count allows), unpacked with shifts: ``UNPACK=0`` shifts a [rows, words, NPE] tile (batch 1
+keeps it 3-D and sums over the rows, a step never crossing a group; the tensor-core and
+kept-row paths reshape it to [rows, outputs]); ``UNPACK=1`` loads each word once per output it
+holds (the repeats hit L1) and shifts by the output's nibble, a [rows, outputs] tile at once
+(gemlite's way, along our other axis) — two ways to the same codes, timed by
 ``kernels/bench_int4.py``.
 """
 
@@ -110,6 +112,13 @@ def int4_gemv_kernel(
     offs_k = tl.arange(0, BLOCK_R)
     r_lo = pid_s * rows_per_split
     r_hi = tl.minimum(N, r_lo + rows_per_split)
+    # batch 1, aligned rows, shift unpacking: the codes stay a [rows, words, NPE] tile and the
+    # sums a [words, NPE] tile (no reshape of the big tile; BLOCK_R <= GROUP, see launch)
+    W3: tl.constexpr = BLOCK_B == 1 and MODE != 2 and UNPACK == 0
+    offs_w = pid_d * (BLOCK_D // NPE) + tl.arange(0, BLOCK_D // NPE)
+    offs_n = tl.arange(0, NPE)
+    if W3:
+        acc3 = tl.zeros((BLOCK_D // NPE, NPE), tl.float32)
     if BLOCK_B == 1:
         acc = tl.zeros((BLOCK_D,), tl.float32)
     else:
@@ -147,8 +156,21 @@ def int4_gemv_kernel(
                 use = tl.max(keep.to(tl.int32), axis=0) > 0  # the union over the tokens
             else:
                 use = mask_r
-        q = _codes(p_ptr, rows, use, offs_d, D, stride_p, NPE, UNPACK, BLOCK_R, BLOCK_D)
-        if MODE == 2:  # listed rows come from any groups: a (scale, min) row per weight row
+        if W3:
+            mask_w = offs_w * NPE < D
+            words = tl.load(p_ptr + rows.to(tl.int64)[:, None] * stride_p + offs_w[None, :],
+                            mask=use[:, None] & mask_w[None, :], other=0,
+                            eviction_policy="evict_first")  # fmt: skip
+            q3 = (words.to(tl.int32)[:, :, None] >> (offs_n * 4)[None, None, :]) & 0xF
+            xf = x.to(tl.float32)
+            xq = tl.sum(xf[:, None, None] * q3.to(tl.float32), axis=0)  # [words, NPE]
+            g_use = tl.max(use.to(tl.int32), axis=0) > 0
+            sm_offs = (r0 // GROUP) * D + offs_w[:, None] * NPE + offs_n[None, :]
+            s = tl.load(s_ptr + sm_offs, mask=g_use & mask_w[:, None], other=0.0)
+            m = tl.load(m_ptr + sm_offs, mask=g_use & mask_w[:, None], other=0.0)
+            acc3 += s.to(tl.float32) * xq + m.to(tl.float32) * tl.sum(xf, axis=0)
+        elif MODE == 2:  # listed rows come from any groups: a (scale, min) row per weight row
+            q = _codes(p_ptr, rows, use, offs_d, D, stride_p, NPE, UNPACK, BLOCK_R, BLOCK_D)
             sm_ptrs = (rows // GROUP).to(tl.int64)[:, None] * D + offs_d[None, :]
             sm_mask = use[:, None] & mask_d[None, :]
             s = tl.load(s_ptr + sm_ptrs, mask=sm_mask, other=0.0).to(tl.float32)
@@ -159,6 +181,7 @@ def int4_gemv_kernel(
             else:
                 acc = dot_acc(x, w.to(x.dtype), acc, UPCAST)
         else:  # the step's rows cover NG whole groups (or lie inside one): aligned scales
+            q = _codes(p_ptr, rows, use, offs_d, D, stride_p, NPE, UNPACK, BLOCK_R, BLOCK_D)
             g = (r0 + tl.arange(0, NG) * SUB) // GROUP
             g_use = tl.max(tl.reshape(use.to(tl.int32), (NG, SUB)), axis=1) > 0
             sm_ptrs = g.to(tl.int64)[:, None] * D + offs_d[None, :]
@@ -182,7 +205,9 @@ def int4_gemv_kernel(
                     w3 = tl.reshape(q.to(tl.float32), (NG, SUB, BLOCK_D))
                     w = tl.reshape(w3 * s[:, None, :] + m[:, None, :], (BLOCK_R, BLOCK_D))
                 acc = dot_acc(x, w.to(x.dtype), acc, UPCAST)
-    if BLOCK_B == 1:
+    if W3:
+        y = tl.reshape(acc3, (1, BLOCK_D))
+    elif BLOCK_B == 1:
         y = acc[None, :]
     else:
         y = acc
@@ -234,6 +259,9 @@ def launch(xb: torch.Tensor, w, res2: torch.Tensor, cfg: dict, *, mode: str, thr
     codes = w.packed.view({8: torch.int32, 4: torch.int16, 2: torch.uint8}[npe])
     block_b = batch_block(batch)
     block_r = int(cfg["BLOCK_R"])
+    unpack = int(cfg.get("unpack", 0))
+    if batch == 1 and mode != "rows" and unpack == 0:
+        block_r = min(block_r, w.group)  # the [rows, words, NPE] path: a step inside one group
     block_d = min(int(cfg["BLOCK_D"]), max(16, next_pow2(d_out)))
     if block_r & (block_r - 1) or block_d & (block_d - 1) or block_d < max(npe, 8):
         raise ValueError(f"config BLOCK_R={block_r} and BLOCK_D={block_d} must be powers of two.")
@@ -267,7 +295,7 @@ def launch(xb: torch.Tensor, w, res2: torch.Tensor, cfg: dict, *, mode: str, thr
         bias if bias is not None else ws, res2, ws, counts, batch, n, d_out, xb.stride(0),
         codes.stride(0), res2.stride(0), rows_per_split, n_split, MODE=MODES[mode],
         THR_SCALAR=scalar, HAS_BIAS=bias is not None, REDUCE=REDUCE[reduce], GROUP=w.group,
-        NPE=npe, UNPACK=int(cfg.get("unpack", 0)), BLOCK_B=block_b, BLOCK_R=block_r,
+        NPE=npe, UNPACK=unpack, BLOCK_B=block_b, BLOCK_R=block_r,
         BLOCK_D=block_d, UPCAST=upcast_dot(xb.dtype), CHUNK=chunk, num_warps=cfg["num_warps"],
         num_stages=cfg.get("num_stages", 2),
     )  # fmt: skip
