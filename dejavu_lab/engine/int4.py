@@ -1,0 +1,142 @@
+"""4-bit weights in the decode engine: dense and TEAL / WINA steps over group-wise int4 matrices.
+
+:func:`quantize_weights` turns the four matrices of every layer of the ``"columns"`` layout
+(``W_QKV^T``, ``W_O^T``, ``W_in^T``, ``W2^T``: one row per input channel) into
+:class:`~dejavu_lab.quant.Int4Weight` s, round-to-nearest with one (scale, min) per ``group``
+input channels; norms, embeddings and ``lm_head`` stay in the model's dtype. The blocks then
+run the int4 kernels (:mod:`dejavu_lab.kernels.int4`): :class:`Int4Attention` and
+:class:`Int4MLP` are the dense blocks with each product an :func:`~dejavu_lab.kernels.int4.
+int4_gemv`, or an :func:`~dejavu_lab.kernels.int4.int4_threshold_gemv` at the sites with a
+threshold — the input channels below it skip their code bytes. Their outputs are finished
+tensors, so the fused one-token step (:mod:`~dejavu_lab.engine.fused_step`) adds and norms
+them as it does cuBLAS's. The dense prefill multiplies by the dequantised matrices
+(:func:`~dejavu_lab.engine.weights.linear_t`).
+
+``Decoder(model, ..., weights="int4", group=...)`` builds this; DejaVu and CATS read rows of
+``W_QKV`` / ``W_in`` (the ``"rows"`` layout) and are not run on int4 weights yet.
+
+>>> from dejavu_lab.engine import Decoder
+>>> from dejavu_lab.models import random_model
+>>> m, ids = random_model("tiny-llama", dtype=torch.float16).model, torch.tensor([[1, 2, 3]])
+>>> dec = Decoder(m, max_seq_len=8, weights="int4", group=64)
+>>> type(dec.mlp[0]).__name__, type(dec.w.layers[0].w_down_t).__name__
+('Int4MLP', 'Int4Weight')
+>>> dec.generate(ids, 3).shape
+torch.Size([1, 6])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..kernels.int4 import int4_threshold_gemv
+from ..quant import GROUPS, Int4Weight, quantize
+from .attention import DenseAttention
+from .config import EngineError
+from .mlp import DenseMLP, act
+from .weights import DecoderWeights, linear_t
+
+__all__ = ["Int4Attention", "Int4MLP", "int4_blocks", "is_int4", "quantize_weights"]
+
+MATRICES = ("w_qkv_t", "w_o_t", "w_in_t", "w_down_t")  # what the int4 blocks read
+
+
+def is_int4(w: DecoderWeights) -> bool:
+    """Whether ``w``'s layer matrices are int4 (:func:`quantize_weights`)."""
+    return isinstance(w.layers[0].w_down_t, Int4Weight)
+
+
+def quantize_weights(w: DecoderWeights, group: int = 128) -> DecoderWeights:
+    """A copy of ``w`` (``"columns"`` or ``"both"`` layout, fp16/bf16) whose layer matrices are
+    int4 with ``group`` input channels per (scale, min); the rows-layout copies are dropped.
+
+    >>> from dejavu_lab.engine import decoder_weights
+    >>> from dejavu_lab.models import random_model
+    >>> m = random_model("tiny-llama", dtype=torch.float16).model
+    >>> w4 = quantize_weights(decoder_weights(m, layout="columns"), group=64)
+    >>> lw = w4.layers[0]
+    >>> lw.w_qkv_t.shape, lw.w_qkv_t.group, lw.w_qkv is None, is_int4(w4)
+    ((64, 128), 64, True, True)
+    """
+    if is_int4(w):
+        return w
+    if w.dtype not in (torch.float16, torch.bfloat16):
+        raise EngineError(
+            f"int4 weights pair with fp16/bf16 activations but the model is {w.dtype}; load it "
+            "with dtype=torch.float16 (or bfloat16)."
+        )
+    if group not in GROUPS:
+        raise EngineError(f"group={group!r} is not supported; pick one of {GROUPS}.")
+    if w.layers[0].w_qkv_t is None or w.layers[0].w_in_t is None:
+        raise EngineError(
+            "int4 weights are built from the 'columns' layout; pass decoder_weights(model, "
+            "layout='columns') (or the model itself)."
+        )
+    layers = []
+    for lw in w.layers:
+        new = {}
+        for name in MATRICES:
+            t = getattr(lw, name)
+            if t.shape[0] % group:
+                raise EngineError(
+                    f"{name} has {t.shape[0]} input channels, not a multiple of group={group}; "
+                    f"pick a group that divides every layer's inputs (one of {GROUPS})."
+                )
+            new[name] = quantize(t, group=group, dtype=w.dtype)
+        layers.append(dataclasses.replace(lw, w_qkv=None, w_in=None, **new))
+    return dataclasses.replace(w, layers=layers)
+
+
+def _product(x: torch.Tensor, w4: Int4Weight, b, t) -> torch.Tensor:
+    """``x @ dequant(w4) + b``, thresholded at ``t`` (a Threshold, or None: dense)."""
+    if t is None or x.shape[0] > 32:
+        return linear_t(x, w4, b)
+    return int4_threshold_gemv(x, w4, t.at(x), bias=b)
+
+
+class Int4Attention(DenseAttention):
+    """Every head over int4 ``W_QKV^T`` and ``W_O^T``, thresholded at ``t_in`` (attn_in) and
+    ``t_o`` (o_in) where given (TEAL / WINA), else dense."""
+
+    def __init__(self, lw, kv: torch.Tensor, st, t_in=None, t_o=None):
+        super().__init__(lw, kv, st)
+        self.t_in, self.t_o = t_in, t_o
+
+    def qkv(self, x: torch.Tensor) -> torch.Tensor:
+        return _product(x, self.lw.w_qkv_t, self.lw.b_qkv, self.t_in)
+
+    def out(self, o: torch.Tensor) -> torch.Tensor:
+        return _product(o, self.lw.w_o_t, self.lw.b_o, self.t_o)
+
+
+class Int4MLP(DenseMLP):
+    """The MLP over int4 ``W_in^T`` and ``W2^T``, thresholded at ``t_in`` (mlp_in) and
+    ``t_down`` (down_in) where given (TEAL / WINA), else dense."""
+
+    def __init__(self, lw, w, t_in=None, t_down=None):
+        super().__init__(lw, w)
+        self.t_in, self.t_down = t_in, t_down
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return _product(self.hidden(x), self.lw.w_down_t, self.lw.b_down, self.t_down)
+
+    def torch(self, x: torch.Tensor) -> torch.Tensor:
+        return self(x)
+
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        a = _product(x, self.lw.w_in_t, self.lw.b_in, self.t_in)
+        return act(a, self.activation, self.gated, self.n)
+
+
+def int4_blocks(w: DecoderWeights, kv: torch.Tensor, st, thresholds: list[dict]):
+    """Each layer's (attention, MLP) blocks over int4 weights: ``kv`` the cache [L, ...],
+    ``st`` the decoder's :class:`~dejavu_lab.engine.attention.StepState`, ``thresholds`` its
+    per-layer ``{site: Threshold or None}``."""
+    attn, mlp = [], []
+    for i, lw in enumerate(w.layers):
+        t = thresholds[i]
+        attn.append(Int4Attention(lw, kv[i], st, t["attn_in"], t["o_in"]))
+        mlp.append(Int4MLP(lw, w, t["mlp_in"], t["down_in"]))
+    return attn, mlp
