@@ -40,4 +40,6 @@ def test_smoke_run_records_every_provider(tmp_path, monkeypatch):
     assert four[0.2] < four[0.5] < four[1.0]  # the bytes model skips dropped rows
     swept = [r for r in rows if r["kind"] == "sweep"]
     assert {r["provider"] for r in swept} == {"int4", "int4_thr"}
-    assert len(swept) == 2 * 2 * 2  # both smoke candidates passed their check, per batch
+    # both smoke candidates passed their check: per batch, dense at 1.0 and threshold at 2 kept
+    assert len(swept) == 2 * 2 * (1 + 2)
+    assert {r["op"] for r in swept} == {"int4_gemv_g32", "int4_threshold_gemv_g32"}

@@ -79,6 +79,7 @@ def int4_gemv(x: torch.Tensor, w: Int4Weight, *, bias: torch.Tensor | None = Non
     if not use_triton(device):
         res2.copy_(int4_gemv_ref(xb, w, bias=bias))
         return res
-    launch(xb, w, res2, {**default_config(xb.shape[0]), **(config or {})}, mode="dense",
+    cfg = default_config(xb.shape[0], *w.shape, group=w.group, op="int4_gemv", device=device)
+    launch(xb, w, res2, {**cfg, **(config or {})}, mode="dense",
            bias=bias)  # fmt: skip
     return res

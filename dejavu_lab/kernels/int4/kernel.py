@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import _workspace
+from .. import _workspace, tuning
 from .._common import batch_block, dot_acc, next_pow2, sm_count, upcast_dot
 from .._reduce import chunk as chunk_of
 from .._reduce import split_reduce
@@ -226,12 +226,20 @@ CONFIG_BATCH = {"BLOCK_R": 64, "BLOCK_D": 128, "num_warps": 4, "num_stages": 3,
                 "programs_per_sm": 2, "reduce": "serial", "unpack": 0}  # fmt: skip
 
 
-def default_config(batch: int) -> dict:
-    """The launch configuration for ``batch`` tokens (a copy: callers may change it).
+def default_config(batch: int, d_in: int = 0, d_out: int = 0, *, group: int = 128,
+                   op: str = "int4_gemv", device: torch.device | None = None) -> dict:  # fmt: skip
+    """The launch configuration for ``batch`` tokens (a copy: callers may change it): the one
+    ``kernels/bench_int4.py --tune`` recorded for this GPU, op (``int4_gemv``,
+    ``int4_threshold_gemv``), group and nearest shape (:mod:`~dejavu_lab.kernels.tuning`,
+    table ``tuned/tuning_int4_gemv.json``), else the heuristic.
 
     >>> default_config(1)["BLOCK_D"], default_config(16)["BLOCK_D"]
     (256, 128)
     """
+    if device is not None and d_in and d_out:
+        tuned = tuning.lookup(f"{op}_g{group}", d_in, d_out, None, batch, device)
+        if tuned is not None:
+            return tuned
     return dict(CONFIG_B1 if batch == 1 else CONFIG_BATCH)
 
 

@@ -72,6 +72,7 @@ def int4_rows_gemv(h: torch.Tensor, w: Int4Weight, idx: torch.Tensor, *,
     if not use_triton(device) or idx.numel() == 0:
         res2.copy_(int4_rows_gemv_ref(hb, w, idx, bias=bias))
         return res
-    launch(hb, w, res2, {**default_config(hb.shape[0]), **(config or {})}, mode="rows",
+    cfg = default_config(hb.shape[0], *w.shape, group=w.group, op="int4_rows_gemv", device=device)
+    launch(hb, w, res2, {**cfg, **(config or {})}, mode="rows",
            idx=idx.to(torch.int32), bias=bias)  # fmt: skip
     return res

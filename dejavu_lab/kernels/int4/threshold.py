@@ -85,6 +85,9 @@ def int4_threshold_gemv(x: torch.Tensor, w: Int4Weight, thr: torch.Tensor | floa
     if not use_triton(device):
         res2.copy_(int4_threshold_gemv_ref(xb, w, thr, bias=bias))
         return res
-    launch(xb, w, res2, {**default_config(xb.shape[0]), **(config or {})}, mode="threshold",
+    cfg = default_config(
+        xb.shape[0], *w.shape, group=w.group, op="int4_threshold_gemv", device=device
+    )
+    launch(xb, w, res2, {**cfg, **(config or {})}, mode="threshold",
            thr=thr, bias=bias)  # fmt: skip
     return res
