@@ -52,7 +52,13 @@ def int4_step_bytes(arch, *, vocab: int, context: int, group: int, kept: float =
 
 
 def ms_per_token(dec: Decoder, ids: torch.Tensor, new_tokens: int) -> dict:
-    """ms per decoded token (CUDA-graph replay on a GPU) and the prefill's ms."""
+    """ms per decoded token (CUDA-graph replay on a GPU) and the prefill's ms.
+
+    >>> from dejavu_lab.models import random_model
+    >>> dec = Decoder(random_model("tiny-llama").model, max_seq_len=8)  # wall clock on CPU
+    >>> sorted(ms_per_token(dec, torch.tensor([[1, 2, 3]]), 3))
+    ['ms_per_token', 'prefill_ms']
+    """
     with torch.no_grad():
         dec.prefill(ids)  # warm-up: compiles, allocates the kernels' buffers
         prefill = timed(lambda: dec.prefill(ids))

@@ -39,7 +39,11 @@ THR = 1.0  # the one TEAL threshold of every case (see the inputs)
 
 
 def gemlite_version() -> str | None:
-    """gemlite's version when it imports here, else None (the bench then skips the peer)."""
+    """gemlite's version when it imports here, else None (the bench then skips the peer).
+
+    >>> gemlite_version() is None or gemlite_version() >= "0.6"  # it needs a CUDA GPU to import
+    True
+    """
     try:
         import gemlite
     except Exception:  # not installed, or built against another torch/triton
@@ -49,7 +53,14 @@ def gemlite_version() -> str | None:
 
 def gemlite_layer(w: Int4Weight):
     """gemlite's 4-bit layer holding the same weight as ``w``: codes ``[out, in]``, scales and
-    HQQ zeros ``[out, in / group]`` (``w_t = q s + m = (q - z) s`` with ``z = -m / s``)."""
+    HQQ zeros ``[out, in / group]`` (``w_t = q s + m = (q - z) s`` with ``z = -m / s``).
+
+    >>> from dejavu_lab.quant import quantize
+    >>> w = quantize(torch.randn(256, 128), group=64, dtype=torch.float16)
+    >>> layer = gemlite_layer(w.to("cuda")) if gemlite_version() else None  # a GPU with gemlite
+    >>> layer is None or tuple(layer.W_q.shape)[1] == 128
+    True
+    """
     from gemlite import DType, GemLiteLinearTriton
 
     d_in, d_out = w.shape

@@ -44,7 +44,14 @@ MATRICES = ("w_qkv_t", "w_o_t", "w_in_t", "w_down_t")  # what the int4 blocks re
 
 
 def is_int4(w: DecoderWeights) -> bool:
-    """Whether ``w``'s layer matrices are int4 (:func:`quantize_weights`)."""
+    """Whether ``w``'s layer matrices are int4 (:func:`quantize_weights`).
+
+    >>> from dejavu_lab.engine import decoder_weights
+    >>> from dejavu_lab.models import random_model
+    >>> w = decoder_weights(random_model("tiny-llama", dtype=torch.float16).model, layout="columns")
+    >>> is_int4(w), is_int4(quantize_weights(w, group=64))
+    (False, True)
+    """
     return isinstance(w.layers[0].w_down_t, Int4Weight)
 
 
@@ -98,7 +105,16 @@ def _product(x: torch.Tensor, w4: Int4Weight, b, t) -> torch.Tensor:
 
 class Int4Attention(DenseAttention):
     """Every head over int4 ``W_QKV^T`` and ``W_O^T``, thresholded at ``t_in`` (attn_in) and
-    ``t_o`` (o_in) where given (TEAL / WINA), else dense."""
+    ``t_o`` (o_in) where given (TEAL / WINA), else dense.
+
+    >>> from dejavu_lab.engine import Decoder, SparseConfig, keep_all
+    >>> from dejavu_lab.models import random_model
+    >>> m = random_model("tiny-llama", dtype=torch.float16).model
+    >>> teal = SparseConfig(method="teal", thresholds={(0, "attn_in"): 0.5})
+    >>> dec = Decoder(m, max_seq_len=8, sparse=teal, weights="int4", group=64)
+    >>> type(dec.attn[0]).__name__, dec.attn[0].t_in.value, dec.attn[1].t_in
+    ('Int4Attention', 0.5, None)
+    """
 
     def __init__(self, lw, kv: torch.Tensor, st, t_in=None, t_o=None):
         super().__init__(lw, kv, st)
@@ -113,7 +129,20 @@ class Int4Attention(DenseAttention):
 
 class Int4MLP(DenseMLP):
     """The MLP over int4 ``W_in^T`` and ``W2^T``, thresholded at ``t_in`` (mlp_in) and
-    ``t_down`` (down_in) where given (TEAL / WINA), else dense."""
+    ``t_down`` (down_in) where given (TEAL / WINA), else dense.
+
+    >>> from dejavu_lab.engine import Decoder
+    >>> from dejavu_lab.models import random_model
+    >>> dec = Decoder(random_model("tiny-llama", dtype=torch.float16).model, max_seq_len=8,
+    ...               weights="int4", group=64)
+    >>> x = torch.randn(1, 64, generator=torch.Generator().manual_seed(0)).half()
+    >>> lw = dec.w.layers[0]  # the same MLP over the dequantised matrices
+    >>> a = x.float() @ lw.w_in_t.dequantize(torch.float32)
+    >>> h = (torch.nn.functional.silu(a[:, :192]) * a[:, 192:]).half()
+    >>> ref = h.float() @ lw.w_down_t.dequantize(torch.float32)
+    >>> torch.allclose(dec.mlp[0](x).float(), ref, atol=2e-2)
+    True
+    """
 
     def __init__(self, lw, w, t_in=None, t_down=None):
         super().__init__(lw, w)
@@ -133,7 +162,16 @@ class Int4MLP(DenseMLP):
 def int4_blocks(w: DecoderWeights, kv: torch.Tensor, st, thresholds: list[dict]):
     """Each layer's (attention, MLP) blocks over int4 weights: ``kv`` the cache [L, ...],
     ``st`` the decoder's :class:`~dejavu_lab.engine.attention.StepState`, ``thresholds`` its
-    per-layer ``{site: Threshold or None}``."""
+    per-layer ``{site: Threshold or None}``.
+
+    >>> from dejavu_lab.engine import Decoder
+    >>> from dejavu_lab.models import random_model
+    >>> dec = Decoder(random_model("tiny-llama", dtype=torch.float16).model, max_seq_len=8,
+    ...               weights="int4", group=64)
+    >>> attn, mlp = int4_blocks(dec.w, dec.kv, dec.st, dec.site_thresholds)
+    >>> [type(b).__name__ for b in (attn[1], mlp[1])]
+    ['Int4Attention', 'Int4MLP']
+    """
     attn, mlp = [], []
     for i, lw in enumerate(w.layers):
         t = thresholds[i]

@@ -19,7 +19,13 @@ __all__ = ["check_int4", "int4_gemv", "int4_gemv_ref"]
 
 def check_int4(name: str, w, dtype: torch.dtype, device: torch.device) -> None:
     """``w`` must be an :class:`~dejavu_lab.quant.Int4Weight` whose scales share x's dtype and
-    whose tensors sit on x's device, codes row-major."""
+    whose tensors sit on x's device, codes row-major.
+
+    >>> check_int4("w", torch.zeros(32, 8, dtype=torch.float16), torch.float16, torch.device("cpu"))
+    Traceback (most recent call last):
+    ...
+    TypeError: w must be an Int4Weight (dejavu_lab.quant.quantize(w_t)), got Tensor.
+    """
     if not isinstance(w, Int4Weight):
         raise TypeError(
             f"{name} must be an Int4Weight (dejavu_lab.quant.quantize(w_t)), got {type(w).__name__}."

@@ -258,7 +258,15 @@ def launch(xb: torch.Tensor, w, res2: torch.Tensor, cfg: dict, *, mode: str, thr
     ``w`` an Int4Weight on xb's device and dtype, ``res2`` the [B, D] output; ``thr`` a float or
     fp32 [K] (threshold); ``idx`` int32 [n] (rows). ``cfg``: ``BLOCK_R``, ``BLOCK_D``,
     ``num_warps``, ``num_stages``, ``programs_per_sm`` (or ``programs``, or ``split``: the
-    number of row splits), ``reduce`` (serial, atomic) and ``unpack`` (0, 1)."""
+    number of row splits), ``reduce`` (serial, atomic) and ``unpack`` (0, 1).
+
+    >>> from dejavu_lab.quant import quantize
+    >>> w = quantize(torch.eye(32)[:, :8], group=32, dtype=torch.float16)  # w_t [32, 8]
+    >>> x, out = torch.arange(32.0).half()[None], torch.empty(1, 8, dtype=torch.float16)
+    >>> launch(x, w, out, default_config(1), mode="dense")  # CPU: under TRITON_INTERPRET=1
+    >>> out.tolist()
+    [[0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]]
+    """
     batch = xb.shape[0]
     d_out = w.shape[1]
     n = idx.numel() if mode == "rows" else w.shape[0]
