@@ -61,7 +61,9 @@ CANDIDATES = {  # swept per shape and group; each computes the same function (ch
         _cfg(64, 128, 4, 8),
         _cfg(64, 256, 4, 4, unpack=1),
         _cfg(128, 128, 4, 4, unpack=1),
-        _cfg(64, 256, 4, 16, split=0),
+        _cfg(64, 256, 4, 16),
+        _cfg(64, 256, 4, 4, split=1 << 20),  # one step per program (TEAL's grid), serial sums
+        _cfg(64, 256, 4, 4, split=1 << 20, reduce="atomic"),  # the same, fp32 atomics
     ],
     16: [
         default_config(16),
@@ -220,6 +222,12 @@ def main(argv=None):
             print(f"{name}: fastest group {best['group']} ({best['us']:.1f} us)")
     if args.tune and not args.smoke:
         swept = [r for r in rows if r["kind"] == "sweep"]
+        path = tuning.TUNED_DIR / "tuning_int4_gemv.json"
+        if path.is_file():  # keep the points this run did not sweep (another group, say)
+            new = {(r["op"], r["d_in"], r["d_out"], r["batch"]) for r in swept}
+            old = json.loads(path.read_text())["rows"]
+            swept = [r for r in old if (r["op"], r["d_in"], r["d_out"], r["batch"]) not in new]
+            swept += [r for r in rows if r["kind"] == "sweep"]
         path = results.save("tuning_int4_gemv", swept, command=command, folder=tuning.TUNED_DIR)
         tuning.reload()
         print(f"wrote {path}")
