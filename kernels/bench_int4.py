@@ -54,6 +54,7 @@ def _cfg(r, d, w, pps, **kw):
 CANDIDATES = {  # swept per shape and group; each computes the same function (checked first)
     1: [
         default_config(1),
+        default_config(1, op="int4_threshold_gemv"),
         _cfg(32, 256, 4, 4),
         _cfg(64, 256, 4, 8),
         _cfg(128, 256, 8, 4),

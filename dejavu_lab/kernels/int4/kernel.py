@@ -222,8 +222,12 @@ REDUCE = {"direct": 0, "serial": 1, "atomic": 2}
 # multiprocessor; union batches: tensor-core tiles
 CONFIG_B1 = {"BLOCK_R": 64, "BLOCK_D": 256, "num_warps": 4, "num_stages": 2,
              "programs_per_sm": 4, "reduce": "serial", "unpack": 0}  # fmt: skip
-CONFIG_BATCH = {"BLOCK_R": 64, "BLOCK_D": 128, "num_warps": 4, "num_stages": 3,
+CONFIG_BATCH = {"BLOCK_R": 32, "BLOCK_D": 128, "num_warps": 4, "num_stages": 3,
                 "programs_per_sm": 2, "reduce": "serial", "unpack": 0}  # fmt: skip
+# per op, what keeps the tile in registers (ptxas for sm_90, Triton 3.7: the threshold tile of
+# 64 rows takes 193-224 registers against 124 at 32; the kept-row tile of 64 x 256 with its
+# per-row scales spilled, 16 x 256 with the per-output word loads takes 138)
+OP_CONFIG = {"int4_threshold_gemv": {"BLOCK_R": 32}, "int4_rows_gemv": {"BLOCK_R": 16, "unpack": 1}}
 
 
 def default_config(batch: int, d_in: int = 0, d_out: int = 0, *, group: int = 128,
@@ -240,7 +244,7 @@ def default_config(batch: int, d_in: int = 0, d_out: int = 0, *, group: int = 12
         tuned = tuning.lookup(f"{op}_g{group}", d_in, d_out, None, batch, device)
         if tuned is not None:
             return tuned
-    return dict(CONFIG_B1 if batch == 1 else CONFIG_BATCH)
+    return {**(CONFIG_B1 if batch == 1 else CONFIG_BATCH), **OP_CONFIG.get(op, {})}
 
 
 def nibbles_per_word(d_out: int) -> int:
