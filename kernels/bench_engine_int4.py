@@ -8,6 +8,7 @@ dense over fp16 dense; int4 + TEAL over int4 dense). Written to
 
     PYTHONPATH=. python kernels/bench_engine_int4.py [--models llama-3-8b,llama-2-13b]
         [--group 128] [--sparsity 0.4,0.5] [--methods teal,wina] [--prompt 512]
+        [--int4-only llama-3-70b]   # built in int4 without fp16 (its fp16 does not fit)
     TRITON_INTERPRET=1 python kernels/bench_engine_int4.py --quick   # CPU plumbing, tiny model
 """
 
@@ -30,6 +31,11 @@ COLUMNS = [("model", "model", "12s"), ("weights", "weights", "7s"), ("engine", "
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="llama-3-8b,llama-2-13b", help="comma-separated presets")
+    ap.add_argument(
+        "--int4-only",
+        default="",
+        help="presets timed in int4 alone, built without fp16 (e.g. llama-3-70b)",
+    )
     ap.add_argument("--group", type=int, default=128, help="int4 group size (32, 64, 128)")
     ap.add_argument("--sparsity", default="0.4,0.5", help="TEAL/WINA sparsities, comma-separated")
     ap.add_argument("--methods", default="teal,wina", help="int4 threshold methods")
@@ -41,22 +47,25 @@ def main(argv=None):
     command = "python kernels/bench_engine_int4.py " + " ".join(
         argv if argv is not None else sys.argv[1:]
     )
-    models = args.models.split(",")
+    models = [m for m in args.models.split(",") if m]
+    int4_only = [m for m in args.int4_only.split(",") if m]
     sparsities = [float(s) for s in args.sparsity.split(",")]
     methods = [m for m in args.methods.split(",") if m]
     prompt, new, check, group = args.prompt, args.new_tokens, (32, 8), args.group
     if args.quick:
-        models, prompt, new, check, group = ["tiny-llama"], 8, 4, (4, 2), 64
+        prompt, new, check, group = 8, 4, (4, 2), 64
+        models = ["tiny-llama"] if models else []
+        int4_only = ["tiny-llama"] if int4_only else []
     elif not cuda():
         raise SystemExit("bench_engine_int4 needs a CUDA GPU (--quick checks the plumbing).")
     device = "cuda" if cuda() else "cpu"
     ceiling = copy_ceiling() if cuda() else math.nan
     print(f"copy ceiling: {ceiling:.2f} TB/s")
     rows: list[dict] = []
-    for preset in models:
+    for preset in models + int4_only:
         bench_int4(preset, prompt=prompt, new_tokens=new, group=group, sparsities=sparsities,
                    methods=methods, device=device, ceiling=ceiling, rows=rows,
-                   check_tokens=check)  # fmt: skip
+                   check_tokens=check, int4_only=preset in int4_only and preset not in models)  # fmt: skip
     print()
     print_rows([r for r in rows if r["kind"] == "e2e" and "error" not in r], COLUMNS)
     name = args.name or ("engine_int4_quick" if args.quick else "engine_int4")

@@ -20,7 +20,7 @@ from dejavu_lab.engine import (  # noqa: E402
     decoder_weights,
     keep_all,
 )
-from dejavu_lab.engine.int4 import MATRICES, quantize_weights  # noqa: E402
+from dejavu_lab.engine.int4 import MATRICES, quantize_weights, random_int4_weights  # noqa: E402
 from dejavu_lab.kernels.int4.kernel import int4_gemv_kernel  # noqa: E402
 from dejavu_lab.models import random_model  # noqa: E402
 
@@ -120,3 +120,16 @@ def test_int4_weights_read_about_a_quarter_of_the_bytes(case):
     _, w4, deq = case
     ratio = w4.nbytes("layers") / deq.nbytes("layers")
     assert 0.25 < ratio < 0.36  # codes at 4 bits + fp16 scale and min per 64 weights
+
+
+def test_random_int4_weights_decode_dense_and_teal():
+    """Weights built in int4 without the fp16 model (the 70B speed runs): TEAL calibrated on
+    them keeps everything at threshold -1 and drops entries at 50%."""
+    w4 = random_int4_weights("tiny-llama", group=GROUP)
+    ids = ids_of(8, seed=4)
+    dense = decode_logits(Decoder(w4, max_seq_len=16), ids, 4)
+    assert dense.isfinite().all()
+    thr = calibrate_thresholds(w4, ids_of(24, seed=6), 0.5, method="teal")
+    teal = decode_logits(Decoder(w4, max_seq_len=16, sparse=SparseConfig(method="teal", thresholds=thr)),
+                         ids, 4)  # fmt: skip
+    assert torch.equal(teal[0], dense[0]) and relerr(teal[1:], dense[1:]) > 1e-3

@@ -15,11 +15,12 @@ against fp16 dense (the quantisation's own error, for the record).
 from __future__ import annotations
 
 import gc
+import math
 
 import torch
 
 from ..engine import Decoder, SparseConfig, calibrate_thresholds, decoder_weights, keep_all
-from ..engine.int4 import quantize_weights
+from ..engine.int4 import quantize_weights, random_int4_weights
 from ..step_bytes import step_bytes
 from .engine import build
 from .timing import cuda, relerr, timed
@@ -77,9 +78,11 @@ def _logits(dec: Decoder, ids: torch.Tensor, n_prompt: int) -> torch.Tensor:
 
 def bench_int4(preset: str, *, prompt: int, new_tokens: int, group: int, sparsities, methods,
                device: str, ceiling: float, rows: list[dict], check_tokens=(32, 8),
-               quiet: bool = False) -> None:  # fmt: skip
+               quiet: bool = False, int4_only: bool = False) -> None:  # fmt: skip
     """Time fp16 and int4 decoders of ``preset`` (see module doc) and append their rows
-    (``check_tokens``: the checks' prompt and decoded tokens; ``quiet``: print nothing).
+    (``check_tokens``: the checks' prompt and decoded tokens; ``quiet``: print nothing;
+    ``int4_only``: int4 weights built without the fp16 model, :func:`~dejavu_lab.engine.int4.
+    random_int4_weights`, for shapes fp16 cannot fit: no fp16 rows, TEAL only).
 
     >>> rows = []
     >>> bench_int4("tiny-llama", prompt=4, new_tokens=3, group=64, sparsities=[0.5],
@@ -88,12 +91,17 @@ def bench_int4(preset: str, *, prompt: int, new_tokens: int, group: int, sparsit
     >>> [(r["weights"], r["engine"]) for r in rows if "ms_per_token" in r]
     [('fp16', 'dense'), ('fp16', 'teal'), ('int4', 'dense'), ('int4', 'teal')]
     """
-    model, arch = build(preset, device)
-    vocab = model.config.vocab_size
-    w = decoder_weights(model, arch, layout="columns")
-    del model
-    gc.collect()
-    w4 = quantize_weights(w, group)
+    if int4_only:
+        w, w4 = None, random_int4_weights(preset, group=group, device=device)
+        arch, vocab = w4.arch, w4.embed.shape[0]
+        methods = [m for m in methods if m == "teal"]  # WINA's column norms read fp16 weights
+    else:
+        model, arch = build(preset, device)
+        vocab = model.config.vocab_size
+        w = decoder_weights(model, arch, layout="columns")
+        del model
+        gc.collect()
+        w4 = quantize_weights(w, group)
     ids = torch.randint(0, vocab, (1, prompt), device=device)
     ctx = prompt + new_tokens // 2  # the mean context over the decoded tokens
     base = {"model": preset, "prompt": prompt, "new_tokens": new_tokens, "group": group,
@@ -102,14 +110,16 @@ def bench_int4(preset: str, *, prompt: int, new_tokens: int, group: int, sparsit
     n_check, n_prompt = sum(check_tokens), check_tokens[0]
     check = torch.randint(0, vocab, (1, n_check), device=device)
     dense4 = _logits(Decoder(w4, max_seq_len=n_check + 1), check, n_prompt)
-    teal_all = SparseConfig(method="teal", thresholds=keep_all(w))
+    teal_all = SparseConfig(method="teal", thresholds=keep_all(w4))
     keep_all4 = Decoder(w4, max_seq_len=n_check + 1, sparse=teal_all)
     keep_err = relerr(_logits(keep_all4, check, n_prompt), dense4)
-    quant_err = relerr(dense4, _logits(Decoder(w, max_seq_len=n_check + 1), check, n_prompt))
+    quant_err = math.nan
+    if w is not None:
+        quant_err = relerr(dense4, _logits(Decoder(w, max_seq_len=n_check + 1), check, n_prompt))
     say(f"{preset}: int4 TEAL keep-all vs int4 dense {keep_err:.1e}; "
           f"int4 vs fp16 dense {quant_err:.1e} (the format's own error)")  # fmt: skip
     rows.append({**base, "kind": "check", "keep_all_vs_dense": keep_err, "int4_vs_fp16": quant_err})
-    plan = [("fp16", "dense", 0.0)] + [("fp16", "teal", s) for s in sparsities]
+    plan = [] if w is None else [("fp16", "dense", 0.0)] + [("fp16", "teal", s) for s in sparsities]
     plan += [("int4", "dense", 0.0)] + [("int4", m, s) for m in methods for s in sparsities]
     times = {}
     for weights, method, sparsity in plan:
@@ -117,7 +127,7 @@ def bench_int4(preset: str, *, prompt: int, new_tokens: int, group: int, sparsit
         try:
             sparse = None
             if method != "dense":
-                thr = calibrate_thresholds(w, ids, sparsity, method=method)
+                thr = calibrate_thresholds(w if w is not None else w4, ids, sparsity, method=method)
                 sparse = SparseConfig(method=method, thresholds=thr)
             dec = Decoder(w4 if weights == "int4" else w, max_seq_len=prompt + new_tokens,
                           sparse=sparse)  # fmt: skip
