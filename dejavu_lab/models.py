@@ -162,6 +162,7 @@ PRESETS: dict[str, Shape] = {
     "llama-2-7b": Shape("llama", 4096, 32, 32, 11008, vocab=32000),
     "llama-2-13b": Shape("llama", 5120, 40, 40, 13824, vocab=32000),
     "llama-3-8b": Shape("llama", 4096, 32, 32, 14336, n_kv_heads=8, vocab=128256),
+    "llama-3-70b": Shape("llama", 8192, 80, 64, 28672, n_kv_heads=8, vocab=128256),
     "smollm2-135m": Shape("llama", 576, 30, 9, 1536, n_kv_heads=3, vocab=49152),
     # Gemma-3 text models (Gemma Team 2025; google/gemma-3-1b-pt, gemma-3-4b-pt text_config)
     "gemma-3-1b": Shape(

@@ -42,11 +42,12 @@ from .config import EngineError, SparseConfig, default_ops
 from .config import dense_ops as resolve_ops
 from .fused_step import fused_layers
 from .greedy import argmax_rows
+from .int4 import int4_blocks, is_int4, quantize_weights
 from .kept_heads import KeptHeads
 from .mlp import KeptMLP, gate_act, mlp_block
 from .sets import KeptSets
 from .site_thresholds import keep_sites, layer_thresholds
-from .weights import DecoderWeights, check_layout, decoder_weights, layout_for
+from .weights import DecoderWeights, check_layout, decoder_weights, layout_for, linear_t
 
 __all__ = ["Decoder"]
 
@@ -73,7 +74,9 @@ class Decoder:
     and every op through torch elsewhere (fastest at batch 1: ``"triton"`` over the ``"columns"``
     layout, ``dense_columns`` in ``results/engine_methods.json``). One-token steps of a pre-LN
     model finish each block in its residual add + norm (:mod:`~dejavu_lab.engine.fused_step`),
-    except DejaVu's. Its parts: ``attn[i]`` and ``mlp[i]`` (layer i's blocks), ``sets``
+    except DejaVu's. ``weights="int4"`` quantises the layer matrices to group-wise int4 (``group``
+    input channels per scale and min) and runs the dense, TEAL and WINA steps over them
+    (:mod:`~dejavu_lab.engine.int4`). Its parts: ``attn[i]`` and ``mlp[i]`` (layer i's blocks), ``sets``
     (DejaVu's kept sets, else None), ``st`` (what every block of a step reads).
 
     >>> from dejavu_lab.models import random_model
@@ -90,14 +93,27 @@ class Decoder:
     fuse_hidden = True  # the down GEMV finishes the gate/up sums (False: their own launch)
 
     def __init__(self, model, *, max_seq_len: int, sparse: SparseConfig | None = None,
-                 predictors=None, arch=None, dense_ops: str | dict | None = None):  # fmt: skip
+                 predictors=None, arch=None, dense_ops: str | dict | None = None,
+                 weights: str | None = None, group: int = 128):  # fmt: skip
         method = "dense" if sparse is None else sparse.method
         self.method = method  # "dense", "dejavu", "teal", "wina" or "cats"
+        if weights not in (None, "int4"):
+            raise EngineError(f"weights={weights!r} must be None (as loaded) or 'int4'.")
+        int4 = weights == "int4" or (isinstance(model, DecoderWeights) and is_int4(model))
+        if int4 and method in ("dejavu", "cats"):
+            raise EngineError(
+                f"the int4 engine runs dense, TEAL and WINA steps; {method} reads the rows "
+                "layout, which int4 weights do not have yet."
+            )
         # a DecoderWeights is shared as is (dense and sparse decoders over one copy)
         if isinstance(model, DecoderWeights):
             self.w = model
         else:
-            self.w = decoder_weights(model, arch, layout=layout_for(method))
+            layout = "columns" if weights == "int4" else layout_for(method)
+            self.w = decoder_weights(model, arch, layout=layout)
+        if weights == "int4":  # the layer matrices in group-wise int4 (engine.int4)
+            self.w = quantize_weights(self.w, group)
+        self.int4 = int4
         self.ops = resolve_ops(dense_ops if dense_ops is not None else default_ops(self.w))
         a = self.arch = self.w.arch
         self.sparse = sparse
@@ -184,6 +200,8 @@ class Decoder:
         """Each layer's attention and MLP blocks, chosen once for the method (see
         :mod:`~dejavu_lab.engine.attention`, :mod:`~dejavu_lab.engine.mlp`)."""
         w, L = self.w, range(self.arch.n_layers)
+        if self.int4:
+            return int4_blocks(w, self.kv, self.st, self.site_thresholds)
         if self.sets is not None:  # DejaVu
             fused = self.sparse.fused
             attn = [
@@ -335,7 +353,7 @@ class Decoder:
                 is_causal=True, enable_gqa=H != Hkv,
             )[0].transpose(0, 1).reshape(S, H * dh)  # fmt: skip
             tap(i, "o_in", o)
-            return o @ lw.w_o_t if lw.b_o is None else torch.addmm(lw.b_o, o, lw.w_o_t)
+            return linear_t(o, lw.w_o_t, lw.b_o)
 
         def mlp(i, xn):
             lw, n = self.w.layers[i], self.arch.d_mlp
@@ -345,7 +363,7 @@ class Decoder:
             h = g * a[:, n:] if self.arch.gated else g
             tap(i, "gate", g)
             tap(i, "down_in", h)
-            return h @ lw.w_down_t if lw.b_down is None else torch.addmm(lw.b_down, h, lw.w_down_t)
+            return linear_t(h, lw.w_down_t, lw.b_down)
 
         for i in range(self.arch.n_layers):
             x = self._block(i, x, lambda xn, i=i: attn(i, xn), lambda xn, i=i: mlp(i, xn))

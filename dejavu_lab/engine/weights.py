@@ -29,6 +29,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..arch import Arch, get_arch
+from ..kernels import use_triton
+from ..kernels.int4 import int4_gemv
+from ..quant import Int4Weight
 from ..vocab import METHODS
 from .config import EngineError
 
@@ -81,13 +84,19 @@ class LayerWeights:
         return linear_t(x, self.w_in_t, self.b_in)
 
 
-def linear_t(x: torch.Tensor, w_t: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """``x @ w_t + b`` for a weight stored transposed ([d_in, d_out], the columns layout).
+def linear_t(x: torch.Tensor, w_t, b: torch.Tensor | None) -> torch.Tensor:
+    """``x @ w_t + b`` for a weight stored transposed ([d_in, d_out], the columns layout); an
+    :class:`~dejavu_lab.quant.Int4Weight` runs :func:`~dejavu_lab.kernels.int4.int4_gemv` for
+    1-32 rows on a GPU (or the CPU under ``TRITON_INTERPRET=1``), else the dequantised matrix.
 
     >>> x, w_t = torch.ones(1, 2), torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
     >>> linear_t(x, w_t, torch.ones(3))
     tensor([[ 6.,  8., 10.]])
     """
+    if isinstance(w_t, Int4Weight):
+        if x.shape[0] <= 32 and use_triton(x.device):
+            return int4_gemv(x, w_t, bias=b)
+        w_t = w_t.dequantize(x.dtype)
     return x @ w_t if b is None else torch.addmm(b, x, w_t)
 
 
@@ -163,7 +172,7 @@ class DecoderWeights:
         """Bytes a dense decode step reads: "layers", "lm_head" or "all" (both); a matrix
         stored in both layouts is read once."""
         layer = sum(
-            t.numel() * t.element_size()
+            t.nbytes  # an Int4Weight's: codes, scales and mins
             for lw in self.layers
             for t in (
                 lw.w_qkv if lw.w_qkv is not None else lw.w_qkv_t,

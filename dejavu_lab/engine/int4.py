@@ -1,0 +1,253 @@
+"""4-bit weights in the decode engine: dense and TEAL / WINA steps over group-wise int4 matrices.
+
+:func:`quantize_weights` turns the four matrices of every layer of the ``"columns"`` layout
+(``W_QKV^T``, ``W_O^T``, ``W_in^T``, ``W2^T``: one row per input channel) into
+:class:`~dejavu_lab.quant.Int4Weight` s, round-to-nearest with one (scale, min) per ``group``
+input channels; norms, embeddings and ``lm_head`` stay in the model's dtype. The blocks then
+run the int4 kernels (:mod:`dejavu_lab.kernels.int4`): :class:`Int4Attention` and
+:class:`Int4MLP` are the dense blocks with each product an :func:`~dejavu_lab.kernels.int4.
+int4_gemv`, or an :func:`~dejavu_lab.kernels.int4.int4_threshold_gemv` at the sites with a
+threshold — the input channels below it skip their code bytes. Their outputs are finished
+tensors, so the fused one-token step (:mod:`~dejavu_lab.engine.fused_step`) adds and norms
+them as it does cuBLAS's. The dense prefill multiplies by the dequantised matrices
+(:func:`~dejavu_lab.engine.weights.linear_t`).
+
+``Decoder(model, ..., weights="int4", group=...)`` builds this; DejaVu and CATS read rows of
+``W_QKV`` / ``W_in`` (the ``"rows"`` layout) and are not run on int4 weights yet.
+
+>>> from dejavu_lab.engine import Decoder
+>>> from dejavu_lab.models import random_model
+>>> m, ids = random_model("tiny-llama", dtype=torch.float16).model, torch.tensor([[1, 2, 3]])
+>>> dec = Decoder(m, max_seq_len=8, weights="int4", group=64)
+>>> type(dec.mlp[0]).__name__, type(dec.w.layers[0].w_down_t).__name__
+('Int4MLP', 'Int4Weight')
+>>> dec.generate(ids, 3).shape
+torch.Size([1, 6])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..kernels.int4 import int4_threshold_gemv
+from ..quant import GROUPS, Int4Weight, quantize
+from .attention import DenseAttention
+from .config import EngineError
+from .mlp import DenseMLP, act
+from .weights import DecoderWeights, decoder_weights, linear_t
+
+__all__ = [
+    "Int4Attention",
+    "Int4MLP",
+    "int4_blocks",
+    "is_int4",
+    "quantize_weights",
+    "random_int4_weights",
+]
+
+MATRICES = ("w_qkv_t", "w_o_t", "w_in_t", "w_down_t")  # what the int4 blocks read
+
+
+def is_int4(w: DecoderWeights) -> bool:
+    """Whether ``w``'s layer matrices are int4 (:func:`quantize_weights`).
+
+    >>> from dejavu_lab.engine import decoder_weights
+    >>> from dejavu_lab.models import random_model
+    >>> w = decoder_weights(random_model("tiny-llama", dtype=torch.float16).model, layout="columns")
+    >>> is_int4(w), is_int4(quantize_weights(w, group=64))
+    (False, True)
+    """
+    return isinstance(w.layers[0].w_down_t, Int4Weight)
+
+
+def quantize_weights(w: DecoderWeights, group: int = 128) -> DecoderWeights:
+    """A copy of ``w`` (``"columns"`` or ``"both"`` layout, fp16/bf16) whose layer matrices are
+    int4 with ``group`` input channels per (scale, min); the rows-layout copies are dropped.
+
+    >>> from dejavu_lab.engine import decoder_weights
+    >>> from dejavu_lab.models import random_model
+    >>> m = random_model("tiny-llama", dtype=torch.float16).model
+    >>> w4 = quantize_weights(decoder_weights(m, layout="columns"), group=64)
+    >>> lw = w4.layers[0]
+    >>> lw.w_qkv_t.shape, lw.w_qkv_t.group, lw.w_qkv is None, is_int4(w4)
+    ((64, 128), 64, True, True)
+    """
+    if is_int4(w):
+        return w
+    if w.dtype not in (torch.float16, torch.bfloat16):
+        raise EngineError(
+            f"int4 weights pair with fp16/bf16 activations but the model is {w.dtype}; load it "
+            "with dtype=torch.float16 (or bfloat16)."
+        )
+    if group not in GROUPS:
+        raise EngineError(f"group={group!r} is not supported; pick one of {GROUPS}.")
+    if w.layers[0].w_qkv_t is None or w.layers[0].w_in_t is None:
+        raise EngineError(
+            "int4 weights are built from the 'columns' layout; pass decoder_weights(model, "
+            "layout='columns') (or the model itself)."
+        )
+    layers = []
+    for lw in w.layers:
+        new = {}
+        for name in MATRICES:
+            t = getattr(lw, name)
+            if t.shape[0] % group:
+                raise EngineError(
+                    f"{name} has {t.shape[0]} input channels, not a multiple of group={group}; "
+                    f"pick a group that divides every layer's inputs (one of {GROUPS})."
+                )
+            new[name] = quantize(t, group=group, dtype=w.dtype)
+        layers.append(dataclasses.replace(lw, w_qkv=None, w_in=None, **new))
+    return dataclasses.replace(w, layers=layers)
+
+
+def random_int4_weights(preset: str, *, group: int = 128, dtype=torch.float16,
+                        device="cpu", seed: int = 0) -> DecoderWeights:  # fmt: skip
+    """Int4 decoder weights at a preset shape, random, built without the fp16 model (Llama-3-70B
+    in 4 bits fits one H200; in fp16 it does not): uniform codes with the scale and min of a
+    weight of standard deviation 0.02, unit norms, N(0, 0.02) embeddings. For speed runs.
+
+    >>> w = random_int4_weights("tiny-llama", group=64)
+    >>> lw = w.layers[0]
+    >>> type(lw.w_in_t).__name__, lw.w_in_t.shape, w.embed.device.type, is_int4(w)
+    ('Int4Weight', (64, 384), 'cpu', True)
+    >>> 0.015 < float(lw.w_down_t.dequantize(torch.float32).std()) < 0.025
+    True
+    """
+    from ..models import random_model
+
+    m = random_model(preset, device="meta", dtype=dtype)
+    meta = decoder_weights(m.model, m.arch, layout="columns")  # shapes only: nothing allocated
+    g = torch.Generator(device=device).manual_seed(seed)
+    step = 0.02 / (255 / 12) ** 0.5  # uniform codes 0..15 times step: standard deviation 0.02
+
+    def real(t, ones=False):
+        if t is None:
+            return None
+        if ones:
+            return torch.ones(t.shape, dtype=dtype, device=device)
+        return (torch.randn(t.shape, generator=g, device=device) * 0.02).to(dtype)
+
+    def norm(p):
+        w_, b, eps = p
+        return (real(w_, ones=True), None if b is None else torch.zeros_like(real(b)), eps)
+
+    def int4(t):
+        n_in, n_out = t.shape
+        packed = torch.randint(0, 256, (n_in, n_out // 2), generator=g, device=device,
+                               dtype=torch.uint8)  # fmt: skip
+        scales = torch.full((n_in // group, n_out), step, dtype=dtype, device=device)
+        return Int4Weight(packed, scales, -7.5 * scales, group)
+
+    layers = [
+        dataclasses.replace(
+            lw,
+            ln_attn=norm(lw.ln_attn),
+            ln_mlp=norm(lw.ln_mlp),
+            w_qkv=None,
+            w_in=None,
+            b_qkv=real(lw.b_qkv),
+            b_o=real(lw.b_o),
+            b_in=real(lw.b_in),
+            b_down=real(lw.b_down),
+            **{name: int4(getattr(lw, name)) for name in MATRICES},
+        )  # fmt: skip
+        for lw in meta.layers
+    ]
+    embed = real(meta.embed)
+    tied = meta.lm_head is meta.embed
+    rotary = meta.rotary
+    if rotary is not None:  # its inv_freq buffer lives on meta: a new one on the device
+        rotary = type(rotary)(config=m.model.config).to(device)
+    return dataclasses.replace(
+        meta, layers=layers, embed=embed, lm_head=embed if tied else real(meta.lm_head),
+        pos_embed=real(meta.pos_embed), project_in=real(meta.project_in),
+        project_out=real(meta.project_out),
+        final_norm=None if meta.final_norm is None else norm(meta.final_norm), rotary=rotary,
+    )  # fmt: skip
+
+
+def _product(x: torch.Tensor, w4: Int4Weight, b, t) -> torch.Tensor:
+    """``x @ dequant(w4) + b``, thresholded at ``t`` (a Threshold, or None: dense)."""
+    if t is None or x.shape[0] > 32:
+        return linear_t(x, w4, b)
+    return int4_threshold_gemv(x, w4, t.at(x), bias=b)
+
+
+class Int4Attention(DenseAttention):
+    """Every head over int4 ``W_QKV^T`` and ``W_O^T``, thresholded at ``t_in`` (attn_in) and
+    ``t_o`` (o_in) where given (TEAL / WINA), else dense.
+
+    >>> from dejavu_lab.engine import Decoder, SparseConfig, keep_all
+    >>> from dejavu_lab.models import random_model
+    >>> m = random_model("tiny-llama", dtype=torch.float16).model
+    >>> teal = SparseConfig(method="teal", thresholds={(0, "attn_in"): 0.5})
+    >>> dec = Decoder(m, max_seq_len=8, sparse=teal, weights="int4", group=64)
+    >>> type(dec.attn[0]).__name__, dec.attn[0].t_in.value, dec.attn[1].t_in
+    ('Int4Attention', 0.5, None)
+    """
+
+    def __init__(self, lw, kv: torch.Tensor, st, t_in=None, t_o=None):
+        super().__init__(lw, kv, st)
+        self.t_in, self.t_o = t_in, t_o
+
+    def qkv(self, x: torch.Tensor) -> torch.Tensor:
+        return _product(x, self.lw.w_qkv_t, self.lw.b_qkv, self.t_in)
+
+    def out(self, o: torch.Tensor) -> torch.Tensor:
+        return _product(o, self.lw.w_o_t, self.lw.b_o, self.t_o)
+
+
+class Int4MLP(DenseMLP):
+    """The MLP over int4 ``W_in^T`` and ``W2^T``, thresholded at ``t_in`` (mlp_in) and
+    ``t_down`` (down_in) where given (TEAL / WINA), else dense.
+
+    >>> from dejavu_lab.engine import Decoder
+    >>> from dejavu_lab.models import random_model
+    >>> dec = Decoder(random_model("tiny-llama", dtype=torch.float16).model, max_seq_len=8,
+    ...               weights="int4", group=64)
+    >>> x = torch.randn(1, 64, generator=torch.Generator().manual_seed(0)).half()
+    >>> lw = dec.w.layers[0]  # the same MLP over the dequantised matrices
+    >>> a = x.float() @ lw.w_in_t.dequantize(torch.float32)
+    >>> h = (torch.nn.functional.silu(a[:, :192]) * a[:, 192:]).half()
+    >>> ref = h.float() @ lw.w_down_t.dequantize(torch.float32)
+    >>> torch.allclose(dec.mlp[0](x).float(), ref, atol=2e-2)
+    True
+    """
+
+    def __init__(self, lw, w, t_in=None, t_down=None):
+        super().__init__(lw, w)
+        self.t_in, self.t_down = t_in, t_down
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return _product(self.hidden(x), self.lw.w_down_t, self.lw.b_down, self.t_down)
+
+    def torch(self, x: torch.Tensor) -> torch.Tensor:
+        return self(x)
+
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        a = _product(x, self.lw.w_in_t, self.lw.b_in, self.t_in)
+        return act(a, self.activation, self.gated, self.n)
+
+
+def int4_blocks(w: DecoderWeights, kv: torch.Tensor, st, thresholds: list[dict]):
+    """Each layer's (attention, MLP) blocks over int4 weights: ``kv`` the cache [L, ...],
+    ``st`` the decoder's :class:`~dejavu_lab.engine.attention.StepState`, ``thresholds`` its
+    per-layer ``{site: Threshold or None}``.
+
+    >>> from dejavu_lab.engine import Decoder
+    >>> from dejavu_lab.models import random_model
+    >>> dec = Decoder(random_model("tiny-llama", dtype=torch.float16).model, max_seq_len=8,
+    ...               weights="int4", group=64)
+    >>> attn, mlp = int4_blocks(dec.w, dec.kv, dec.st, dec.site_thresholds)
+    >>> [type(b).__name__ for b in (attn[1], mlp[1])]
+    ['Int4Attention', 'Int4MLP']
+    """
+    attn, mlp = [], []
+    for i, lw in enumerate(w.layers):
+        t = thresholds[i]
+        attn.append(Int4Attention(lw, kv[i], st, t["attn_in"], t["o_in"]))
+        mlp.append(Int4MLP(lw, w, t["mlp_in"], t["down_in"]))
+    return attn, mlp

@@ -1,0 +1,78 @@
+"""The kept-row W4A16 GEMV: ``h @ dequant(W)[idx]``, Deja Vu's down projection on int4 weights.
+
+Deja Vu (§4.4, Appendix E) runs the MLP's second matrix over the neurons the predictor keeps:
+``y = sum_j h_j W2ᵀ[idx_j]``, one contiguous row per kept neuron in the transposed layout.
+In the int4 layout a row is ``d_out / 2`` code bytes plus its group's scale and min rows,
+which the kernel reads per listed row (rows of one group share them in cache; a sorted list
+keeps them together).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...quant import Int4Weight
+from .._common import (
+    as_batch,
+    check_device,
+    check_float,
+    check_index,
+    check_vector,
+    output,
+    use_triton,
+)
+from .dense import check_int4
+from .kernel import default_config, launch
+
+__all__ = ["int4_rows_gemv", "int4_rows_gemv_ref"]
+
+
+def int4_rows_gemv_ref(h: torch.Tensor, w: Int4Weight, idx: torch.Tensor, *,
+                       bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """Plain-PyTorch reference (fp32 math): ``h @ w.dequantize()[idx] + bias``.
+
+    >>> from dejavu_lab.quant import quantize
+    >>> w = quantize(torch.eye(32)[:, :4], group=32, dtype=torch.float16)
+    >>> int4_rows_gemv_ref(torch.tensor([2.0, 5.0]).half(), w, torch.tensor([3, 1])).tolist()
+    [0.0, 5.0, 0.0, 2.0]
+    """
+    y = h.float() @ w.dequantize(torch.float32)[idx.long()]
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(h.dtype)
+
+
+def int4_rows_gemv(h: torch.Tensor, w: Int4Weight, idx: torch.Tensor, *,
+                   bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                   validate: bool | None = None, config: dict | None = None) -> torch.Tensor:  # fmt: skip
+    """``h @ dequant(w)[idx] + bias``: the layer's output from the listed input rows only.
+
+    h: [k] or [B, k] (B <= 32, fp16/bf16) activations of the rows in ``idx`` order; w: an
+    Int4Weight of ``w_t`` [n_rows, d_out] with h's dtype; idx: [k] distinct int32/int64 row
+    numbers; bias: [d_out]. Returns [d_out] or [B, d_out]. ``validate`` checks the indices'
+    range and uniqueness (a host sync; by default except during CUDA-graph capture).
+
+    >>> from dejavu_lab.quant import quantize
+    >>> _ = torch.manual_seed(0)
+    >>> w = quantize(torch.randn(64, 32) / 8, group=32, dtype=torch.float16)  # 64 neurons
+    >>> h, idx = torch.randn(3, dtype=torch.float16), torch.tensor([3, 10, 42])
+    >>> y = int4_rows_gemv(h, w, idx)  # the Triton kernel on CPU under TRITON_INTERPRET=1
+    >>> torch.allclose(y, int4_rows_gemv_ref(h, w, idx), atol=1e-2)
+    True
+    """
+    check_float("h", h)
+    dtype, device = h.dtype, h.device
+    check_int4("w", w, dtype, device)
+    n_rows, d_out = w.shape
+    check_index("idx", idx, n_rows, device, validate)
+    check_device(device, bias=bias)
+    check_vector("bias", bias, d_out, dtype)
+    hb, squeeze = as_batch("h", h, idx.numel())
+    res, res2 = output(out, hb.shape[0], d_out, squeeze, dtype, device)
+    if not use_triton(device) or idx.numel() == 0:
+        res2.copy_(int4_rows_gemv_ref(hb, w, idx, bias=bias))
+        return res
+    cfg = default_config(hb.shape[0], *w.shape, group=w.group, op="int4_rows_gemv", device=device)
+    launch(hb, w, res2, {**cfg, **(config or {})}, mode="rows",
+           idx=idx.to(torch.int32), bias=bias)  # fmt: skip
+    return res

@@ -1,0 +1,229 @@
+"""The W4A16 GEMVs (:mod:`dejavu_lab.kernels.int4`) against their references and against
+``x @ w.dequantize()``, run through TRITON_INTERPRET=1.
+
+Fresh random inputs every run (the seed is in each failure message), outputs poisoned with NaN
+so an unwritten element fails, fp16 and bf16, batch 1 and union batches, groups 32/64/128,
+every tiling and unpacking variant at tiny shapes. On a GPU box the same tests check the
+compiled kernel:
+
+    DEJAVU_TEST_DEVICE=cuda TRITON_INTERPRET=0 pytest tests/kernels/test_int4.py
+"""
+
+import pytest
+import torch
+from helpers import DEVICE, DTYPES, assert_close, on_device, seed
+
+from dejavu_lab.kernels.int4 import (
+    int4_gemv,
+    int4_gemv_ref,
+    int4_rows_gemv,
+    int4_rows_gemv_ref,
+    int4_threshold_gemv,
+    int4_threshold_gemv_ref,
+)
+from dejavu_lab.kernels.int4.kernel import int4_gemv_kernel
+from dejavu_lab.quant import GROUPS, quantize
+
+FIXTURES = (on_device, seed)  # pytest finds fixtures by name in this module
+D_IN, D_OUT = 256, 80  # 80 outputs: not a multiple of the column tiles (masked tails)
+SMALL = {"BLOCK_R": 32, "BLOCK_D": 32, "num_warps": 4, "programs": 9}  # 3 column tiles x 3 splits
+
+
+def weight(dtype, group=64, d_in=D_IN, d_out=D_OUT):
+    return quantize(torch.randn(d_in, d_out) / d_in**0.25, group=group, dtype=dtype)
+
+
+def poisoned(batch, dtype, d_out=D_OUT):
+    return torch.full((batch, d_out), float("nan"), dtype=dtype)
+
+
+def threshold_keeping(x, kept):
+    """A threshold keeping about ``kept`` of x's entries (inf: none, -1: all)."""
+    if kept == 0:
+        return float("inf")
+    if kept == 1:
+        return -1.0
+    return float(torch.quantile(x.float().abs().flatten(), 1 - kept))
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="on a GPU the compiled kernel runs")
+def test_kernel_runs_in_the_interpreter():
+    assert type(int4_gemv_kernel).__name__ == "InterpretedFunction"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch", [1, 5])
+@pytest.mark.parametrize("group", GROUPS)
+def test_dense_equals_the_dequantised_product(dtype, batch, group, seed):
+    w = weight(dtype, group)
+    x = torch.randn(batch, D_IN, dtype=dtype)
+    b = torch.randn(D_OUT, dtype=dtype)
+    out = poisoned(batch, dtype)
+    assert int4_gemv(x, w, bias=b, out=out, config=SMALL) is out
+    assert_close(out, int4_gemv_ref(x, w, bias=b), dtype, seed)
+    # the reference is the dense fp16/bf16 layer on the dequantised weight, to rounding
+    assert_close(out, (x @ w.dequantize() + b).to(dtype), dtype, seed)
+
+
+VARIANTS = {  # every config computes the same function
+    "default": {},
+    "small": SMALL,
+    "rows-inside-a-group": {**SMALL, "BLOCK_R": 16},
+    "groups-inside-a-step": {**SMALL, "BLOCK_R": 128},
+    "gather-unpack": {**SMALL, "unpack": 1},
+    "groups-inside-a-gather-step": {**SMALL, "BLOCK_R": 128, "unpack": 1},
+    "one-split": {**SMALL, "split": 1},
+    "many-splits-atomic": {**SMALL, "split": 8, "reduce": "atomic"},
+    "wide-columns": {"BLOCK_R": 64, "BLOCK_D": 128, "num_warps": 2, "programs": 4},
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_variants(dtype, batch, variant, seed):
+    w = weight(dtype, 32)
+    x = torch.randn(batch, D_IN, dtype=dtype)
+    out = poisoned(batch, dtype)
+    int4_gemv(x, w, out=out, config=VARIANTS[variant])
+    assert_close(out, int4_gemv_ref(x, w), dtype, seed)
+    thr = threshold_keeping(x, 0.4)
+    int4_threshold_gemv(x, w, thr, out=out, config=VARIANTS[variant])
+    assert_close(out, int4_threshold_gemv_ref(x, w, thr), dtype, seed)
+
+
+@pytest.mark.parametrize("d_out", [84, 6])  # int16 words (4 codes), bytes (2 codes)
+def test_output_counts_that_are_not_multiples_of_eight(d_out, seed):
+    w = weight(torch.float16, 32, d_out=d_out)
+    x = torch.randn(2, D_IN, dtype=torch.float16)
+    for unpack in (0, 1):
+        out = poisoned(2, torch.float16, d_out)
+        int4_gemv(x, w, out=out, config={**SMALL, "unpack": unpack})
+        assert_close(out, int4_gemv_ref(x, w), torch.float16, seed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch", [1, 4, 32])
+@pytest.mark.parametrize("kept", [0.0, 0.2, 0.5, 1.0])
+def test_threshold(dtype, batch, kept, seed):
+    w = weight(dtype, 64)
+    x = torch.randn(batch, D_IN, dtype=dtype)
+    thr = threshold_keeping(x, kept)
+    b = torch.randn(D_OUT, dtype=dtype)
+    out = poisoned(batch, dtype)
+    int4_threshold_gemv(x, w, thr, bias=b, out=out, config=SMALL)
+    ref = int4_threshold_gemv_ref(x, w, thr, bias=b)
+    assert_close(out, ref, dtype, seed)
+    # the reference is the dense layer fed the masked input
+    xm = torch.where(x.float().abs() > thr, x.float(), 0.0).to(dtype)
+    assert_close(ref, int4_gemv_ref(xm, w, bias=b), dtype, seed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch", [1, 6])
+def test_wina_per_channel_thresholds(dtype, batch, seed):
+    w = weight(dtype, 32)
+    x = torch.randn(batch, D_IN, dtype=dtype)
+    norms = w.dequantize(torch.float32).norm(dim=1)  # ||W[:, i]||: row i of w_t
+    thr = (0.5 / norms).float().contiguous()
+    out = poisoned(batch, dtype)
+    int4_threshold_gemv(x, w, thr, out=out, config=SMALL)
+    assert_close(out, int4_threshold_gemv_ref(x, w, thr), dtype, seed)
+
+
+@pytest.mark.parametrize("batch", [1, 7])
+def test_all_kept_threshold_equals_dense_and_edge_thresholds(batch, seed):
+    dtype = torch.float16
+    w = weight(dtype, 128)
+    x = torch.randn(batch, D_IN, dtype=dtype)
+    x[:, ::5] = 0  # exact zeros: dropped at thr = 0, kept at -1; the sum is the same
+    dense = int4_gemv(x, w, config=SMALL)
+    for thr in (-1.0, 0.0, torch.full((D_IN,), -1.0)):
+        got = int4_threshold_gemv(x, w, thr, config=SMALL)
+        assert torch.equal(got, dense), f"thr={thr!r}; seed={seed}"  # same kernel, same order
+    none = int4_threshold_gemv(x, w, float("inf"), config=SMALL)
+    assert (none == 0).all()
+
+
+def test_union_batch_reads_a_row_when_any_token_keeps_it(seed):
+    dtype = torch.float16
+    w = weight(dtype, 32)
+    x = torch.zeros(2, D_IN, dtype=dtype)
+    x[0, :40] = 2.0  # token 0 keeps rows 0..39, token 1 keeps rows 100..139
+    x[1, 100:140] = -3.0
+    x[1, :40] = 0.5  # below the threshold: masked by token 1's own rule
+    y = int4_threshold_gemv(x, w, 1.0, config=SMALL)
+    assert_close(y, int4_threshold_gemv_ref(x, w, 1.0), dtype, seed)
+    assert_close(y[1:], int4_gemv_ref(torch.where(x[1:].abs() > 1, x[1:], 0), w), dtype, seed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch", [1, 5])
+@pytest.mark.parametrize("group", [32, 128])
+def test_kept_rows(dtype, batch, group, seed):
+    w = weight(dtype, group)
+    idx = torch.randperm(D_IN)[:77].to(torch.int32)  # unsorted, across groups
+    h = torch.randn(batch, 77, dtype=dtype)
+    b = torch.randn(D_OUT, dtype=dtype)
+    out = poisoned(batch, dtype)
+    int4_rows_gemv(h, w, idx, bias=b, out=out, config=SMALL)
+    ref = int4_rows_gemv_ref(h, w, idx, bias=b)
+    assert_close(out, ref, dtype, seed)
+    # every row listed, in order: the dense product
+    every = int4_rows_gemv(torch.randn(batch, D_IN, dtype=dtype), w, torch.arange(D_IN))
+    assert not every.isnan().any()
+    h_all = torch.zeros(batch, D_IN, dtype=dtype)
+    h_all[:, idx.long()] = h
+    assert_close(int4_gemv_ref(h_all, w, bias=b), ref, dtype, seed)
+
+
+def test_kept_rows_empty_list_gives_the_bias():
+    w = weight(torch.float16, 32)
+    b = torch.randn(D_OUT, dtype=torch.float16)
+    y = int4_rows_gemv(torch.zeros(0, dtype=torch.float16), w, torch.zeros(0, dtype=torch.int32),
+                       bias=b)  # fmt: skip
+    assert torch.equal(y, b)
+
+
+def test_one_token_vector_in_vector_out(seed):
+    w = weight(torch.bfloat16, 64)
+    x = torch.randn(D_IN, dtype=torch.bfloat16)
+    y = int4_gemv(x, w)
+    assert y.shape == (D_OUT,)
+    assert_close(y, int4_gemv_ref(x, w), torch.bfloat16, seed)
+
+
+def _bad_calls():
+    w16 = weight(torch.float16, 32)
+    x = torch.randn(2, D_IN, dtype=torch.float16)
+    return [
+        (lambda: int4_gemv(x.float(), w16), TypeError, "pass float16 or bfloat16"),
+        (lambda: int4_gemv(x.bfloat16(), w16), TypeError, "quantise with dtype"),
+        (lambda: int4_gemv(x, w16.dequantize()), TypeError, "must be an Int4Weight"),
+        (lambda: int4_gemv(x[:, :100], w16), ValueError, r"expected \[256\] or \[B, 256\]"),
+        (lambda: int4_gemv(torch.randn(33, D_IN).half(), w16), ValueError, "1 to 32 tokens"),
+        (lambda: int4_gemv(x, w16, bias=torch.zeros(3).half()), ValueError, "bias has shape"),
+        (lambda: int4_gemv(x, w16, out=torch.empty(2, 3).half()), ValueError, "out has shape"),
+        (lambda: int4_threshold_gemv(x, w16, float("nan")), ValueError, "thr is NaN"),
+        (lambda: int4_threshold_gemv(x, w16, torch.ones(D_IN).half()), TypeError, "float32"),
+        (lambda: int4_threshold_gemv(x, w16, torch.ones(7)), ValueError, "thr has shape"),
+        (lambda: int4_rows_gemv(x[:, :3], w16, torch.tensor([1, 1, 2])), ValueError, "duplicate"),
+        (lambda: int4_rows_gemv(x[:, :2], w16, torch.tensor([0, 999])), ValueError, "must lie in"),
+        (lambda: int4_rows_gemv(x[:, :3], w16, torch.tensor([0, 1])), ValueError, r"expected \[2\]"),
+        (lambda: int4_gemv(x, w16, config={"BLOCK_R": 48}), ValueError, "powers of two"),
+    ]  # fmt: skip
+
+
+def test_bad_inputs_are_refused_in_one_sentence():
+    for call, exc, match in _bad_calls():
+        with pytest.raises(exc, match=match) as info:
+            call()
+        msg = str(info.value)
+        assert msg.endswith(".") and msg.count(". ") == 0, msg
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="needs a second device kind")
+def test_meta_tensors_are_refused():
+    w = weight(torch.float16, 32)
+    with pytest.raises(ValueError, match="these kernels run on CUDA"):
+        int4_gemv(torch.randn(2, D_IN, dtype=torch.float16, device="meta"), w)

@@ -1,0 +1,45 @@
+"""kernels/bench_int4.py's plumbing on the CPU (``--smoke``, kernels under TRITON_INTERPRET=1):
+every provider runs, the sweep checks its candidates, and the rows are recorded with
+provenance, so the one GPU call that times them does not fail on a typo."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import DEVICE
+
+SCRIPT = Path(__file__).resolve().parents[2] / "kernels" / "bench_int4.py"
+
+
+@pytest.mark.skipif(
+    DEVICE != "cpu", reason="the smoke run is the CPU check; the GPU runs the bench"
+)
+def test_smoke_run_records_every_provider(tmp_path, monkeypatch):
+    monkeypatch.setenv("DEJAVU_LAB_RESULTS", str(tmp_path))
+    spec = importlib.util.spec_from_file_location("bench_int4", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_int4", bench)
+    spec.loader.exec_module(bench)
+    bench.main(["--smoke", "--batch", "1,3", "--name", "int4_smoke"])
+    data = json.loads((tmp_path / "int4_smoke.json").read_text())
+    assert data["provenance"]["command"].endswith("--smoke --batch 1,3 --name int4_smoke")
+    rows = data["rows"]
+    timed = [r for r in rows if r["kind"] == "time"]
+    for batch in (1, 3):
+        got = {(r["provider"], r["kept"]) for r in timed if r["batch"] == batch}
+        assert got == {("cublas", 1.0), ("fp16_ours", 1.0), ("int4", 1.0), ("fp16_thr", 0.5),
+                       ("fp16_thr", 0.2), ("int4_thr", 0.5), ("int4_thr", 0.2)}  # fmt: skip
+    assert all(r["us"] > 0 and r["bytes"] > 0 for r in timed)
+    thr = [r for r in timed if r["provider"] == "int4_thr"]
+    assert all(r["frac_ideal"] > 0 and r["config"] for r in thr)
+    four = {
+        r["kept"]: r["bytes"] for r in timed if r["provider"].startswith("int4") and r["batch"] == 1
+    }
+    assert four[0.2] < four[0.5] < four[1.0]  # the bytes model skips dropped rows
+    swept = [r for r in rows if r["kind"] == "sweep"]
+    assert {r["provider"] for r in swept} == {"int4", "int4_thr"}
+    # both smoke candidates passed their check: per batch, dense at 1.0 and threshold at 2 kept
+    assert len(swept) == 2 * 2 * (1 + 2)
+    assert {r["op"] for r in swept} == {"int4_gemv_g32", "int4_threshold_gemv_g32"}
