@@ -41,12 +41,30 @@ from ..quant import GROUPS
 from ..quant.gguf_model import import_gguf
 from ..quant.int4 import Int4Weight, quantize
 from ..quant.swap import decoder_linears, dequantized
+from ..sparsify.frontier import VARIANTS as FRONTIER_VARIANTS
 from ..sparsify.frontier import frontier
+from ..step_bytes import step_bytes
 
-__all__ = ["FORMATS", "SPARSITIES", "VARIANTS", "format_weights", "main", "quant_frontier"]
+__all__ = [
+    "ALL_VARIANTS",
+    "FORMATS",
+    "SPARSITIES",
+    "VARIANTS",
+    "format_weights",
+    "main",
+    "quant_frontier",
+]
 
 FORMATS = ("fp", "gguf", "rtn-g32", "rtn-g64", "rtn-g128")
-VARIANTS = ("teal (greedy)", "wina (greedy)", "cats")  # names of sparsify.frontier.VARIANTS
+# name -> frontier spec: the threshold methods with one threshold per layer's sites (uniform),
+# which needs only the calibration's histograms; the greedy allocations (frontier.VARIANTS) cost
+# a few CPU-minutes per method and per format on the demo model
+VARIANTS: dict[str, dict] = {
+    "teal (uniform)": FRONTIER_VARIANTS["teal (uniform)"],
+    "wina (uniform)": {"method": "wina", "allocation": "uniform"},
+    "cats": FRONTIER_VARIANTS["cats"],
+}
+ALL_VARIANTS = {**FRONTIER_VARIANTS, **VARIANTS}
 SPARSITIES = (0.25, 0.4, 0.5)
 
 
@@ -118,11 +136,28 @@ def weight_error(model, weights: dict[str, Int4Weight] | None) -> float:
     return math.sqrt(num / den)
 
 
+def _bytes_vs_fp16(arch, kept_json: str, info: dict) -> float:
+    """Decoder-layer weight bytes a step reads in this format and sparsity, against dense fp16.
+
+    From the kept fractions by site (averaged over layers) and the independence estimate of
+    the scale groups touched (:func:`dejavu_lab.step_bytes.groups_touched`); a mixed-group
+    format counts its smallest group (the most scale bytes).
+    """
+    kept = json.loads(kept_json)
+    kw = {}
+    if info["groups"]:
+        kw["int4_group"] = min(int(g) for g in info["groups"].split("/"))
+        kw["scale_esize"] = torch.finfo(getattr(torch, info["scale_dtype"])).bits // 8
+    b = step_bytes(arch, vocab=0, context=0, site_kept=kept, **kw)
+    dense = step_bytes(arch, vocab=0, context=0, site_kept={})
+    return (b["attention"] + b["mlp"]) / (dense["attention"] + dense["mlp"])
+
+
 def quant_frontier(
     model,
     tokenizer,
     formats: Sequence[str] = FORMATS,
-    variants: Sequence[str] = VARIANTS,
+    variants: Sequence[str] = tuple(VARIANTS),
     sparsities: Sequence[float] = SPARSITIES,
     *,
     sparse_formats: Sequence[str] | None = None,
@@ -135,9 +170,11 @@ def quant_frontier(
 ) -> pd.DataFrame:
     """One frontier (:func:`~dejavu_lab.sparsify.frontier.frontier`) per format, stacked.
 
+    ``variants``: names of :data:`ALL_VARIANTS` (this module's and the frontier's).
     ``sparse_formats``: the formats that also run ``variants`` × ``sparsities`` (default: all);
     the others give their dense row only. Adds per row: ``format``, ``groups``, ``scale_dtype``,
-    ``gguf_types``, ``weight_rel_err`` (:func:`weight_error`), and ``vs_fp_pct`` — perplexity
+    ``gguf_types``, ``weight_rel_err`` (:func:`weight_error`), ``bytes_vs_fp16`` (the decoder
+    layers' weight bytes per step against dense fp16, :mod:`dejavu_lab.step_bytes`), and ``vs_fp_pct`` — perplexity
     against the ``"fp"`` row of the same variant and sparsity, in percent (the quality target
     reads it at TEAL 40%), when ``"fp"`` ran that row.
 
@@ -152,6 +189,10 @@ def quant_frontier(
     2  rtn-g32   dense     32       0.0
     3  rtn-g32    cats     32       0.0
     """
+    unknown = [v for v in variants if v not in ALL_VARIANTS]
+    if unknown:
+        raise QuantError(f"unknown variants {unknown}; choose from {', '.join(ALL_VARIANTS)}.")
+    specs = {v: ALL_VARIANTS[v] for v in variants}
     arch = get_arch(model)
     sparse_formats = formats if sparse_formats is None else sparse_formats
     frames = []
@@ -164,7 +205,7 @@ def quant_frontier(
             df = frontier(
                 model,
                 tokenizer,
-                list(variants) if fmt in sparse_formats else {},
+                specs if fmt in sparse_formats else {},
                 sparsities,
                 window=window,
                 eval_windows=eval_windows,
@@ -175,6 +216,7 @@ def quant_frontier(
         for k, v in info.items():
             df[k] = v
         df["weight_rel_err"] = err
+        df["bytes_vs_fp16"] = [_bytes_vs_fp16(arch, k, info) for k in df["kept"]]
         df["format_seconds"] = round(time.perf_counter() - t0, 1)
         frames.append(df)
     out = pd.concat(frames, ignore_index=True)
@@ -192,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
     ap.add_argument("--sparse-formats", nargs="+", default=None, choices=FORMATS)
-    ap.add_argument("--variants", nargs="+", default=list(VARIANTS))
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(ALL_VARIANTS))
     ap.add_argument("--sparsities", nargs="+", type=float, default=list(SPARSITIES))
     ap.add_argument("--eval-windows", type=int, default=8)
     ap.add_argument("--window", type=int, default=512)
@@ -215,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         sparse_formats=args.sparse_formats, gguf=gguf, eval_windows=args.eval_windows,
         window=args.window, **kw,
     )  # fmt: skip
-    cols = ["format", "variant", "sparsity", "perplexity", "vs_fp_pct", "bytes_per_token_fraction"]
+    cols = ["format", "variant", "sparsity", "perplexity", "vs_fp_pct", "bytes_vs_fp16"]
     print(df[cols].to_string(index=False, float_format="%.3f"))
     if args.record:
         from .. import results
