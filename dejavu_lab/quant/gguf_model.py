@@ -18,6 +18,7 @@ permutation moves whole columns of ``w_t``: still exact).
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -92,37 +93,47 @@ def _unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
 
 def import_gguf(
     model: nn.Module,
-    path: str | os.PathLike,
+    path,
     *,
     dtype: torch.dtype = torch.float32,
     arch: Arch | None = None,
+    modules: Sequence[str] | None = None,
 ) -> GGUFImport:
     """Every decoder linear of ``model`` as an :class:`Int4Weight` (group 32) from its GGUF file.
 
-    ``model`` is the one transformers loaded from ``path`` (:func:`dejavu_lab.models.load_model`),
+    ``path``: the ``.gguf`` file, or a ``gguf.GGUFReader`` already open on it (reading the
+    header parses the whole vocabulary: seconds). ``model`` is the one transformers loaded from it (:func:`dejavu_lab.models.load_model`),
     which names the modules and checks the shapes. ``dtype``: of the scales and mins — fp32
     keeps every 4-bit block exact; fp16 keeps Q4_0/Q4_1 exact and rounds Q4_K's scales
-    (:mod:`~dejavu_lab.quant.gguf_blocks`).
+    (:mod:`~dejavu_lab.quant.gguf_blocks`). ``modules``: import only these (module names).
     """
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
     arch = arch or get_arch(model)
     names = gguf_names(model, arch)
-    try:
-        reader = GGUFReader(os.fspath(path))
-    except Exception as e:  # the reader raises many kinds on a damaged or foreign file
-        raise QuantError(
-            f"Cannot read {os.fspath(path)!r} as GGUF ({type(e).__name__}); pass the .gguf file "
-            "the model was loaded from."
-        ) from None
+    if modules is not None:
+        unknown = sorted(set(modules) - set(names.values()))
+        if unknown:
+            raise QuantError(f"{unknown[0]!r} is not a decoder linear of this model.")
+        names = {g: m for g, m in names.items() if m in set(modules)}
+    reader = path if isinstance(path, GGUFReader) else None
+    if reader is None:
+        try:
+            reader = GGUFReader(os.fspath(path))
+        except Exception as e:  # the reader raises many kinds on a damaged or foreign file
+            raise QuantError(
+                f"Cannot read {os.fspath(path)!r} as GGUF ({type(e).__name__}); pass the .gguf "
+                "file the model was loaded from."
+            ) from None
+    where = str(getattr(reader.data, "filename", None) or "the GGUF file")
     field_ = reader.fields.get("general.architecture")
     file_arch = bytes(field_.parts[-1]).decode() if field_ is not None else ""
     tensors = {t.name: t for t in reader.tensors}
     missing = [n for n in names if n not in tensors]
     if missing:
         raise QuantError(
-            f"{os.fspath(path)!r} lacks {len(missing)} of the model's linears (first "
+            f"{where!r} lacks {len(missing)} of the model's linears (first "
             f"{missing[0]!r}); pass the GGUF file this model was loaded from."
         )
     mods = dict(model.named_modules())
