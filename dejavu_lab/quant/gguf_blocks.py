@@ -24,12 +24,12 @@ are fp16 numbers); Q4_K's products need up to 17 significant bits and fp16 keeps
 round (relative error ≤ 2⁻¹¹ per scale); bf16 (8 bits) rounds all three.
 
 >>> import numpy as np
->>> block = np.zeros((1, 20), dtype=np.uint8)  # one Q4_1 block: d = 0.5, m = -1
->>> block[0, :4] = np.array([0.5, -1.0], dtype=np.float16).view(np.uint8)
->>> block[0, 4:] = 0x21  # codes 1 in the low nibbles (0..15), 2 in the high ones (16..31)
+>>> block = np.zeros((2, 20), dtype=np.uint8)  # two outputs, a Q4_1 block each: d = 0.5, m = -1
+>>> block[:, :4] = np.array([0.5, -1.0], dtype=np.float16).view(np.uint8)
+>>> block[:, 4:] = 0x21  # codes 1 in the low nibbles (inputs 0..15), 2 in the high (16..31)
 >>> w = int4_from_blocks(block, "Q4_1", 32)
->>> w.shape, w.dequantize()[[0, 16], 0].tolist()  # [in, out]: one output, 32 inputs
-((32, 1), [-0.5, 0.0])
+>>> w.shape, w.dequantize()[[0, 16], 0].tolist()  # [in, out]: 32 inputs, two outputs
+((32, 2), [-0.5, 0.0])
 """
 
 from __future__ import annotations
@@ -68,6 +68,13 @@ def decode_blocks(data, kind, n_in: int) -> tuple[torch.Tensor, torch.Tensor, to
     ``GGUFReader`` tensor's ``.data``) or anything that reshapes to it; ``kind``: ``"Q4_0"``,
     ``"Q4_1"``, ``"Q4_K"`` (or the ``gguf.GGMLQuantizationType``); ``n_in``: the input width.
     ``w[o, i] = codes[o, i] * scales[o, i // 32] + mins[o, i // 32]``.
+
+    >>> from gguf.quants import quantize as gguf_quantize
+    >>> from gguf import GGMLQuantizationType
+    >>> data = gguf_quantize(np.linspace(-1, 1, 64, dtype=np.float32)[None], GGMLQuantizationType.Q4_0)
+    >>> codes, scales, mins = decode_blocks(data, "Q4_0", 64)
+    >>> codes[0, :4].tolist(), torch.equal(mins, -8 * scales)  # w = d (q - 8), d = 1/8 here
+    ([0, 0, 1, 1], True)
     """
     name = _name(kind)
     if name not in BLOCKS:
@@ -129,6 +136,13 @@ def int4_from_blocks(
     ``rows``: the output order, an index ``[out]`` into the file's rows (llama GGUFs store
     W_Q/W_K rows permuted for their rotary layout; :mod:`~dejavu_lab.quant.gguf_model` undoes
     it). Permuting outputs moves whole columns of ``w_t``: codes, scales and mins stay exact.
+
+    >>> block = np.zeros((2, 18), dtype=np.uint8)  # two outputs, one Q4_0 block each
+    >>> block[:, :2] = np.array([[1.0], [0.25]], dtype=np.float16).view(np.uint8)
+    >>> block[:, 2:] = 0x9A  # code 10 (low nibbles), 9 (high): d·2 and d·1
+    >>> w = int4_from_blocks(block, "Q4_0", 32, dtype=torch.float16, rows=torch.tensor([1, 0]))
+    >>> w.dequantize(torch.float32)[[0, 16]].tolist()  # outputs swapped by rows
+    [[0.5, 2.0], [0.25, 1.0]]
     """
     codes, scales, mins = decode_blocks(data, kind, n_in)
     if rows is not None:

@@ -47,7 +47,13 @@ GGUF_PARTS = {
 
 @dataclass
 class GGUFImport:
-    """What :func:`import_gguf` read: the weights and the GGUF type each came from."""
+    """What :func:`import_gguf` read: the weights and the GGUF type each came from.
+
+    >>> from dejavu_lab.quant import quantize
+    >>> imp = GGUFImport({"a": quantize(torch.ones(32, 2), group=32)}, {"a": "Q6_K"})
+    >>> imp.exact, imp.type_counts()  # Q6_K is re-quantised, not imported as it is
+    ([], {'Q6_K': 1})
+    """
 
     weights: dict[str, Int4Weight]  # module name -> int4 weight (w_t, [in, out], group 32)
     types: dict[str, str] = field(default_factory=dict)  # module name -> GGUF type, e.g. "Q4_K"
@@ -106,6 +112,14 @@ def import_gguf(
     which names the modules and checks the shapes. ``dtype``: of the scales and mins — fp32
     keeps every 4-bit block exact; fp16 keeps Q4_0/Q4_1 exact and rounds Q4_K's scales
     (:mod:`~dejavu_lab.quant.gguf_blocks`). ``modules``: import only these (module names).
+
+    >>> from dejavu_lab import assets
+    >>> from dejavu_lab.models import DEMO_ASSET, load_model
+    >>> model = load_model("demo").model
+    >>> name = "model.layers.0.self_attn.k_proj"
+    >>> imp = import_gguf(model, assets.fetch(DEMO_ASSET), modules=[name])
+    >>> imp.types, torch.equal(imp.weights[name].dequantize().T, model.get_submodule(name).weight)
+    ({'model.layers.0.self_attn.k_proj': 'Q4_1'}, True)
     """
     from gguf import GGUFReader
     from gguf.quants import dequantize

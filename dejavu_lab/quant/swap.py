@@ -68,6 +68,12 @@ def rtn_weights(
     """Round-to-nearest int4 (:func:`~dejavu_lab.quant.int4.quantize`) of every decoder linear.
 
     ``dtype``: of the scales and mins (the kernels read them in the activations' dtype).
+
+    >>> from dejavu_lab.models import random_model
+    >>> w = rtn_weights(random_model("tiny-llama").model, group=32)
+    >>> q = w["model.layers.1.mlp.down_proj"]
+    >>> q.shape, q.group, q.dtype  # w_t: [in (the 192 neurons), out]
+    ((192, 64), 32, torch.float16)
     """
     mods = dict(model.named_modules())
     out = {}
@@ -83,6 +89,14 @@ def dequantized(model: nn.Module, weights: Mapping[str, Int4Weight]) -> Iterator
 
     The values are computed in fp32 and cast to the module's weight dtype; on exit (error
     included) every module gets back the tensor it had before.
+
+    >>> from dejavu_lab.models import random_model
+    >>> model = random_model("tiny-llama").model
+    >>> ids = torch.arange(8)[None]
+    >>> with torch.no_grad(), dequantized(model, rtn_weights(model, group=64, dtype=torch.float32)):
+    ...     err = (model(ids).logits - random_model("tiny-llama").model(ids).logits).abs().max()
+    >>> 0 < float(err) < 0.1  # 4-bit weights, a little off the fp32 ones
+    True
     """
     mods = dict(model.named_modules())
     new = {}
