@@ -53,6 +53,7 @@ __all__ = [
     "format_weights",
     "main",
     "quant_frontier",
+    "weight_error",
 ]
 
 FORMATS = ("fp", "gguf", "rtn-g32", "rtn-g64", "rtn-g128")
