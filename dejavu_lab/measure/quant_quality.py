@@ -97,7 +97,9 @@ def format_weights(
         return None, {"groups": "", "scale_dtype": "", "gguf_types": ""}
     if fmt == "gguf":
         if gguf is None:
-            raise QuantError("the 'gguf' format needs the GGUF file the model was loaded from.")
+            raise QuantError(
+                "the 'gguf' format reads the model's GGUF file; pass gguf=<the file it was loaded from>."
+            )
         imp = import_gguf(model, gguf, dtype=torch.float32, arch=arch)
         counts = json.dumps(imp.type_counts())
         return imp.weights, {"groups": "32", "scale_dtype": "float32", "gguf_types": counts}
@@ -110,7 +112,9 @@ def format_weights(
         n_in = mods[name].in_features
         fits = [g for g in GROUPS if g <= group and n_in % g == 0]
         if not fits:
-            raise QuantError(f"{name} has {n_in} inputs, which no group of {GROUPS} divides.")
+            raise QuantError(
+                f"{name} has {n_in} inputs, which no group of {GROUPS} divides; use the fp format."
+            )
         by_width[n_in] = max(fits)
     weights = {
         n: quantize(mods[n].weight.detach().T, group=by_width[mods[n].in_features], dtype=dtype)

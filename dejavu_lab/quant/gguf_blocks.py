@@ -79,12 +79,15 @@ def decode_blocks(data, kind, n_in: int) -> tuple[torch.Tensor, torch.Tensor, to
     name = _name(kind)
     if name not in BLOCKS:
         raise QuantError(
-            f"{name!r} blocks are not 4-bit; import {', '.join(FOUR_BIT)} (re-quantise the "
-            "others from their dequantised values with dejavu_lab.quant.quantize)."
+            f"{name!r} blocks are not 4-bit; pass {', '.join(FOUR_BIT)} blocks, or use "
+            "dejavu_lab.quant.quantize on the dequantised values of the others."
         )
     per, size = BLOCKS[name]
     if n_in <= 0 or n_in % per:
-        raise QuantError(f"{name} rows hold whole blocks of {per}; {n_in} inputs do not split.")
+        raise QuantError(
+            f"{name} rows hold whole blocks of {per}, which {n_in} inputs do not split into; "
+            "pass the tensor's input width (ggml's ne[0])."
+        )
     raw = torch.from_numpy(np.array(data, dtype=np.uint8)).reshape(
         -1
     )  # a copy: GGUFReader maps read-only
@@ -149,7 +152,7 @@ def int4_from_blocks(
         codes, scales, mins = codes[rows], scales[rows], mins[rows]
     if codes.shape[0] % 2:
         raise QuantError(
-            f"{codes.shape[0]} outputs cannot pack two per byte; this format needs an even count."
+            f"{codes.shape[0]} outputs cannot pack two per byte; use a tensor with an even number of outputs."
         )
     return Int4Weight(
         pack(codes.T.contiguous()),

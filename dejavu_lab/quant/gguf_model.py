@@ -82,8 +82,8 @@ def gguf_names(model: nn.Module, arch: Arch | None = None) -> dict[str, str]:
     arch = arch or get_arch(model)
     if not arch.gated:
         raise QuantError(
-            f"GGUF import maps gated (Llama-family) layers; {arch.model_type!r} has no GGUF names "
-            "here — quantise its weights with rtn_weights."
+            f"GGUF import maps gated (Llama-family) layers and {arch.model_type!r} is not one; "
+            "use rtn_weights for its weights."
         )
     return {
         f"blk.{i}.{GGUF_PARTS[part]}.weight": name
@@ -129,7 +129,9 @@ def import_gguf(
     if modules is not None:
         unknown = sorted(set(modules) - set(names.values()))
         if unknown:
-            raise QuantError(f"{unknown[0]!r} is not a decoder linear of this model.")
+            raise QuantError(
+                f"{unknown[0]!r} is not a decoder linear of this model; pass names from decoder_linears(model)."
+            )
         names = {g: m for g, m in names.items() if m in set(modules)}
     reader = path if isinstance(path, GGUFReader) else None
     if reader is None:

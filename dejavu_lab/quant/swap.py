@@ -109,7 +109,7 @@ def dequantized(model: nn.Module, weights: Mapping[str, Int4Weight]) -> Iterator
         if q.shape != (m.in_features, m.out_features):
             raise QuantError(
                 f"{name!r} is [{m.out_features}, {m.in_features}] but its int4 weight stands for "
-                f"w_t of {q.shape}; quantise this model's weights."
+                f"w_t of {q.shape}; pass weights quantised from this model's linears."
             )
         w = m.weight
         new[name] = q.dequantize(torch.float32).T.to(w.dtype).to(w.device).contiguous()
