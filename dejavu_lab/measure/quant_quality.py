@@ -239,6 +239,17 @@ def quant_frontier(
     return out
 
 
+def _gguf_title(path) -> str | None:
+    """``general.name (file name)`` of a GGUF file, None when ``path`` is not one."""
+    if path is None:
+        return None
+    from gguf import GGUFReader
+
+    field = GGUFReader(path).fields.get("general.name")
+    title = bytes(field.parts[-1]).decode() if field is not None else "?"
+    return f"{title} ({os.path.basename(path)})"
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m dejavu_lab.measure.quant_quality``: run the study; print it or record it.
 
@@ -283,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.record:
         from .. import results
 
-        name = DEMO_NAME if args.model == "demo" else os.path.basename(str(args.model))
+        name = DEMO_NAME if args.model == "demo" else _gguf_title(gguf) or str(args.model)
         extra = {
             "model": name,
             "model_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
