@@ -15,10 +15,14 @@ round-to-nearest of the loaded weights (:func:`dejavu_lab.quant.swap.rtn_weights
 loaded from a 4-bit GGUF *is* 4-bit: the demo's "fp" weights are its Q4_1 values dequantised,
 so its "gguf" format is those same values and re-quantising them at group 32 gives them back.
 
-From a shell (records ``results/quant_quality_demo.json``)::
+From a shell — the recorded runs (one CPU thread; the demo's ~15 CPU-minutes, Qwen's ~10)::
 
-    OMP_NUM_THREADS=1 python -m dejavu_lab.measure.quant_quality --model demo \\
-        --record quant_quality_demo
+    python -m dejavu_lab.measure.quant_quality --model demo --sparse-formats fp rtn-g128 \\
+        --eval-windows 4 --calibration-tokens 4096 --record quant_quality_demo
+    python -m dejavu_lab.measure.quant_quality --model qwen2.5-0.5b.gguf --dtype bfloat16 \\
+        --formats fp gguf rtn-g32 rtn-g128 --sparse-formats fp gguf rtn-g32 \\
+        --variants "teal (uniform)" --sparsities 0.4 0.5 --eval-windows 4 \\
+        --calibration-tokens 2048 --record quant_quality_qwen2.5-0.5b
 """
 
 from __future__ import annotations
