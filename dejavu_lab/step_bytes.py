@@ -43,6 +43,25 @@ Three readings of a sparse step use this one count:
   only, against dense, from the kept fractions each site realised
   (:func:`bytes_per_token_fraction`).
 
+**4-bit weights** (:mod:`dejavu_lab.quant.int4`, ``int4_group=g``): a weight costs half a byte
+of code, and each group of ``g`` input channels of each output adds a scale and a min
+(``2 · scale_esize`` bytes). A kept unit reads its codes; the scales travel differently by the
+way a site reads its matrix:
+
+- *rows* (a neuron's or head's output rows: W_gate/W_up under DejaVu and CATS, W_Q, W_K, W_V)
+  own their scales: a kept row reads ``g`` codes and one (scale, min) per group — skipping it
+  skips both;
+- *columns* (input channels: every threshold site, W_down's and W_O's columns) share them: a
+  group's scales are read when **any** of its channels is kept. With channels kept
+  independently at rate ``f`` that is ``1 − (1 − f)^(g/u)`` of the groups (``u`` channels per
+  unit: 1, or ``d_head`` for a head's W_O columns, a head being whole groups when ``g ≤ u``) —
+  at 50% kept and ``g = 128`` every group; pass ``touched`` (:func:`groups_touched` of the real
+  masks) for the exact count.
+
+So 4-bit plus sparsity does not multiply quite as the payload does: at ``g = 128`` and fp16
+scales the scales are 1/16 of the codes, read in full as soon as the channels' sparsity is
+unstructured. The KV cache and the unembedding stay at ``esize``.
+
 ``arch`` is anything with ``n_layers``, ``d_model``, ``n_heads``, ``n_kv_heads``, ``d_head``,
 ``d_mlp`` and ``gated`` (:class:`dejavu_lab.arch.Arch`, the engine weights' ``arch``).
 """
@@ -55,6 +74,8 @@ from .vocab import site_width
 
 __all__ = [
     "bytes_per_token_fraction",
+    "groups_touched",
+    "int4_site_split",
     "layer_elements",
     "predictor_bytes",
     "site_elements",
@@ -99,6 +120,63 @@ def site_elements(arch) -> dict[str, int]:
         "heads": 2 * q * d,
         "kv": 2 * kv * d,
     }
+
+
+def int4_site_split(arch) -> dict[str, tuple[int, int, int]]:
+    """Per site: (elements read as output rows, as input columns, input channels per unit).
+
+    Rows and columns add up to :func:`site_elements`; the split decides where a 4-bit format's
+    scales are read (the module docstring).
+
+    >>> from dejavu_lab.models import random_model
+    >>> arch = random_model("tiny-llama").arch
+    >>> split = int4_site_split(arch)
+    >>> split["heads"], split["attn_in"]  # W_Q rows + W_O columns (16 channels per head)
+    ((4096, 4096, 16), (0, 8192, 1))
+    >>> all(r + c == site_elements(arch)[s] for s, (r, c, _) in split.items())
+    True
+    """
+    d, n, dh = arch.d_model, arch.d_mlp, arch.d_head
+    q, kv = arch.n_heads * dh, arch.n_kv_heads * dh
+    e = site_elements(arch)
+    gate_rows = site_width(arch, "gate") * d if arch.gated else 0  # W_up's rows; W_down's columns
+    return {
+        "attn_in": (0, e["attn_in"], 1),
+        "o_in": (0, e["o_in"], 1),
+        "mlp_in": (0, e["mlp_in"], 1),
+        "down_in": (0, e["down_in"], 1),
+        "gate": (gate_rows, e["gate"] - gate_rows, 1),
+        "mlp": (e["mlp"] - n * d, n * d, 1),
+        "heads": (q * d, q * d, dh),
+        "kv": (2 * kv * d, 0, dh),
+    }
+
+
+def groups_touched(kept, group: int, unit: int = 1):
+    """Share of a matrix's scale groups read when input channels are kept.
+
+    ``kept``: a kept fraction (float; channels kept independently — the expectation
+    ``1 − (1 − kept)^(group / unit)``), or a bool mask ``[..., channels]`` (per token; the exact
+    share of groups with a kept channel, averaged over the leading dims). ``unit``: channels
+    per kept unit (``d_head`` for a head's W_O columns; 1 for a channel).
+
+    >>> round(groups_touched(0.5, 128), 6), round(groups_touched(0.05, 32), 3)
+    (1.0, 0.806)
+    >>> import torch
+    >>> mask = torch.zeros(2, 256, dtype=torch.bool)
+    >>> mask[0, 0] = mask[1, 200] = mask[1, 201] = True  # one group in token 0, one in token 1
+    >>> groups_touched(mask, 128)
+    0.5
+    """
+    if isinstance(kept, (int, float)):
+        if not 0 <= kept <= 1:
+            raise ValueError(f"kept must be a fraction in [0, 1], got {kept!r}.")
+        return 1 - (1 - kept) ** max(1.0, group / unit)
+    n = kept.shape[-1]
+    if n % group:
+        raise ValueError(f"{n} channels do not split into groups of {group}.")
+    any_kept = kept.reshape(*kept.shape[:-1], n // group, group).any(dim=-1)
+    return float(any_kept.double().mean())
 
 
 def layer_elements(arch) -> int:
@@ -156,6 +234,9 @@ def step_bytes(
     predictors: float = 0,
     esize: int = 2,
     d_embed: int | None = None,
+    int4_group: int | None = None,
+    scale_esize: int = 2,
+    touched: Mapping | None = None,
 ) -> dict[str, float]:
     """Bytes per decode step by part: attention, mlp, kv_cache, lm_head, predictors, total.
 
@@ -164,6 +245,11 @@ def step_bytes(
     cached positions attended. ``predictors``: bytes (:func:`predictor_bytes`; 0 for dense).
     ``esize``: bytes per weight (2 for fp16/bf16). ``d_embed``: the unembedding's width when it
     is not ``d_model`` (OPT-350m).
+
+    ``int4_group``: the decoder layers' weights in group-wise int4 with groups of this many input
+    channels and ``scale_esize``-byte scales and mins (the module docstring); ``touched``: the
+    share of scale groups a column site reads, keyed as ``kept`` (default: the independence
+    estimate, :func:`groups_touched`). The KV cache and the unembedding stay at ``esize``.
 
     What our engine keeps, added to ``kept``: ``mlp_kept``/``head_kept`` — DejaVu's kept
     neurons and query heads (with multi-head attention, deferred KV keeps the K/V heads of the
@@ -194,6 +280,15 @@ def step_bytes(
     ...                         d_mlp=192, gated=True)
     >>> step_bytes(shape, vocab=128, context=8).values()  # parts in the order of the first line
     dict_values([49152.0, 147456.0, 2048, 16384, 0.0, 215040.0])
+
+    4-bit (group 128, fp16 scales): the layers read 0.5 + 4/128 bytes per weight, a quarter of
+    fp16 and a bit more; TEAL at 50% halves the codes but not the scales:
+
+    >>> q4 = step_bytes(llama, vocab=32000, context=512, int4_group=128)
+    >>> q4_teal = step_bytes(llama, vocab=32000, context=512, int4_group=128, site_kept=half)
+    >>> fp = step_bytes(llama, vocab=32000, context=512)
+    >>> [round(b["mlp"] / fp["mlp"], 4) for b in (q4, q4_teal)]
+    [0.2656, 0.1406]
     """
     L = arch.n_layers
     e = site_elements(arch)
@@ -204,19 +299,36 @@ def step_bytes(
     else:
         mha = arch.n_heads == arch.n_kv_heads
         items += [("mlp", mlp_kept), ("heads", head_kept), ("kv", head_kept if mha else 1.0)]
+    touched = dict(touched or {})
+    split = int4_site_split(arch) if int4_group else {}
     # Each part: its elements no site names, read in full (an exact integer), plus each named
     # site's elements times its kept fraction. Summing what is read rather than subtracting
     # what is skipped keeps small kept fractions accurate to the last digit.
     whole = {"attention": L * (e["attn_in"] + e["o_in"]), "mlp": L * e["mlp"]}
     whole["kv_cache"] = L * e["kv_cache"]
     kept_read = {"attention": 0.0, "mlp": 0.0, "kv_cache": 0}  # a full cache: an int, as recorded
+    scale_read = {"attention": 0.0, "mlp": 0.0}  # int4: weight elements whose scales are read
+    scale_whole = {"attention": whole["attention"], "mlp": whole["mlp"]}
     for key, f in items:
         layers, site = (1, key[1]) if isinstance(key, tuple) else (L, key)
         if site not in _PART:
             raise KeyError(f"unknown site {site!r}; sites are {', '.join(_PART)}")
-        whole[_PART[site]] -= e[site] * layers
-        kept_read[_PART[site]] += e[site] * f * layers
+        part = _PART[site]
+        whole[part] -= e[site] * layers
+        kept_read[part] += e[site] * f * layers
+        if split and part in scale_read:
+            rows, cols, unit = split[site]
+            t = touched.get(key, touched.get(site))
+            t = groups_touched(f, int4_group, unit) if t is None else t
+            scale_whole[part] -= e[site] * layers
+            scale_read[part] += (rows * f + cols * t) * layers
     parts = {p: (whole[p] + kept_read[p]) * esize for p in ("attention", "mlp", "kv_cache")}
+    if split:
+        per_element = 2 * scale_esize / int4_group  # a scale and a min per group of weights
+        for p in ("attention", "mlp"):
+            parts[p] = (whole[p] + kept_read[p]) * 0.5 + (
+                scale_whole[p] + scale_read[p]
+            ) * per_element
     parts |= {
         "lm_head": vocab * (d_embed or arch.d_model) * esize,
         "predictors": float(predictors),

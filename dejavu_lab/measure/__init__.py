@@ -8,6 +8,8 @@ reduce them on the spot, so a long text never holds every layer at once.
 - :mod:`.embeddings` — §3.3, Fig. 5: cross-layer cosine, residual vs sub-block norms.
 - :mod:`.heads`      — §3.2: head entropy / norm / kind, the mean-shift view.
 - :mod:`.union`      — Appendix C.1: union sparsity across batch sizes.
+- :mod:`.quant_quality` — perplexity on 4-bit weights, dense and under sparsity, beside fp
+  (imported on its own: ``dejavu_lab.measure.quant_quality``).
 """
 
 from .embeddings import layer_cosine, residual_norms

@@ -1,9 +1,30 @@
 """4-bit weights: the group-wise int4 format the sparse kernels read, and its conversions.
 
-:mod:`~dejavu_lab.quant.int4` holds the format (:class:`Int4Weight`) and round-to-nearest
-quantisation from fp16/bf16/fp32 weights.
+- :mod:`~dejavu_lab.quant.int4` — the format (:class:`Int4Weight`) and round-to-nearest
+  quantisation from fp16/bf16/fp32 weights;
+- :mod:`~dejavu_lab.quant.gguf_blocks` — GGUF's Q4_0 / Q4_1 / Q4_K blocks read into it exactly;
+- :mod:`~dejavu_lab.quant.gguf_model` — a loaded model's decoder linears from its GGUF file;
+- :mod:`~dejavu_lab.quant.swap` — a model run on its dequantised int4 weights (the quality
+  path measures the format, not a kernel).
 """
 
+from .gguf_blocks import FOUR_BIT, decode_blocks, int4_from_blocks
+from .gguf_model import GGUFImport, gguf_names, import_gguf
 from .int4 import GROUPS, Int4Weight, QuantError, quantize
+from .swap import decoder_linears, dequantized, rtn_weights
 
-__all__ = ["GROUPS", "Int4Weight", "QuantError", "quantize"]
+__all__ = [
+    "FOUR_BIT",
+    "GGUFImport",
+    "GROUPS",
+    "Int4Weight",
+    "QuantError",
+    "decode_blocks",
+    "decoder_linears",
+    "dequantized",
+    "gguf_names",
+    "import_gguf",
+    "int4_from_blocks",
+    "quantize",
+    "rtn_weights",
+]

@@ -68,7 +68,12 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Int4Weight:
-    """A weight ``w_t`` (``[in, out]``) in group-wise int4; see the module docstring."""
+    """A weight ``w_t`` (``[in, out]``) in group-wise int4; see the module docstring.
+
+    >>> w = Int4Weight(pack(torch.full((32, 2), 3)), torch.ones(1, 2), torch.zeros(1, 2), 32)
+    >>> w.shape, w.row_bytes, w.group_bytes, w.dequantize()[0].tolist()
+    ((32, 2), 1, 16, [3.0, 3.0])
+    """
 
     packed: torch.Tensor  # uint8 [in, out // 2]
     scales: torch.Tensor  # [in // group, out]
