@@ -47,6 +47,7 @@ __all__ = [
     "load_frontiers",
     "missing_models",
     "pickable",
+    "text_clause",
     "title",
     "variant_colors",
 ]
@@ -62,6 +63,7 @@ QUALITY_PATHS = ("dejavu_lab/sparsify", "dejavu_lab/step_bytes.py", "dejavu_lab/
 # are shown as recorded.
 TITLES = {"demo": "SmolLM2-135M-Instruct", "qwen2.5-0.5b": "Qwen2.5-Coder-0.5B-Instruct",
           "qwen2.5-1.5b": "Qwen2.5-Coder-1.5B-Instruct"}  # fmt: skip
+CORPUS_NAMES = {"demo": "Lee news corpus", "wikitext-2": "WikiText-2", "c4": "C4"}
 # provenance fields a frontier recording must carry for the chapter's caption
 NEEDED = ("model", "dtype", "tokens", "window", "calibration_tokens", "cpu", "git_sha")
 CLOSE = 0.01  # a runner-up this close (in perplexity ratio) is called out: the pick is a toss-up
@@ -172,6 +174,39 @@ def describe(model: str, prov: dict) -> str:
     )
     return (f"{title(model)} ({model}), {prov['dtype']}, {int(prov['tokens']):,} held-out tokens, "
             f"{prov['cpu']} CPU{threads}, {str(prov.get('date', ''))[:10]}, {age}")  # fmt: skip
+
+
+def text_clause(provs: dict) -> str:
+    """The text every recording measured, as a caption clause; one per distinct cut when
+    the recordings differ (corpus, calibration text and tokens, held-out tokens, window).
+
+    >>> print(text_clause({"a": {"corpus": "demo", "calibration": "demo", "window": 512,
+    ...                          "calibration_tokens": 8192, "tokens": 4096}}))
+    Lee news corpus (chapter 40's cut): thresholds calibrated on its first 8,192 tokens,
+    perplexity on the next 4,096, windows of 512
+    """
+
+    def one(p: dict) -> str:
+        corpus = CORPUS_NAMES.get(p.get("corpus"), str(p.get("corpus")))
+        calib = p.get("calibration", p.get("corpus"))
+        n_cal, n = int(p["calibration_tokens"]), int(p["tokens"])
+        if calib == p.get("corpus"):
+            how = (
+                f"thresholds calibrated on its first {n_cal:,} tokens, perplexity on the next {n:,}"
+            )
+        else:
+            how = (
+                f"thresholds calibrated on {n_cal:,} tokens of {CORPUS_NAMES.get(calib, calib)}, "
+                f"perplexity on {n:,} tokens after its first {int(p.get('train_tokens', 0)):,}"
+            )
+        return f"{corpus} (chapter 40's cut): {how}, windows of {int(p['window'])}"
+
+    cuts: dict[str, list[str]] = {}
+    for model, p in provs.items():
+        cuts.setdefault(one(p), []).append(model)
+    if len(cuts) == 1:
+        return next(iter(cuts))
+    return "; ".join(f"{listing(map(title, ms))}: {c}" for c, ms in cuts.items())
 
 
 def crossing_table(frame: pd.DataFrame, fractions=tuple(TARGETS)) -> pd.DataFrame:
