@@ -40,6 +40,7 @@ __all__ = [
     "TARGETS",
     "TITLES",
     "best_at",
+    "consensus",
     "crossing_table",
     "decision",
     "describe",
@@ -288,6 +289,24 @@ def best_at(cross: pd.DataFrame, frame: pd.DataFrame | None = None) -> pd.DataFr
             "meets": bool(ratio <= TARGETS.get(float(f), -np.inf)),
         })  # fmt: skip
     return pd.DataFrame(rows)
+
+
+def consensus(best: pd.DataFrame, fraction: float) -> tuple[str | None, int, int]:
+    """``(variant, k, n)``: the variant of :func:`best_at` that is best on the most models at
+    ``fraction`` (the first of a tie, in the models' order; None when none reaches it), on
+    how many (k) of the n models.
+
+    >>> best = pd.DataFrame({"fraction": 0.5, "model": ["a", "b", "c"],
+    ...                      "variant": ["x", "y", "y"]})
+    >>> consensus(best, 0.5), consensus(best, 0.6)
+    (('y', 2, 3), (None, 0, 0))
+    """
+    g = best[best.fraction == fraction]
+    counts = g.variant.dropna().value_counts(sort=False)
+    if counts.empty:
+        return None, 0, len(g)
+    v = counts.sort_values(ascending=False, kind="stable").index[0]
+    return str(v), int(counts[v]), len(g)
 
 
 def _pct(r: float) -> str:
