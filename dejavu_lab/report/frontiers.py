@@ -291,22 +291,22 @@ def best_at(cross: pd.DataFrame, frame: pd.DataFrame | None = None) -> pd.DataFr
     return pd.DataFrame(rows)
 
 
-def consensus(best: pd.DataFrame, fraction: float) -> tuple[str | None, int, int]:
-    """``(variant, k, n)``: the variant of :func:`best_at` that is best on the most models at
-    ``fraction`` (the first of a tie, in the models' order; None when none reaches it), on
-    how many (k) of the n models.
+def consensus(best: pd.DataFrame, fraction: float) -> tuple[list[str], int, int]:
+    """``(variants, k, n)``: the variants of :func:`best_at` best on the most models at
+    ``fraction`` (several on a tie; none when no variant reaches it), each on k of the n
+    models.
 
-    >>> best = pd.DataFrame({"fraction": 0.5, "model": ["a", "b", "c"],
-    ...                      "variant": ["x", "y", "y"]})
-    >>> consensus(best, 0.5), consensus(best, 0.6)
-    (('y', 2, 3), (None, 0, 0))
+    >>> best = pd.DataFrame({"fraction": [0.5] * 3 + [0.6] * 2, "model": ["a", "b", "c", "a", "b"],
+    ...                      "variant": ["x", "y", "y", "x", "y"]})
+    >>> consensus(best, 0.5), consensus(best, 0.6), consensus(best, 0.75)
+    ((['y'], 2, 3), (['x', 'y'], 1, 2), ([], 0, 0))
     """
     g = best[best.fraction == fraction]
     counts = g.variant.dropna().value_counts(sort=False)
     if counts.empty:
-        return None, 0, len(g)
-    v = counts.sort_values(ascending=False, kind="stable").index[0]
-    return str(v), int(counts[v]), len(g)
+        return [], 0, len(g)
+    k = int(counts.max())
+    return [str(v) for v, c in counts.items() if c == k], k, len(g)
 
 
 def _pct(r: float) -> str:
