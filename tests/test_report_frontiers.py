@@ -106,3 +106,14 @@ def test_figure_has_one_trace_per_model_and_variant():
         if t.meta:  # one colour per variant in every panel
             assert colors.setdefault(t.meta["variant"], t.line.color) == t.line.color
     assert len(fig.layout.annotations) >= len(provs)  # a title per panel, and the caption
+
+
+def test_decision_counts_the_majority_of_three():
+    best = pd.DataFrame({"fraction": 0.5, "model": ["a", "b", "c"], "variant": ["x", "y", "x"],
+                         "ratio": [1.1, 1.3, 1.2], "runner_up": None,
+                         "runner_up_ratio": float("nan"), "target": 1.15,
+                         "meets": [True, False, False]})  # fmt: skip
+    (said,) = frontiers.decision(best, names=str)
+    assert said.startswith("At 50% of the weight bytes the models disagree: x is best on 2 of the "
+                           "3 models, a (+10.0%) and c (+20.0%); y on b (+30.0%).")  # fmt: skip
+    assert frontiers.consensus(best, 0.5) == (["x"], 2, 3)

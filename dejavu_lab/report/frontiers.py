@@ -352,8 +352,11 @@ def decision(best: pd.DataFrame, names=title) -> list[str]:
                 f"{len(on)} of {n} models")  # fmt: skip
             text = f"{where} {v} is best on {many}: {listing(map(one, on.itertuples()))}"
         else:
-            bits = [f"{v} {'is best ' if i == 0 else ''}on {listing(map(one, on.itertuples()))}"
-                    for i, (v, on) in enumerate(winners)]  # fmt: skip
+            bits = []
+            for i, (v, on) in enumerate(winners):
+                many = f"{len(on)} of the {n} models, " if len(on) > 1 else ""
+                lead = "is best on" if i == 0 else "on"
+                bits.append(f"{v} {lead} {many}{listing(map(one, on.itertuples()))}")
             text = f"{where} the models disagree: " + "; ".join(bits)
         close = [
             r.model for r in reached.itertuples() if abs(r.runner_up_ratio - r.ratio) < CLOSE
