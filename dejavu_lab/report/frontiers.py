@@ -460,8 +460,13 @@ def frontiers_figure(frame: pd.DataFrame, caption: str, *, ymax: float = 10.0,
     fig.update_yaxes(title_text=f"perplexity / dense (log, clipped at ×{ymax:g})", row=1, col=1)
     fig.update_xaxes(autorange="reversed", title_text="fraction of dense weight bytes read")
     fig.add_hline(y=1.0, line_dash="dot", line_color="gray")
-    fig.update_layout(height=480, margin=dict(t=60, b=170, l=60, r=20),
-                      legend=dict(orientation="h", y=-0.22, x=0))  # fmt: skip
-    fig.add_annotation(text=wrap_caption(caption, 140), xref="paper", yref="paper", x=0, y=-0.45,
-                       showarrow=False, font=dict(size=9), xanchor="left", align="left")  # fmt: skip
+    # pixels: the panels, then below them the x title, the legend, the caption's lines
+    text = wrap_caption(caption, 120)  # as the demo frontier's caption
+    plot, axis, legend = 300, 60, 30 * (1 + len(variants) // 6)
+    below = axis + legend + 13 * (text.count("<br>") + 1) + 10
+    fig.update_layout(height=60 + plot + below, margin=dict(t=60, b=below, l=60, r=20),
+                      legend=dict(orientation="h", yanchor="top", y=-axis / plot, x=0))  # fmt: skip
+    fig.add_annotation(text=text, xref="paper", yref="paper", x=0, y=-(axis + legend) / plot,
+                       yanchor="top", showarrow=False, font=dict(size=9), xanchor="left",
+                       align="left")  # fmt: skip
     return fig
