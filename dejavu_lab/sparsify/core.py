@@ -215,7 +215,7 @@ def _context(
     name = _method_name(method, mode)
     spec = method_spec(name)
     L = arch.n_layers
-    unit = spec.family != "threshold"  # dense and the unit masks take mlp/head budgets
+    unit = spec.family not in ("threshold", "topk")  # dense and unit masks: mlp/head budgets
     if spec.needs == "static sets":
         # duck-typed: the sets come from dejavu_lab.sparsify.static (which imports this module)
         if not all(hasattr(static, a) for a in ("mlp_score", "head_score", "mlp_sparsity")):

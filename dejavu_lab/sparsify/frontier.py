@@ -61,7 +61,11 @@ VARIANTS: dict[str, dict] = {
     "teal (uniform)": {"method": "teal", "allocation": "uniform"},
     "teal (greedy)": {"method": "teal", "allocation": "greedy"},
     "wina (greedy)": {"method": "wina", "allocation": "greedy"},
+    # the top-k methods take TEAL's greedy shares; their other keys are their plan's options
+    "larosa (greedy)": {"method": "larosa", "allocation": "greedy"},
+    "rsparse (greedy)": {"method": "rsparse", "allocation": "greedy"},
 }
+_RUN_KEYS = ("method", "allocation", "sites", "dense_layers", "mlp_sparsity", "head_sparsity")
 # methods that need no trained predictor (but static sets or a calibration)
 TRAINING_FREE = tuple(m.name for m in METHODS.values() if m.needs in ("static sets", "calibration"))
 
@@ -135,9 +139,20 @@ def frontier(
             if s.get("allocation") == "greedy" and greedy_allocates(s["method"])
         }
     )
-    cal = None
+    topk = [
+        s
+        for s in specs.values()
+        if s["method"] in METHODS and METHODS[s["method"]].family == "topk"
+    ]
+    if any(s.get("allocation") == "greedy" for s in topk) and "teal" not in greedy:
+        greedy.append("teal")  # the top-k methods spread a budget as TEAL's greedy search does
+    cal = moments = None
     if "calibration" in needs:
         cal = calibrate(model, calib, greedy=greedy, arch=arch, progress=progress)
+    if topk:
+        from .moments import calibrate_moments
+
+        moments = calibrate_moments(model, calib, arch=arch, progress=progress)
     static = None
     if "static sets" in needs:
         from .static import static_sets
@@ -152,7 +167,7 @@ def frontier(
     for name, spec in specs.items():
         for s in sparsities:
             t0 = time.perf_counter()
-            kw = _kwargs(spec, s, cal, static, predictors)
+            kw = _kwargs(spec, s, cal, static, predictors, model=model, moments=moments)
             r = sparse_eval(model, held_out, progress=progress, **kw)
             rows.append(_row(name, spec, s, r, time.perf_counter() - t0))
     df = pd.DataFrame(rows)
@@ -172,10 +187,19 @@ def _specs(variants) -> dict[str, dict]:
     return {v: VARIANTS[v] for v in variants}
 
 
-def _kwargs(spec: dict, s: float, cal, static, predictors) -> dict:
+def _kwargs(spec: dict, s: float, cal, static, predictors, *, model=None, moments=None) -> dict:
     m = METHODS.get(spec["method"])  # None for a name outside the table: refused below
     kw = {"method": spec["method"], "dense_layers": tuple(spec.get("dense_layers", ()))}
-    if m is not None and m.family == "unit":
+    if m is not None and m.family == "topk":  # a plan of fixed counts (dejavu_lab.sparsify.topk)
+        from . import larosa, rsparse
+
+        build = {"larosa": larosa.plan, "rsparse": rsparse.plan}[m.name]
+        opts = {k: v for k, v in spec.items() if k not in _RUN_KEYS}
+        alloc = spec.get("allocation", "uniform")
+        kw["thresholds"] = build(
+            model, moments, s, allocation=alloc, teal=cal, dense_layers=kw["dense_layers"], **opts
+        )
+    elif m is not None and m.family == "unit":
         kw["sparsity"] = s
         for k in ("mlp_sparsity", "head_sparsity"):
             if k in spec:

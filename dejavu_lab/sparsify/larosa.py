@@ -1,0 +1,257 @@
+"""LaRoSA: a fixed top-k of each linear input in a rotated basis (Liu et al., ICML 2025, §3).
+
+For a linear layer ``W x``, any orthogonal ``Q`` gives ``W x = (W Q)(Qᵀ x)``: store ``W Q`` as
+the weight, and the sparse kernels read the columns of the entries kept of ``y = Qᵀ x``. With
+``Q`` the eigenvectors of the input's second-moment matrix E[xxᵀ] on calibration text (PCA),
+``y``'s energy sits in few entries, and keeping the top-k ``|y_j|`` per token loses less than
+keeping the top-k ``|x_j|`` (TEAL). The count is fixed per (layer, site), so every token reads
+the same columns' worth of bytes.
+
+Where the rotation can be folded into the weights, and what it costs where it cannot:
+
+- ``attn_in``, ``mlp_in`` (a norm's output ``g ⊙ u + b``): the norm's gain ``g`` folds into the
+  weights (``W diag(g)``, QuaRot's move), and ``u = h / rms(h)`` commutes with a rotation of the
+  residual stream ``h``. With one basis for the whole residual stream (``basis="global"``:
+  embedding rows, every writer's rows — o_proj, down_proj — and every reader's columns rotated,
+  SliceGPT-style) the rotation is free. A basis per layer (``"layer"``, shared by the layer's
+  two norms, as LaRoSA's code has one per layer) needs the stream turned from one layer's basis
+  to the next: one d × d matrix read per layer. A basis per site (``"site"``) turns it twice
+  per layer: 2 d². These are counted as extra elements per token (the same bytes as computing
+  ``Qᵀx`` online).
+- ``o_in`` (attention's output ``z``, per head): a rotation per key/value head group folds into
+  W_V's rows and W_O's columns (``z_h = P_h V_g`` and ``V_g Q_g`` stays a value), so it is free.
+  A rotation mixing heads could not be folded (each head has its own probabilities).
+- ``down_in`` (``act(gate) ⊙ up``): an elementwise product; no rotation folds into its producer,
+  and an online one reads n × n weights, n/d times down_proj itself (2.7× for the demo model).
+  This site keeps TEAL's top-k of ``|a_j|`` in its own basis, as LaRoSA's code does.
+
+``score="weighted"`` ranks ``|y_j| · ‖(W Q)[:, j]‖`` (WINA's weighting in the rotated basis).
+The hooks compute ``x' = g ⊙ Q·topk(Qᵀ u) + b``: the same vector the folded layer sees, so the
+model's own forward measures the quality. :func:`folded_weights` writes the weights an engine
+would store.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from ..arch import Arch, get_arch
+from ..budgets import n_keep, topk_mask
+from ..collect import fingerprint
+from ..vocab import SITES, site_width
+from .core import SparseContext, column_norms, register, site_weights
+from .moments import Moments, norm_affine
+from .topk import SitePlan, TopkPlan, plan_for, site_shares
+
+__all__ = ["BASES", "folded_weights", "larosa_hooks", "plan"]
+
+BASES = ("global", "layer", "site")  # one rotation for the residual stream / per layer / per site
+_NORMED = ("attn_in", "mlp_in")
+
+
+def _eig(c: torch.Tensor) -> torch.Tensor:
+    """Eigenvectors of a symmetric matrix, largest eigenvalue first, fp32 (float64 solve)."""
+    return torch.linalg.eigh(c.double()).eigenvectors.flip(-1).float()
+
+
+def _bases(moments: Moments, arch: Arch, basis: str) -> dict:
+    """``(layer, site) -> Q`` [d, d] for attn_in, mlp_in; cached on the moments."""
+    key = ("larosa", basis)
+    if key in moments.cache:
+        return moments.cache[key]
+    L, out = arch.n_layers, {}
+    if basis == "global":
+        q = _eig(sum(moments.cov(i, s) for i in range(L) for s in _NORMED))
+        out = {(i, s): q for i in range(L) for s in _NORMED}
+    elif basis == "layer":
+        for i in range(L):
+            q = _eig(moments.cov(i, "attn_in") + moments.cov(i, "mlp_in"))
+            out.update({(i, s): q for s in _NORMED})
+    else:
+        out = {(i, s): _eig(moments.cov(i, s)) for i in range(L) for s in _NORMED}
+    moments.cache[key] = out
+    return out
+
+
+def _head_bases(moments: Moments, arch: Arch, layer: int) -> torch.Tensor:
+    """Per query head the basis of its key/value group: [h, dh, dh]."""
+    c = moments.cov(layer, "o_in")  # [h, dh, dh]
+    groups = c.reshape(arch.n_kv_heads, arch.heads_per_kv, *c.shape[1:]).sum(1)
+    q = _eig(groups)  # [kv, dh, dh]
+    return q.repeat_interleave(arch.heads_per_kv, dim=0)
+
+
+def plan(
+    model: nn.Module,
+    moments: Moments,
+    sparsity,
+    *,
+    allocation: str = "uniform",
+    teal=None,
+    basis: str = "layer",
+    rotate_o: bool = True,
+    score: str = "magnitude",
+    dense_layers: Sequence[int] = (),
+    arch: Arch | None = None,
+) -> TopkPlan:
+    """LaRoSA's plan for a per-layer budget ``sparsity`` (share of each layer's columns removed,
+    in [0, 1)), spread over the sites by ``allocation`` (``teal``: a calibration with TEAL's
+    greedy path, for ``"greedy"``); ``basis``: one of :data:`BASES`; ``rotate_o``: rotate
+    attention's output per head group; ``score``: ``"magnitude"`` or ``"weighted"``.
+
+    >>> from dejavu_lab.models import random_model
+    >>> from dejavu_lab.sparsify.moments import calibrate_moments
+    >>> m = random_model("tiny-llama")
+    >>> mo = calibrate_moments(m.model, torch.randint(0, 128, (1, 16)), cache=False,
+    ...                        progress=False)
+    >>> p = plan(m.model, mo, 0.5)
+    >>> p.sites[(0, "attn_in")].keep, p.sites[(0, "down_in")].keep, p.layer_extra[0]  # d² a layer
+    (32, 96, 4096.0)
+    >>> plan(m.model, mo, 0.5, basis="random")
+    Traceback (most recent call last):
+    ...
+    ValueError: basis must be one of global, layer, site, got 'random'.
+    """
+    arch = arch or get_arch(model)
+    if basis not in BASES:
+        raise ValueError(f"basis must be one of {', '.join(BASES)}, got {basis!r}.")
+    if score not in ("magnitude", "weighted"):
+        raise ValueError(f"score must be 'magnitude' or 'weighted', got {score!r}.")
+    moments.check_model(model, arch)
+    shares = site_shares(arch.n_layers, sparsity, allocation, teal=teal, dense_layers=dense_layers)
+    bases = _bases(moments, arch, basis)
+    d = arch.d_model
+    sites: dict[tuple[int, str], SitePlan] = {}
+    layer_extra: dict[int, float] = {}
+    for (i, site), share in sorted(shares.items()):
+        width = site_width(arch, site)
+        t: dict = {}
+        if site in _NORMED:
+            g, b = norm_affine(model, arch, i, site)
+            t.update(q=bases[(i, site)], g=g, b=b)
+            # the residual stream's turns: one per layer ("layer"), two ("site"), none ("global")
+            layer_extra[i] = {"global": 0.0, "layer": float(d * d), "site": 2.0 * d * d}[basis]
+        elif site == "o_in" and rotate_o:
+            t["qh"] = _head_bases(moments, arch, i)
+        if score == "weighted":
+            t["norms"] = _column_norms(model, arch, i, site, t)
+        sites[(i, site)] = SitePlan(n_keep(share, width), width, t)
+    opts = dict(basis=basis, rotate_o=rotate_o, score=score, allocation=allocation)
+    return TopkPlan("larosa", sites, fingerprint(model, arch), opts, layer_extra)
+
+
+def _column_norms(model, arch, i, site, t) -> torch.Tensor:
+    """‖(W Q)[:, j]‖ of the folded weights (or ‖W[:, j]‖ where nothing is rotated)."""
+    if "q" in t:
+        w = torch.cat([m.weight.detach().float() for m in site_weights(model, arch, i, site)])
+        return (w * t["g"]).matmul(t["q"]).norm(dim=0)
+    if "qh" in t:
+        w = arch.part(model, i, "o").weight.detach().float()  # [d, h * dh]
+        wh = w.reshape(w.shape[0], arch.n_heads, arch.d_head)
+        return torch.einsum("ohd,hde->ohe", wh, t["qh"]).flatten(1).norm(dim=0)
+    return column_norms(model, arch, i, site)
+
+
+@register("larosa")
+def larosa_hooks(ctx: SparseContext) -> list:
+    """Builder of method ``"larosa"``: keep the top-k rotated entries per token and site.
+
+    >>> from dejavu_lab.models import random_model
+    >>> from dejavu_lab.sparsify import sparse_eval
+    >>> from dejavu_lab.sparsify.moments import calibrate_moments
+    >>> model = random_model("tiny-llama").model
+    >>> ids = torch.randint(0, 128, (2, 32))
+    >>> mo = calibrate_moments(model, ids, cache=False, progress=False)
+    >>> r = sparse_eval(model, ids, method="larosa", sparsity=0.5, thresholds=mo, progress=False)
+    >>> r.kept["attn_in"], round(r.bytes_per_token_fraction, 3)  # half the columns + Q per layer
+    (0.5, 0.583)
+    """
+    p = plan_for(ctx, plan)
+    p_fp = p.fingerprint
+    if p_fp != fingerprint(ctx.model, ctx.arch):
+        raise ValueError("this plan was built for another model; build it for this one.")
+    fns = []
+    for (i, site), sp in sorted(p.sites.items()):
+        if i in ctx.dense:
+            continue
+        fns.append((f"blocks.{i}.{SITES[site]}", _rotated_topk(ctx, i, site, sp, p.layer_extra)))
+    return fns
+
+
+def _rotated_topk(ctx, i, site, sp: SitePlan, layer_extra):
+    cache: dict = {}
+
+    def fn(x: torch.Tensor, name: str) -> torch.Tensor:
+        t = cache.get(x.device)
+        if t is None:
+            t = cache[x.device] = {k: v.to(x.device) for k, v in sp.tensors.items()}
+        shape = x.shape
+        if "q" in t:  # [b, p, d]: u = (x - b) / g, y = Qᵀ u
+            g = t["g"]
+            u = torch.where(g != 0, (x.float() - t["b"]) / g, torch.zeros((), device=x.device))
+            y = u @ t["q"]
+        elif "qh" in t:  # [b, p, h, dh]: per head y_h = Q_gᵀ z_h
+            y = torch.einsum("bphd,hde->bphe", x.float(), t["qh"]).flatten(2)
+        else:
+            y = x.float().flatten(2) if site == "o_in" else x.float()
+        score = y.abs() * t["norms"] if "norms" in t else y.abs()
+        keep = topk_mask(score, sp.keep)
+        y = torch.where(keep, y, torch.zeros((), device=y.device))
+        if "q" in t:
+            out = (y @ t["q"].T) * t["g"] + t["b"]
+        elif "qh" in t:
+            out = torch.einsum("bphe,hde->bphd", y.reshape(shape), t["qh"])
+        else:
+            out = y
+        if ctx.kept is not None:
+            ctx.kept.add(i, site, keep)
+            if layer_extra.get(i):
+                ctx.kept.add_extra(i, "rotation", layer_extra[i])
+        return out.reshape(shape).to(x.dtype)
+
+    return fn
+
+
+@torch.no_grad()
+def folded_weights(model: nn.Module, p: TopkPlan, arch: Arch | None = None) -> dict:
+    """The weights an engine stores to run plan ``p`` with sparse column kernels, fp32.
+
+    Per layer ``i``: ``{i}.{attn_in,mlp_in}.weight`` = ``[W…] diag(g) Q`` (stacked rows of
+    q/k/v or gate/up; the norm then runs without its gain) and ``.bias`` = ``[W…] b`` plus the
+    layers' own bias; ``{i}.rotation`` = the layer's Q (the residual stream's turn into this
+    layer's basis, where the basis is not global); ``{i}.v.weight`` (rows turned per head group)
+    and ``{i}.o.weight`` (columns turned) when attention's output is rotated. Dense output is
+    unchanged: ``W x = folded (Qᵀ u) + bias``.
+    """
+    arch = arch or get_arch(model)
+    out = {}
+    for (i, site), sp in sorted(p.sites.items()):
+        t = sp.tensors
+        if "q" in t:
+            mods = site_weights(model, arch, i, site)
+            w = torch.cat([m.weight.detach().float() for m in mods])
+            bias = torch.cat(
+                [
+                    m.bias.detach().float() if m.bias is not None else torch.zeros(m.out_features)
+                    for m in mods
+                ]
+            )
+            out[f"{i}.{site}.weight"] = (w * t["g"]) @ t["q"]
+            out[f"{i}.{site}.bias"] = w @ t["b"] + bias
+            out[f"{i}.rotation"] = t["q"]
+        elif "qh" in t:
+            kv = t["qh"][:: arch.heads_per_kv]  # [kv, dh, dh]
+            wv = arch.part(model, i, "v").weight.detach().float()  # [kv * dh, d]
+            wv = wv.reshape(arch.n_kv_heads, arch.d_head, -1)
+            out[f"{i}.v.weight"] = torch.einsum("gde,gdk->gek", kv, wv).flatten(0, 1)
+            bv = arch.part(model, i, "v").bias
+            if bv is not None:  # Qwen2's value bias turns with its rows
+                bv = bv.detach().float().reshape(arch.n_kv_heads, arch.d_head)
+                out[f"{i}.v.bias"] = torch.einsum("gde,gd->ge", kv, bv).flatten()
+            wo = arch.part(model, i, "o").weight.detach().float()  # [d, h * dh]
+            wo = wo.reshape(wo.shape[0], arch.n_heads, arch.d_head)
+            out[f"{i}.o.weight"] = torch.einsum("ohd,hde->ohe", wo, t["qh"]).flatten(1)
+    return out

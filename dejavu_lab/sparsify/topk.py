@@ -1,0 +1,119 @@
+"""Fixed top-k per token on a transformed site input: the plans LaRoSA and R-Sparse run.
+
+TEAL's threshold keeps a different number of entries for every token; the methods here keep a
+fixed count ``k`` per (layer, site) of a *transformed* input — a rotated one
+(:mod:`~dejavu_lab.sparsify.larosa`) or the large entries beside a low-rank term for the rest
+(:mod:`~dejavu_lab.sparsify.rsparse`) — so the bytes a step reads are exact, not an average:
+``k`` weight columns of the site plus the method's extra weights (an online rotation, low-rank
+factors), counted through :meth:`~dejavu_lab.sparsify.kept.Kept.add_extra` into
+:func:`~dejavu_lab.step_bytes.bytes_per_token_fraction`.
+
+A :class:`TopkPlan` is what the hooks run: per (layer, site) the kept count, the method's
+tensors and the extra elements. Plans are built from calibration moments
+(:mod:`~dejavu_lab.sparsify.moments`) and a per-layer budget, spread over a layer's sites
+uniformly or as TEAL's greedy search spreads it (:func:`site_shares`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ..budgets import budgets
+from ..vocab import SITES
+from .thresholds import CalibrationError
+
+__all__ = ["SitePlan", "TopkPlan", "plan_for", "site_shares"]
+
+
+@dataclass
+class SitePlan:
+    """One (layer, site) of a plan."""
+
+    keep: int  # entries of the (transformed) input kept per token: weight columns read
+    width: int  # entries of the site's input (d_in)
+    tensors: dict = field(default_factory=dict)  # the method's tensors (bases, factors, norms)
+    extra: float = 0.0  # weight elements read per token besides the kept columns
+    rank: int = 0  # R-Sparse: rank of the low-rank term
+
+
+@dataclass
+class TopkPlan:
+    """What a top-k method's hooks apply: per (layer, site) a :class:`SitePlan`.
+
+    ``layer_extra``: elements read per token once per layer besides the sites (LaRoSA's
+    residual-stream rotation).
+    """
+
+    method: str
+    sites: dict[tuple[int, str], SitePlan]
+    fingerprint: dict  # the model it was built for
+    options: dict = field(default_factory=dict)  # how it was built (basis, rank share, ...)
+    layer_extra: dict[int, float] = field(default_factory=dict)
+
+    def kept_fractions(self) -> dict[tuple[int, str], float]:
+        """(layer, site) -> kept share of its columns: exact, the same for every token."""
+        return {k: p.keep / p.width for k, p in sorted(self.sites.items())}
+
+    def extra_elements(self) -> float:
+        """Weight elements per token besides the kept columns, over every layer."""
+        return sum(p.extra for p in self.sites.values()) + sum(self.layer_extra.values())
+
+
+def site_shares(
+    n_layers: int,
+    sparsity,
+    allocation: str = "uniform",
+    *,
+    teal=None,
+    dense_layers: Sequence[int] = (),
+) -> dict[tuple[int, str], float]:
+    """(layer, site) -> share of the site's columns removed, for a per-layer budget.
+
+    ``"uniform"``: every site at the layer's budget. ``"greedy"``: the shares TEAL's greedy
+    search chose for the same budget (``teal``: a
+    :class:`~dejavu_lab.sparsify.calibration.Calibration` with TEAL's greedy path).
+
+    >>> site_shares(2, [0.5, 0.0])
+    {(0, 'attn_in'): 0.5, (0, 'o_in'): 0.5, (0, 'mlp_in'): 0.5, (0, 'down_in'): 0.5}
+    >>> site_shares(2, 1.0)
+    Traceback (most recent call last):
+    ...
+    ValueError: sparsity must be in [0, 1) ...
+    """
+    s = budgets(sparsity, n_layers, "sparsity")
+    for i in dense_layers:
+        s[i % n_layers] = 0.0
+    if allocation == "greedy":
+        if teal is None or teal.greedy_table("teal") is None:
+            raise CalibrationError(
+                "allocation='greedy' takes TEAL's greedy shares: pass teal=calibrate(model, "
+                "windows, greedy=['teal'])."
+            )
+        return teal._site_sparsities("teal", s, "greedy")
+    if allocation != "uniform":
+        raise CalibrationError(f"allocation must be 'uniform' or 'greedy', got {allocation!r}.")
+    return {(i, site): si for i, si in enumerate(s) if si > 0 for site in SITES}
+
+
+def plan_for(ctx, build) -> TopkPlan:
+    """The plan a builder applies: ``ctx.thresholds`` as it is (a :class:`TopkPlan`), or
+    ``build(model, moments, sparsity, allocation=..., dense_layers=..., arch=...)`` from
+    :class:`~dejavu_lab.sparsify.moments.Moments` and ``sparsified``'s ``sparsity=``."""
+    from .moments import Moments
+
+    src, method = ctx.thresholds, ctx.method
+    if isinstance(src, TopkPlan):
+        if src.method != method:
+            raise ValueError(f"this plan is for {src.method!r}, not {method!r}.")
+        if ctx.sparsity is not None:
+            raise ValueError("a ready plan carries its own budget; drop sparsity=.")
+        return src
+    if isinstance(src, Moments):
+        if ctx.sparsity is None:
+            raise ValueError(f"method={method!r} with Moments needs sparsity=.")
+        return build(ctx.model, src, ctx.sparsity, allocation=ctx.allocation, arch=ctx.arch)
+    raise ValueError(
+        f"method={method!r} needs thresholds=calibrate_moments(model, windows) (Moments) or a "
+        f"plan from dejavu_lab.sparsify.{method}.plan; got {type(src).__name__}."
+    )
