@@ -221,8 +221,8 @@ def folded_weights(model: nn.Module, p: TopkPlan, arch: Arch | None = None) -> d
 
     Per layer ``i``: ``{i}.{attn_in,mlp_in}.weight`` = ``[W…] diag(g) Q`` (stacked rows of
     q/k/v or gate/up; the norm then runs without its gain) and ``.bias`` = ``[W…] b`` plus the
-    layers' own bias; ``{i}.rotation`` = the layer's Q (the residual stream's turn into this
-    layer's basis, where the basis is not global); ``{i}.v.weight`` (rows turned per head group)
+    layers' own bias; ``{i}.{site}.rotation`` = its Q (the residual stream's turn into the
+    site's basis is ``Q_nextᵀ Q_prev``, read where the basis is not global); ``{i}.v.weight`` (rows turned per head group)
     and ``{i}.o.weight`` (columns turned) when attention's output is rotated. Dense output is
     unchanged: ``W x = folded (Qᵀ u) + bias``.
     """
@@ -241,7 +241,7 @@ def folded_weights(model: nn.Module, p: TopkPlan, arch: Arch | None = None) -> d
             )
             out[f"{i}.{site}.weight"] = (w * t["g"]) @ t["q"]
             out[f"{i}.{site}.bias"] = w @ t["b"] + bias
-            out[f"{i}.rotation"] = t["q"]
+            out[f"{i}.{site}.rotation"] = t["q"]
         elif "qh" in t:
             kv = t["qh"][:: arch.heads_per_kv]  # [kv, dh, dh]
             wv = arch.part(model, i, "v").weight.detach().float()  # [kv * dh, d]
