@@ -44,11 +44,13 @@ from ..collect import fingerprint
 from ..vocab import SITES, site_width
 from .core import SparseContext, column_norms, register, site_weights
 from .moments import Moments, norm_affine
+from .search import search_path
 from .topk import SitePlan, TopkPlan, plan_for, site_shares
 
 __all__ = ["BASES", "folded_weights", "larosa_hooks", "plan"]
 
-BASES = ("global", "layer", "site")  # one rotation for the residual stream / per layer / per site
+# one rotation for the residual stream / per layer / per site; "none": TEAL's inputs, top-k
+BASES = ("global", "layer", "site", "none")
 _NORMED = ("attn_in", "mlp_in")
 
 
@@ -57,21 +59,30 @@ def _eig(c: torch.Tensor) -> torch.Tensor:
     return torch.linalg.eigh(c.double()).eigenvectors.flip(-1).float()
 
 
-def _bases(moments: Moments, arch: Arch, basis: str) -> dict:
-    """``(layer, site) -> Q`` [d, d] for attn_in, mlp_in; cached on the moments."""
-    key = ("larosa", basis)
+def _bases(moments: Moments, arch: Arch, basis: str, gains: dict | None = None) -> dict:
+    """``(layer, site) -> Q`` [d, d] for attn_in, mlp_in; cached on the moments. ``gains``:
+    ``(layer, site) -> g`` to take the PCA of the norm's output ``g ⊙ u`` instead of ``u``."""
+    key = ("larosa", basis, gains is not None)
     if key in moments.cache:
         return moments.cache[key]
+
+    def cov(i, s):
+        c = moments.cov(i, s)
+        if gains is None:
+            return c
+        g = gains[(i, s)].double()
+        return c * g[:, None] * g[None, :]
+
     L, out = arch.n_layers, {}
     if basis == "global":
-        q = _eig(sum(moments.cov(i, s) for i in range(L) for s in _NORMED))
+        q = _eig(sum(cov(i, s) for i in range(L) for s in _NORMED))
         out = {(i, s): q for i in range(L) for s in _NORMED}
     elif basis == "layer":
         for i in range(L):
-            q = _eig(moments.cov(i, "attn_in") + moments.cov(i, "mlp_in"))
+            q = _eig(cov(i, "attn_in") + cov(i, "mlp_in"))
             out.update({(i, s): q for s in _NORMED})
-    else:
-        out = {(i, s): _eig(moments.cov(i, s)) for i in range(L) for s in _NORMED}
+    elif basis == "site":
+        out = {(i, s): _eig(cov(i, s)) for i in range(L) for s in _NORMED}
     moments.cache[key] = out
     return out
 
@@ -94,13 +105,17 @@ def plan(
     basis: str = "layer",
     rotate_o: bool = True,
     score: str = "magnitude",
+    fold_gain: bool = True,
     dense_layers: Sequence[int] = (),
     arch: Arch | None = None,
 ) -> TopkPlan:
     """LaRoSA's plan for a per-layer budget ``sparsity`` (share of each layer's columns removed,
-    in [0, 1)), spread over the sites by ``allocation`` (``teal``: a calibration with TEAL's
-    greedy path, for ``"greedy"``); ``basis``: one of :data:`BASES`; ``rotate_o``: rotate
-    attention's output per head group; ``score``: ``"magnitude"`` or ``"weighted"``.
+    in [0, 1)), spread over the sites by ``allocation`` (``"uniform"``; ``"greedy"``: TEAL's
+    shares, from ``teal``, a calibration with TEAL's greedy path; ``"search"``: the same greedy
+    search run on this method's own sites, :mod:`~dejavu_lab.sparsify.search`); ``basis``: one of :data:`BASES`; ``rotate_o``: rotate
+    attention's output per head group; ``score``: ``"magnitude"`` or ``"weighted"``;
+    ``fold_gain=False``: PCA and rotate the norm's output ``g ⊙ u`` itself (as LaRoSA's code does;
+    the rotation then cannot be global).
 
     >>> from dejavu_lab.models import random_model
     >>> from dejavu_lab.sparsify.moments import calibrate_moments
@@ -113,34 +128,60 @@ def plan(
     >>> plan(m.model, mo, 0.5, basis="random")
     Traceback (most recent call last):
     ...
-    ValueError: basis must be one of global, layer, site, got 'random'.
+    ValueError: basis must be one of global, layer, site, none, got 'random'.
     """
     arch = arch or get_arch(model)
     if basis not in BASES:
         raise ValueError(f"basis must be one of {', '.join(BASES)}, got {basis!r}.")
     if score not in ("magnitude", "weighted"):
         raise ValueError(f"score must be 'magnitude' or 'weighted', got {score!r}.")
+    if not fold_gain and basis == "global":
+        raise ValueError("a global basis needs fold_gain=True (the norms' gains differ by layer).")
     moments.check_model(model, arch)
-    shares = site_shares(arch.n_layers, sparsity, allocation, teal=teal, dense_layers=dense_layers)
-    bases = _bases(moments, arch, basis)
-    d = arch.d_model
-    sites: dict[tuple[int, str], SitePlan] = {}
-    layer_extra: dict[int, float] = {}
-    for (i, site), share in sorted(shares.items()):
+    gains = None
+    if not fold_gain:
+        gains = {
+            (i, s): norm_affine(model, arch, i, s)[0] for i in range(arch.n_layers) for s in _NORMED
+        }
+    bases = _bases(moments, arch, basis, gains)
+    opts = dict(basis=basis, rotate_o=rotate_o, score=score, fold_gain=fold_gain)
+    cached: dict = {}
+
+    def site_plan(i: int, site: str, share: float) -> SitePlan:
+        if (i, site) not in cached:
+            cached[(i, site)] = _site_tensors(model, arch, moments, i, site, bases, opts)
         width = site_width(arch, site)
-        t: dict = {}
-        if site in _NORMED:
-            g, b = norm_affine(model, arch, i, site)
-            t.update(q=bases[(i, site)], g=g, b=b)
-            # the residual stream's turns: one per layer ("layer"), two ("site"), none ("global")
-            layer_extra[i] = {"global": 0.0, "layer": float(d * d), "site": 2.0 * d * d}[basis]
-        elif site == "o_in" and rotate_o:
-            t["qh"] = _head_bases(moments, arch, i)
-        if score == "weighted":
-            t["norms"] = _column_norms(model, arch, i, site, t)
-        sites[(i, site)] = SitePlan(n_keep(share, width), width, t)
-    opts = dict(basis=basis, rotate_o=rotate_o, score=score, allocation=allocation)
-    return TopkPlan("larosa", sites, fingerprint(model, arch), opts, layer_extra)
+        return SitePlan(n_keep(share, width), width, cached[(i, site)])
+
+    def search():
+        return search_path(model, moments, site_plan, _transform, ("larosa", opts), arch=arch)
+
+    shares = site_shares(
+        arch.n_layers, sparsity, allocation, teal=teal, search=search, dense_layers=dense_layers
+    )
+    d = arch.d_model
+    sites = {k: site_plan(*k, share) for k, share in sorted(shares.items())}
+    turns = {"global": 0.0, "layer": float(d * d), "site": 2.0 * d * d, "none": 0.0}[basis]
+    # the residual stream's turns: one per layer ("layer"), two ("site"), none ("global")
+    layer_extra = {i: turns for (i, s) in sites if s in _NORMED and turns}
+    return TopkPlan(
+        "larosa", sites, fingerprint(model, arch), {**opts, "allocation": allocation}, layer_extra
+    )
+
+
+def _site_tensors(model, arch, moments, i, site, bases, opts) -> dict:
+    """What the hook of (layer, site) needs: basis, gain and bias, column norms."""
+    t: dict = {}
+    if site in _NORMED and opts["basis"] != "none":
+        g, b = norm_affine(model, arch, i, site)
+        if not opts["fold_gain"]:  # rotate the norm's output itself: Q of g ⊙ u, read online
+            g, b = torch.ones_like(g), torch.zeros_like(b)
+        t.update(q=bases[(i, site)], g=g, b=b)
+    elif site == "o_in" and opts["rotate_o"]:
+        t["qh"] = _head_bases(moments, arch, i)
+    if opts["score"] == "weighted":
+        t["norms"] = _column_norms(model, arch, i, site, t)
+    return t
 
 
 def _column_norms(model, arch, i, site, t) -> torch.Tensor:
@@ -185,34 +226,40 @@ def _rotated_topk(ctx, i, site, sp: SitePlan, layer_extra):
     cache: dict = {}
 
     def fn(x: torch.Tensor, name: str) -> torch.Tensor:
-        t = cache.get(x.device)
-        if t is None:
-            t = cache[x.device] = {k: v.to(x.device) for k, v in sp.tensors.items()}
-        shape = x.shape
-        if "q" in t:  # [b, p, d]: u = (x - b) / g, y = Qᵀ u
-            g = t["g"]
-            u = torch.where(g != 0, (x.float() - t["b"]) / g, torch.zeros((), device=x.device))
-            y = u @ t["q"]
-        elif "qh" in t:  # [b, p, h, dh]: per head y_h = Q_gᵀ z_h
-            y = torch.einsum("bphd,hde->bphe", x.float(), t["qh"]).flatten(2)
-        else:
-            y = x.float().flatten(2) if site == "o_in" else x.float()
-        score = y.abs() * t["norms"] if "norms" in t else y.abs()
-        keep = topk_mask(score, sp.keep)
-        y = torch.where(keep, y, torch.zeros((), device=y.device))
-        if "q" in t:
-            out = (y @ t["q"].T) * t["g"] + t["b"]
-        elif "qh" in t:
-            out = torch.einsum("bphe,hde->bphd", y.reshape(shape), t["qh"])
-        else:
-            out = y
+        out, keep = _transform(sp, site, x, cache)
         if ctx.kept is not None:
             ctx.kept.add(i, site, keep)
             if layer_extra.get(i):
                 ctx.kept.add_extra(i, "rotation", layer_extra[i])
-        return out.reshape(shape).to(x.dtype)
+        return out
 
     return fn
+
+
+def _transform(sp: SitePlan, site: str, x: torch.Tensor, cache: dict):
+    """``(x', keep)``: the site's input as the folded layer sees it, and the kept mask."""
+    t = cache.get(x.device)
+    if t is None:
+        t = cache[x.device] = {k: v.to(x.device) for k, v in sp.tensors.items()}
+    shape = x.shape
+    if "q" in t:  # [b, p, d]: u = (x - b) / g, y = Qᵀ u
+        g = t["g"]
+        u = torch.where(g != 0, (x.float() - t["b"]) / g, torch.zeros((), device=x.device))
+        y = u @ t["q"]
+    elif "qh" in t:  # [b, p, h, dh]: per head y_h = Q_gᵀ z_h
+        y = torch.einsum("bphd,hde->bphe", x.float(), t["qh"]).flatten(2)
+    else:
+        y = x.float().flatten(2) if site == "o_in" else x.float()
+    score = y.abs() * t["norms"] if "norms" in t else y.abs()
+    keep = topk_mask(score, sp.keep)
+    y = torch.where(keep, y, torch.zeros((), device=y.device))
+    if "q" in t:
+        out = (y @ t["q"].T) * t["g"] + t["b"]
+    elif "qh" in t:
+        out = torch.einsum("bphe,hde->bphd", y.reshape(shape), t["qh"])
+    else:
+        out = y
+    return out.reshape(shape).to(x.dtype), keep
 
 
 @torch.no_grad()

@@ -80,6 +80,7 @@ class Moments:
     text_sha: str  # text_hash of the calibration windows
     n_tokens: int
     sums: dict[str, torch.Tensor]  # key of the table above -> float64 sum over tokens
+    ids: torch.Tensor | None = None  # the first calibration window [1, p]: the sites' search
     path: Path | None = None
     # bases and factors computed from these moments, kept for the next plan (not saved)
     cache: dict = field(default_factory=dict, repr=False, compare=False)
@@ -109,7 +110,10 @@ class Moments:
             "text_sha": self.text_sha,
             "n_tokens": str(self.n_tokens),
         }
-        self.path = _save(self.sums, meta, path)
+        tensors = dict(self.sums)
+        if self.ids is not None:
+            tensors["ids"] = self.ids
+        self.path = _save(tensors, meta, path)
         return self.path
 
 
@@ -130,13 +134,9 @@ def load_moments(path: str | os.PathLike, model=None, arch: Arch | None = None) 
     dejavu_lab.errors.CalibrationError: These moments were collected for another model ...
     """
     tensors, meta = _load(path, MOMENTS_FORMAT, "moments")
-    mo = Moments(
-        json.loads(meta["fingerprint"]),
-        meta["text_sha"],
-        int(meta["n_tokens"]),
-        tensors,
-        Path(path),
-    )
+    ids = tensors.pop("ids", None)
+    fp = json.loads(meta["fingerprint"])
+    mo = Moments(fp, meta["text_sha"], int(meta["n_tokens"]), tensors, ids, Path(path))
     if model is not None:
         mo.check_model(model, arch)
     return mo
@@ -171,7 +171,9 @@ def calibrate_moments(
     path = default_path(fp, sha)
     if cache and path.exists():
         try:
-            return load_moments(path, model, arch)
+            mo = load_moments(path, model, arch)
+            if mo.ids is not None:  # a file without the search's text is stale
+                return mo
         except CalibrationError:
             pass  # damaged or stale: recompute and overwrite
     sums: dict[str, torch.Tensor] = {}
@@ -203,7 +205,7 @@ def calibrate_moments(
     with hooks(model, fns, arch):
         for w in tqdm(windows, desc="moments", disable=not progress, leave=False):
             model(input_ids=w[None].to(device), use_cache=False)
-    mo = Moments(fp, sha, int(windows.numel()), sums)
+    mo = Moments(fp, sha, int(windows.numel()), sums, windows[:1].to(torch.int64).cpu())
     if cache:
         mo.save(path)
     return mo

@@ -37,6 +37,7 @@ from ..collect import fingerprint
 from ..vocab import SITES, site_width
 from .core import SparseContext, column_norms, register, site_weights
 from .moments import Moments
+from .search import search_path
 from .topk import SitePlan, TopkPlan, plan_for, site_shares
 
 __all__ = ["SCALINGS", "factors", "plan", "rsparse_hooks"]
@@ -79,8 +80,8 @@ def plan(
     arch: Arch | None = None,
 ) -> TopkPlan:
     """R-Sparse's plan for a per-layer budget ``sparsity`` (share of each site's bytes removed,
-    in [0, 1)), spread over the sites by ``allocation`` (``teal`` for ``"greedy"``, see
-    :func:`~dejavu_lab.sparsify.topk.site_shares`). ``lowrank``: share of a site's kept bytes
+    in [0, 1)), spread over the sites by ``allocation`` (``"uniform"``, ``"greedy"`` with ``teal``, or
+    ``"search"``: see :func:`~dejavu_lab.sparsify.topk.site_shares`). ``lowrank``: share of a site's kept bytes
     spent on the factors, in [0, 1); ``ranks``: ``{(layer, site): r}`` instead (k then takes
     what the rank leaves); ``scaling``: one of :data:`SCALINGS`; ``score``: ``"magnitude"``
     ``|x_j|`` or ``"weighted"`` ``|x_j| · ‖W[:, j]‖``.
@@ -106,35 +107,48 @@ def plan(
     if score not in ("magnitude", "weighted"):
         raise ValueError(f"score must be 'magnitude' or 'weighted', got {score!r}.")
     moments.check_model(model, arch)
-    shares = site_shares(arch.n_layers, sparsity, allocation, teal=teal, dense_layers=dense_layers)
     ranks = dict(ranks or {})
-    sites = {}
-    for (i, site), share in sorted(shares.items()):
-        d_in = site_width(arch, site)
-        d_out = sum(m.out_features for m in site_weights(model, arch, i, site))
+    for (i, site), r in ranks.items():
+        top = min(site_width(arch, site), _d_out(model, arch, i, site))
+        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r <= top:
+            raise ValueError(
+                f"rank of {(i, site)} must be in 0..{top} (min(d_in, d_out)), got {r!r}."
+            )
+    norms: dict = {}
+
+    def site_plan(i: int, site: str, share: float) -> SitePlan:
+        d_in, d_out = site_width(arch, site), _d_out(model, arch, i, site)
         budget = (1 - share) * d_in * d_out  # elements this site may read
-        if (i, site) in ranks:
-            r = ranks.pop((i, site))
-            top = min(d_in, d_out)
-            if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r <= top:
-                raise ValueError(
-                    f"rank of {(i, site)} must be in 0..{top} (min(d_in, d_out)), got {r!r}."
-                )
-        else:
-            r = int(lowrank * budget / (d_in + d_out))
+        r = ranks.get((i, site), int(lowrank * budget / (d_in + d_out)))
         extra = float(r * (d_in + d_out))
         keep = max(0, min(d_in, round((budget - extra) / d_out)))
         t: dict = {}
         if r > 0:
             s, b = _svd(model, arch, moments, i, site, scaling)
-            t.update(s=s, b=b[:, :r].contiguous())
+            t.update(s=s, b=b[:, :r])
         if score == "weighted":
-            t["norms"] = column_norms(model, arch, i, site)
-        sites[(i, site)] = SitePlan(keep, d_in, t, extra, r)
-    if ranks:
-        raise ValueError(f"ranks name sites without a budget: {sorted(ranks)}.")
-    opts = dict(lowrank=lowrank, scaling=scaling, score=score, allocation=allocation)
-    return TopkPlan("rsparse", sites, fingerprint(model, arch), opts)
+            if (i, site) not in norms:
+                norms[(i, site)] = column_norms(model, arch, i, site)
+            t["norms"] = norms[(i, site)]
+        return SitePlan(keep, d_in, t, extra, r)
+
+    opts = dict(lowrank=lowrank, scaling=scaling, score=score)
+
+    def search():
+        return search_path(model, moments, site_plan, _transform, ("rsparse", opts), arch=arch)
+
+    shares = site_shares(
+        arch.n_layers, sparsity, allocation, teal=teal, search=search, dense_layers=dense_layers
+    )
+    unused = sorted(set(ranks) - set(shares))
+    if unused:
+        raise ValueError(f"ranks name sites without a budget: {unused}.")
+    sites = {k: site_plan(*k, share) for k, share in sorted(shares.items())}
+    return TopkPlan("rsparse", sites, fingerprint(model, arch), {**opts, "allocation": allocation})
+
+
+def _d_out(model, arch, i, site) -> int:
+    return sum(m.out_features for m in site_weights(model, arch, i, site))
 
 
 @register("rsparse")
@@ -165,24 +179,29 @@ def _sparse_lowrank(ctx, i, site, sp: SitePlan):
     cache: dict = {}
 
     def fn(x: torch.Tensor, name: str) -> torch.Tensor:
-        t = cache.get(x.device)
-        if t is None:
-            t = cache[x.device] = {k: v.to(x.device) for k, v in sp.tensors.items()}
-        shape = x.shape
-        flat = x.float().flatten(2) if site == "o_in" else x.float()  # heads -> h * dh
-        score = flat.abs() * t["norms"] if "norms" in t else flat.abs()
-        keep = topk_mask(score, sp.keep) if sp.keep > 0 else torch.zeros_like(flat, dtype=bool)
-        kept = torch.where(keep, flat, torch.zeros((), device=flat.device))
-        if "b" in t:  # x_S + P_r x_R, P_r = diag(s) B_r B_rᵀ diag(1/s)
-            low = (((flat - kept) / t["s"]) @ t["b"]) @ t["b"].T * t["s"]
-            kept = kept + low
+        out, keep = _transform(sp, site, x, cache)
         if ctx.kept is not None:
             ctx.kept.add(i, site, keep)
             if sp.extra:
                 ctx.kept.add_extra(i, f"{site}.lowrank", sp.extra)
-        return kept.reshape(shape).to(x.dtype)
+        return out
 
     return fn
+
+
+def _transform(sp: SitePlan, site: str, x: torch.Tensor, cache: dict):
+    """``(x_S + P_r x_R, keep)``: the input whose dense product is the sparse + low-rank one."""
+    t = cache.get(x.device)
+    if t is None:
+        t = cache[x.device] = {k: v.to(x.device) for k, v in sp.tensors.items()}
+    shape = x.shape
+    flat = x.float().flatten(2) if site == "o_in" else x.float()  # heads -> h * dh
+    score = flat.abs() * t["norms"] if "norms" in t else flat.abs()
+    keep = topk_mask(score, sp.keep) if sp.keep > 0 else torch.zeros_like(flat, dtype=torch.bool)
+    kept = torch.where(keep, flat, torch.zeros((), device=flat.device))
+    if "b" in t:  # x_S + P_r x_R, P_r = diag(s) B_r B_rᵀ diag(1/s)
+        kept = kept + (((flat - kept) / t["s"]) @ t["b"]) @ t["b"].T * t["s"]
+    return kept.reshape(shape).to(x.dtype), keep
 
 
 @torch.no_grad()

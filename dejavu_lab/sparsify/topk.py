@@ -66,6 +66,7 @@ def site_shares(
     allocation: str = "uniform",
     *,
     teal=None,
+    search=None,
     dense_layers: Sequence[int] = (),
 ) -> dict[tuple[int, str], float]:
     """(layer, site) -> share of the site's columns removed, for a per-layer budget.
@@ -73,6 +74,8 @@ def site_shares(
     ``"uniform"``: every site at the layer's budget. ``"greedy"``: the shares TEAL's greedy
     search chose for the same budget (``teal``: a
     :class:`~dejavu_lab.sparsify.calibration.Calibration` with TEAL's greedy path).
+    ``"search"``: the shares the same search chose on the method's own transform (``search()``
+    gives its path, :func:`~dejavu_lab.sparsify.search.search_path`).
 
     >>> site_shares(2, [0.5, 0.0])
     {(0, 'attn_in'): 0.5, (0, 'o_in'): 0.5, (0, 'mlp_in'): 0.5, (0, 'down_in'): 0.5}
@@ -84,6 +87,17 @@ def site_shares(
     s = budgets(sparsity, n_layers, "sparsity")
     for i in dense_layers:
         s[i % n_layers] = 0.0
+    if allocation == "search":
+        if search is None:
+            raise CalibrationError("allocation='search' needs the method's search (its plan).")
+        from .calibration import _interp_path
+
+        path, out = search(), {}
+        for i, si in enumerate(s):
+            if si > 0:
+                row = _interp_path(path[i], si, "search")
+                out.update({(i, site): v for site, v in zip(SITES, row, strict=True) if v > 0})
+        return out
     if allocation == "greedy":
         if teal is None or teal.greedy_table("teal") is None:
             raise CalibrationError(
@@ -92,7 +106,9 @@ def site_shares(
             )
         return teal._site_sparsities("teal", s, "greedy")
     if allocation != "uniform":
-        raise CalibrationError(f"allocation must be 'uniform' or 'greedy', got {allocation!r}.")
+        raise CalibrationError(
+            f"allocation must be 'uniform', 'greedy' or 'search', got {allocation!r}."
+        )
     return {(i, site): si for i, si in enumerate(s) if si > 0 for site in SITES}
 
 
