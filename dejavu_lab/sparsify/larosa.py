@@ -39,13 +39,13 @@ import torch
 from torch import nn
 
 from ..arch import Arch, get_arch
-from ..budgets import n_keep, topk_mask
+from ..budgets import n_keep
 from ..collect import fingerprint
 from ..vocab import SITES, site_width
 from .core import SparseContext, column_norms, register, site_weights
 from .moments import Moments, norm_affine
 from .search import search_path
-from .topk import SitePlan, TopkPlan, plan_for, site_shares
+from .topk import RULES, SitePlan, TopkPlan, plan_for, quantile, sample_scores, site_shares
 
 __all__ = ["BASES", "folded_weights", "larosa_hooks", "plan"]
 
@@ -106,6 +106,7 @@ def plan(
     rotate_o: bool = True,
     score: str = "magnitude",
     fold_gain: bool = True,
+    rule: str = "topk",
     dense_layers: Sequence[int] = (),
     arch: Arch | None = None,
 ) -> TopkPlan:
@@ -114,6 +115,8 @@ def plan(
     shares, from ``teal``, a calibration with TEAL's greedy path; ``"search"``: the same greedy
     search run on this method's own sites, :mod:`~dejavu_lab.sparsify.search`); ``basis``: one of :data:`BASES`; ``rotate_o``: rotate
     attention's output per head group; ``score``: ``"magnitude"`` or ``"weighted"``;
+    ``rule``: ``"topk"`` (a fixed count per token) or ``"threshold"`` (TEAL's rule on the
+    rotated scores, thresholds from their quantiles on the calibration text);
     ``fold_gain=False``: PCA and rotate the norm's output ``g ⊙ u`` itself (as LaRoSA's code does;
     the rotation then cannot be global).
 
@@ -135,6 +138,8 @@ def plan(
         raise ValueError(f"basis must be one of {', '.join(BASES)}, got {basis!r}.")
     if score not in ("magnitude", "weighted"):
         raise ValueError(f"score must be 'magnitude' or 'weighted', got {score!r}.")
+    if rule not in RULES:
+        raise ValueError(f"rule must be one of {', '.join(RULES)}, got {rule!r}.")
     if not fold_gain and basis == "global":
         raise ValueError("a global basis needs fold_gain=True (the norms' gains differ by layer).")
     moments.check_model(model, arch)
@@ -147,14 +152,25 @@ def plan(
     opts = dict(basis=basis, rotate_o=rotate_o, score=score, fold_gain=fold_gain)
     cached: dict = {}
 
-    def site_plan(i: int, site: str, share: float) -> SitePlan:
+    def tensors(i: int, site: str) -> dict:
         if (i, site) not in cached:
             cached[(i, site)] = _site_tensors(model, arch, moments, i, site, bases, opts)
+        return cached[(i, site)]
+
+    def scorer(i: int, site: str, x: torch.Tensor) -> torch.Tensor:
+        return _score(tensors(i, site), site, x)[1]
+
+    def site_plan(i: int, site: str, share: float) -> SitePlan:
         width = site_width(arch, site)
-        return SitePlan(n_keep(share, width), width, cached[(i, site)])
+        sp = SitePlan(n_keep(share, width), width, tensors(i, site))
+        if rule == "threshold":
+            sample = sample_scores(model, moments, scorer, ("larosa", opts), arch)[(i, site)]
+            sp.threshold = quantile(sample, share)
+        return sp
 
     def search():
-        return search_path(model, moments, site_plan, _transform, ("larosa", opts), arch=arch)
+        key = ("larosa", {**opts, "rule": rule})
+        return search_path(model, moments, site_plan, _transform, key, arch=arch)
 
     shares = site_shares(
         arch.n_layers, sparsity, allocation, teal=teal, search=search, dense_layers=dense_layers
@@ -165,7 +181,11 @@ def plan(
     # the residual stream's turns: one per layer ("layer"), two ("site"), none ("global")
     layer_extra = {i: turns for (i, s) in sites if s in _NORMED and turns}
     return TopkPlan(
-        "larosa", sites, fingerprint(model, arch), {**opts, "allocation": allocation}, layer_extra
+        "larosa",
+        sites,
+        fingerprint(model, arch),
+        {**opts, "rule": rule, "allocation": allocation},
+        layer_extra,
     )
 
 
@@ -236,12 +256,8 @@ def _rotated_topk(ctx, i, site, sp: SitePlan, layer_extra):
     return fn
 
 
-def _transform(sp: SitePlan, site: str, x: torch.Tensor, cache: dict):
-    """``(x', keep)``: the site's input as the folded layer sees it, and the kept mask."""
-    t = cache.get(x.device)
-    if t is None:
-        t = cache[x.device] = {k: v.to(x.device) for k, v in sp.tensors.items()}
-    shape = x.shape
+def _score(t: dict, site: str, x: torch.Tensor):
+    """``(y, score)``: the site's input in its basis (flat [..., width]) and what ranks it."""
     if "q" in t:  # [b, p, d]: u = (x - b) / g, y = Qᵀ u
         g = t["g"]
         u = torch.where(g != 0, (x.float() - t["b"]) / g, torch.zeros((), device=x.device))
@@ -250,8 +266,17 @@ def _transform(sp: SitePlan, site: str, x: torch.Tensor, cache: dict):
         y = torch.einsum("bphd,hde->bphe", x.float(), t["qh"]).flatten(2)
     else:
         y = x.float().flatten(2) if site == "o_in" else x.float()
-    score = y.abs() * t["norms"] if "norms" in t else y.abs()
-    keep = topk_mask(score, sp.keep)
+    return y, (y.abs() * t["norms"] if "norms" in t else y.abs())
+
+
+def _transform(sp: SitePlan, site: str, x: torch.Tensor, cache: dict):
+    """``(x', keep)``: the site's input as the folded layer sees it, and the kept mask."""
+    t = cache.get(x.device)
+    if t is None:
+        t = cache[x.device] = {k: v.to(x.device) for k, v in sp.tensors.items()}
+    shape = x.shape
+    y, score = _score(t, site, x)
+    keep = sp.select(score)
     y = torch.where(keep, y, torch.zeros((), device=y.device))
     if "q" in t:
         out = (y @ t["q"].T) * t["g"] + t["b"]

@@ -80,7 +80,8 @@ class Moments:
     text_sha: str  # text_hash of the calibration windows
     n_tokens: int
     sums: dict[str, torch.Tensor]  # key of the table above -> float64 sum over tokens
-    ids: torch.Tensor | None = None  # the first calibration window [1, p]: the sites' search
+    # the first calibration windows [≤ 4, p]: the search's text and the thresholds' quantiles
+    ids: torch.Tensor | None = None
     path: Path | None = None
     # bases and factors computed from these moments, kept for the next plan (not saved)
     cache: dict = field(default_factory=dict, repr=False, compare=False)
@@ -205,7 +206,7 @@ def calibrate_moments(
     with hooks(model, fns, arch):
         for w in tqdm(windows, desc="moments", disable=not progress, leave=False):
             model(input_ids=w[None].to(device), use_cache=False)
-    mo = Moments(fp, sha, int(windows.numel()), sums, windows[:1].to(torch.int64).cpu())
+    mo = Moments(fp, sha, int(windows.numel()), sums, windows[:4].to(torch.int64).cpu())
     if cache:
         mo.save(path)
     return mo

@@ -32,13 +32,12 @@ import torch
 from torch import nn
 
 from ..arch import Arch, get_arch
-from ..budgets import topk_mask
 from ..collect import fingerprint
 from ..vocab import SITES, site_width
 from .core import SparseContext, column_norms, register, site_weights
 from .moments import Moments
 from .search import search_path
-from .topk import SitePlan, TopkPlan, plan_for, site_shares
+from .topk import RULES, SitePlan, TopkPlan, plan_for, quantile, sample_scores, site_shares
 
 __all__ = ["SCALINGS", "factors", "plan", "rsparse_hooks"]
 
@@ -76,6 +75,7 @@ def plan(
     scaling: str = "diag",
     score: str = "magnitude",
     ranks: Mapping[tuple[int, str], int] | None = None,
+    rule: str = "topk",
     dense_layers: Sequence[int] = (),
     arch: Arch | None = None,
 ) -> TopkPlan:
@@ -84,7 +84,9 @@ def plan(
     ``"search"``: see :func:`~dejavu_lab.sparsify.topk.site_shares`). ``lowrank``: share of a site's kept bytes
     spent on the factors, in [0, 1); ``ranks``: ``{(layer, site): r}`` instead (k then takes
     what the rank leaves); ``scaling``: one of :data:`SCALINGS`; ``score``: ``"magnitude"``
-    ``|x_j|`` or ``"weighted"`` ``|x_j| · ‖W[:, j]‖``.
+    ``|x_j|`` or ``"weighted"`` ``|x_j| · ‖W[:, j]‖``; ``rule``: ``"topk"`` (``k`` entries per
+    token) or ``"threshold"`` (entries above the score's quantile that keeps ``k / d_in`` on the
+    calibration text: a count varying per token, TEAL's rule).
 
     >>> from dejavu_lab.models import random_model
     >>> from dejavu_lab.sparsify.moments import calibrate_moments
@@ -106,6 +108,8 @@ def plan(
         raise ValueError(f"scaling must be one of {', '.join(SCALINGS)}, got {scaling!r}.")
     if score not in ("magnitude", "weighted"):
         raise ValueError(f"score must be 'magnitude' or 'weighted', got {score!r}.")
+    if rule not in RULES:
+        raise ValueError(f"rule must be one of {', '.join(RULES)}, got {rule!r}.")
     moments.check_model(model, arch)
     ranks = dict(ranks or {})
     for (i, site), r in ranks.items():
@@ -115,6 +119,11 @@ def plan(
                 f"rank of {(i, site)} must be in 0..{top} (min(d_in, d_out)), got {r!r}."
             )
     norms: dict = {}
+
+    def norms_of(i: int, site: str) -> torch.Tensor:
+        if (i, site) not in norms:
+            norms[(i, site)] = column_norms(model, arch, i, site)
+        return norms[(i, site)]
 
     def site_plan(i: int, site: str, share: float) -> SitePlan:
         d_in, d_out = site_width(arch, site), _d_out(model, arch, i, site)
@@ -127,12 +136,18 @@ def plan(
             s, b = _svd(model, arch, moments, i, site, scaling)
             t.update(s=s, b=b[:, :r])
         if score == "weighted":
-            if (i, site) not in norms:
-                norms[(i, site)] = column_norms(model, arch, i, site)
-            t["norms"] = norms[(i, site)]
-        return SitePlan(keep, d_in, t, extra, r)
+            t["norms"] = norms_of(i, site)
+        sp = SitePlan(keep, d_in, t, extra, r)
+        if rule == "threshold":
+            sample = sample_scores(model, moments, scorer, ("rsparse", score), arch)[(i, site)]
+            sp.threshold = quantile(sample, 1 - keep / d_in)
+        return sp
 
-    opts = dict(lowrank=lowrank, scaling=scaling, score=score)
+    def scorer(i: int, site: str, x: torch.Tensor) -> torch.Tensor:
+        t = {"norms": norms_of(i, site)} if score == "weighted" else {}
+        return _score(t, site, x)[1]
+
+    opts = dict(lowrank=lowrank, scaling=scaling, score=score, rule=rule)
 
     def search():
         return search_path(model, moments, site_plan, _transform, ("rsparse", opts), arch=arch)
@@ -189,15 +204,20 @@ def _sparse_lowrank(ctx, i, site, sp: SitePlan):
     return fn
 
 
+def _score(t: dict, site: str, x: torch.Tensor):
+    """``(x flat [..., d_in], score)``: heads flattened to ``h · dh`` columns for o_in."""
+    flat = x.float().flatten(2) if site == "o_in" else x.float()
+    return flat, (flat.abs() * t["norms"] if "norms" in t else flat.abs())
+
+
 def _transform(sp: SitePlan, site: str, x: torch.Tensor, cache: dict):
     """``(x_S + P_r x_R, keep)``: the input whose dense product is the sparse + low-rank one."""
     t = cache.get(x.device)
     if t is None:
         t = cache[x.device] = {k: v.to(x.device) for k, v in sp.tensors.items()}
     shape = x.shape
-    flat = x.float().flatten(2) if site == "o_in" else x.float()  # heads -> h * dh
-    score = flat.abs() * t["norms"] if "norms" in t else flat.abs()
-    keep = topk_mask(score, sp.keep) if sp.keep > 0 else torch.zeros_like(flat, dtype=torch.bool)
+    flat, score = _score(t, site, x)
+    keep = sp.select(score)
     kept = torch.where(keep, flat, torch.zeros((), device=flat.device))
     if "b" in t:  # x_S + P_r x_R, P_r = diag(s) B_r B_rᵀ diag(1/s)
         kept = kept + (((flat - kept) / t["s"]) @ t["b"]) @ t["b"].T * t["s"]

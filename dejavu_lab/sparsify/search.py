@@ -65,7 +65,7 @@ def search_path(
     ck = ("path", method, tuple(sorted({**opts, "allocation": "search"}.items())))
     if ck in moments.cache:
         return moments.cache[ck]
-    ids = moments.ids[:, : config.greedy_tokens]
+    ids = moments.ids[:1, : config.greedy_tokens]
     inputs = layer_inputs(model, ids, arch)
     paths = []
     for i in tqdm(range(arch.n_layers), desc=f"{method} search", disable=not progress):

@@ -19,11 +19,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..budgets import budgets
+import torch
+
+from ..budgets import budgets, topk_mask
 from ..vocab import SITES
 from .thresholds import CalibrationError
 
-__all__ = ["SitePlan", "TopkPlan", "plan_for", "site_shares"]
+__all__ = ["RULES", "SitePlan", "TopkPlan", "plan_for", "sample_scores", "site_shares"]
+
+RULES = ("topk", "threshold")  # a fixed count per token, or TEAL's rule on the transformed input
+_SAMPLE = 1 << 14  # scores kept per site and window for the thresholds' quantiles
 
 
 @dataclass
@@ -35,6 +40,17 @@ class SitePlan:
     tensors: dict = field(default_factory=dict)  # the method's tensors (bases, factors, norms)
     extra: float = 0.0  # weight elements read per token besides the kept columns
     rank: int = 0  # R-Sparse: rank of the low-rank term
+    # rule "threshold": keep the entries whose score exceeds this (a count varying per token,
+    # TEAL's rule on the transformed input; None: the fixed top-``keep``)
+    threshold: float | None = None
+
+    def select(self, score: torch.Tensor) -> torch.Tensor:
+        """The kept mask for ``score`` [..., width]: top-``keep`` or ``score > threshold``."""
+        if self.threshold is not None:
+            return score > self.threshold
+        if self.keep == 0:
+            return torch.zeros_like(score, dtype=torch.bool)
+        return topk_mask(score, self.keep)
 
 
 @dataclass
@@ -52,7 +68,8 @@ class TopkPlan:
     layer_extra: dict[int, float] = field(default_factory=dict)
 
     def kept_fractions(self) -> dict[tuple[int, str], float]:
-        """(layer, site) -> kept share of its columns: exact, the same for every token."""
+        """(layer, site) -> kept share of its columns: exact under the rule ``"topk"`` (the
+        same for every token), the calibrated share under ``"threshold"``."""
         return {k: p.keep / p.width for k, p in sorted(self.sites.items())}
 
     def extra_elements(self) -> float:
@@ -133,3 +150,45 @@ def plan_for(ctx, build) -> TopkPlan:
         f"method={method!r} needs thresholds=calibrate_moments(model, windows) (Moments) or a "
         f"plan from dejavu_lab.sparsify.{method}.plan; got {type(src).__name__}."
     )
+
+
+@torch.no_grad()
+def sample_scores(model, moments, scorer, key, arch) -> dict[tuple[int, str], torch.Tensor]:
+    """(layer, site) -> a sorted sample of the scores ``scorer(layer, site, x)`` [..., width]
+    over the calibration windows the moments kept (dense forward): the quantiles the rule
+    ``"threshold"`` takes. Cached on ``moments.cache`` under ``key``."""
+    from ..hooks import hooks
+
+    ck = ("scores", key)
+    if ck in moments.cache:
+        return moments.cache[ck]
+    parts: dict[tuple[int, str], list[torch.Tensor]] = {}
+    gen = torch.Generator().manual_seed(0)
+
+    def on_site(site):
+        def fn(x: torch.Tensor, name: str) -> None:
+            i = int(name.split(".")[1])
+            flat = scorer(i, site, x).flatten().float().cpu()
+            if flat.numel() > _SAMPLE:
+                flat = flat[torch.randint(0, flat.numel(), (_SAMPLE,), generator=gen)]
+            parts.setdefault((i, site), []).append(flat)
+
+        return fn
+
+    device = next(model.parameters()).device
+    with hooks(model, [(f"blocks.*.{pt}", on_site(s)) for s, pt in SITES.items()], arch):
+        for w in moments.ids:
+            model(input_ids=w[None].to(device), use_cache=False)
+    out = {k: torch.cat(v).sort().values for k, v in parts.items()}
+    moments.cache[ck] = out
+    return out
+
+
+def quantile(sorted_scores: torch.Tensor, share: float) -> float:
+    """The score below which a share ``share`` of the sample lies.
+
+    >>> quantile(torch.arange(101.0), 0.25)
+    25.0
+    """
+    n = sorted_scores.numel()
+    return float(sorted_scores[min(n - 1, max(0, round(share * (n - 1))))])
