@@ -190,3 +190,24 @@ def test_sparsified_needs_moments_or_a_plan(qwen):
         sparsified(model, method="larosa", thresholds=p),
     ):
         pass
+
+
+def test_threshold_rule_keeps_the_calibrated_share(qwen):
+    (model, _, _), mo = qwen
+    for mod, kw in ((larosa, {"basis": "global"}), (rsparse, {"lowrank": 0.0})):
+        p = mod.plan(model, mo, 0.5, rule="threshold", **kw)
+        assert all(sp.threshold is not None for sp in p.sites.values())
+        kept = Kept()
+        sparse_eval(model, mo.ids, method=p.method, thresholds=p, progress=False, kept=kept)
+        for (i, site), f in kept.fractions().items():  # layer 0 sees the dense inputs
+            if i == 0:
+                assert f == pytest.approx(0.5, abs=0.03), site
+
+
+def test_search_allocation_spends_the_layer_budget(qwen):
+    (model, _, arch), mo = qwen
+    p = larosa.plan(model, mo, 0.4, allocation="search", basis="global")
+    shares = {k: 1 - f for k, f in p.kept_fractions().items()}
+    assert len(set(round(v, 2) for v in shares.values())) > 1  # not uniform
+    r = sparse_eval(model, _ids(), method="larosa", thresholds=p, progress=False)
+    assert r.bytes_per_token_fraction == pytest.approx(0.6, abs=0.02)  # a global basis is free

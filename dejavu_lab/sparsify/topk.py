@@ -159,7 +159,7 @@ def sample_scores(model, moments, scorer, key, arch) -> dict[tuple[int, str], to
     ``"threshold"`` takes. Cached on ``moments.cache`` under ``key``."""
     from ..hooks import hooks
 
-    ck = ("scores", key)
+    ck = ("scores", repr(key))  # the method's options: a dict, not hashable
     if ck in moments.cache:
         return moments.cache[ck]
     parts: dict[tuple[int, str], list[torch.Tensor]] = {}
