@@ -61,10 +61,26 @@ VARIANTS: dict[str, dict] = {
     "teal (uniform)": {"method": "teal", "allocation": "uniform"},
     "teal (greedy)": {"method": "teal", "allocation": "greedy"},
     "wina (greedy)": {"method": "wina", "allocation": "greedy"},
-    # the top-k methods take TEAL's greedy shares; their other keys are their plan's options
-    "larosa (greedy)": {"method": "larosa", "allocation": "greedy"},
-    "rsparse (greedy)": {"method": "rsparse", "allocation": "greedy"},
-}
+    # the top-k methods (dejavu_lab.sparsify.topk): "search" runs TEAL's greedy search on the
+    # method's own transform, "greedy" takes TEAL's shares; the other keys are plan options
+    "larosa (search)": {"method": "larosa", "allocation": "search", "basis": "global"},
+    "larosa (threshold, search)": {
+        "method": "larosa", "allocation": "search", "basis": "global", "rule": "threshold"
+    },
+    "larosa (layer basis, threshold, search)": {
+        "method": "larosa", "allocation": "search", "basis": "layer", "rule": "threshold"
+    },
+    "topk (search)": {  # LaRoSA without its rotation: what the rotation adds
+        "method": "larosa", "allocation": "search", "basis": "none", "rotate_o": False
+    },
+    "rsparse (search)": {
+        "method": "rsparse", "allocation": "search", "lowrank": 0.1, "scaling": "plain"
+    },
+    "rsparse (threshold, search)": {
+        "method": "rsparse", "allocation": "search", "lowrank": 0.1, "scaling": "plain",
+        "rule": "threshold",
+    },
+}  # fmt: skip
 _RUN_KEYS = ("method", "allocation", "sites", "dense_layers", "mlp_sparsity", "head_sparsity")
 # methods that need no trained predictor (but static sets or a calibration)
 TRAINING_FREE = tuple(m.name for m in METHODS.values() if m.needs in ("static sets", "calibration"))
