@@ -150,6 +150,12 @@ def test_moments_cached_with_the_fingerprint(tmp_path, monkeypatch, qwen):
     assert mo.path is not None and mo.path.exists() and mo.path.parent.parent == tmp_path
     again = calibrate_moments(model, ids, progress=False)  # read back, not recomputed
     assert again.path == mo.path and torch.equal(again.sums["1.o_in"], mo.sums["1.o_in"])
+    p = larosa.plan(model, again, 0.5, allocation="search")  # the search is saved beside
+    (saved,) = mo.path.parent.glob("*.search-*.safetensors")
+    fresh = load_moments(mo.path, model)
+    assert larosa.plan(model, fresh, 0.5, allocation="search").kept_fractions() == (
+        p.kept_fractions()
+    ) and len(fresh.cache) > 0  # fmt: skip
     other = random_model("tiny-llama", seed=1).model
     with pytest.raises(CalibrationError, match="another model"):
         load_moments(mo.path, other)

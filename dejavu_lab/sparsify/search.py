@@ -9,11 +9,16 @@ weight byte removed, on ``greedy_tokens`` tokens of calibration text, with the s
 method's own site transform at the candidate's share. The path has TEAL's layout
 (``[n_layers, steps, 1 + 4]``: layer sparsity, then the shares of attn_in, o_in, mlp_in,
 down_in) and is read the same way (:func:`~dejavu_lab.sparsify.topk.site_shares`,
-``allocation="search"``). It is kept on the moments for the session (``moments.cache``),
-keyed by the method's options.
+``allocation="search"``). It is kept on the moments (``moments.cache``) and, when they came
+from a cache file, in a file beside it (keyed by the method's options and the greedy
+settings, with the fingerprint; written atomically).
 """
 
 from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -25,8 +30,11 @@ from ..step_bytes import site_elements
 from ..vocab import SITES
 from .calibration import CalibrationConfig
 from .greedy import _CAP, _run_layer, layer_inputs
+from .thresholds import CalibrationError, _load, _save
 
-__all__ = ["search_path"]
+__all__ = ["SEARCH_FORMAT", "search_path"]
+
+SEARCH_FORMAT = "dejavu-lab-search/1"
 
 
 @torch.no_grad()
@@ -65,6 +73,15 @@ def search_path(
     ck = ("path", method, tuple(sorted({**opts, "allocation": "search"}.items())))
     if ck in moments.cache:
         return moments.cache[ck]
+    file = _file(moments, ck, config)
+    if file is not None and file.exists():
+        try:
+            tensors, meta = _load(file, SEARCH_FORMAT, "search path")
+            if json.loads(meta["fingerprint"]) == moments.fingerprint:
+                moments.cache[ck] = tensors["path"]
+                return tensors["path"]
+        except (CalibrationError, KeyError, ValueError):
+            pass  # damaged: search again and overwrite
     ids = moments.ids[:1, : config.greedy_tokens]
     inputs = layer_inputs(model, ids, arch)
     paths = []
@@ -77,7 +94,18 @@ def search_path(
         out[i, : len(p)] = rows
         out[i, len(p) :] = rows[-1]
     moments.cache[ck] = out
+    if file is not None:
+        meta = {"format": SEARCH_FORMAT, "fingerprint": json.dumps(moments.fingerprint)}
+        _save({"path": out}, {**meta, "key": repr(ck)}, file)
     return out
+
+
+def _file(moments, ck, config: CalibrationConfig) -> Path | None:
+    """Beside the moments' cache file: one path per method, options and greedy settings."""
+    if moments.path is None:
+        return None
+    h = hashlib.sha256(f"{ck!r}{config.greedy_key()}".encode()).hexdigest()[:10]
+    return moments.path.with_name(f"{moments.path.stem}.search-{h}.safetensors")
 
 
 def _layer(model, arch, cfg, i, captured, site_plan, transform) -> list[list[float]]:

@@ -131,8 +131,10 @@ def site_shares(
 
 def plan_for(ctx, build) -> TopkPlan:
     """The plan a builder applies: ``ctx.thresholds`` as it is (a :class:`TopkPlan`), or
-    ``build(model, moments, sparsity, allocation=..., dense_layers=..., arch=...)`` from
-    :class:`~dejavu_lab.sparsify.moments.Moments` and ``sparsified``'s ``sparsity=``."""
+    ``build(model, moments, sparsity, allocation=..., arch=...)`` from
+    :class:`~dejavu_lab.sparsify.moments.Moments` and ``sparsified``'s ``sparsity=`` and
+    ``allocation=`` (``"greedy"`` there is the search on the method's own sites, ``"search"``;
+    ``sparsified`` has already zeroed the budget of its dense layers)."""
     from .moments import Moments
 
     src, method = ctx.thresholds, ctx.method
@@ -145,7 +147,9 @@ def plan_for(ctx, build) -> TopkPlan:
     if isinstance(src, Moments):
         if ctx.sparsity is None:
             raise ValueError(f"method={method!r} with Moments needs sparsity=.")
-        return build(ctx.model, src, ctx.sparsity, allocation=ctx.allocation, arch=ctx.arch)
+        # from moments alone, the greedy allocation is the search on the method's own sites
+        alloc = "search" if ctx.allocation == "greedy" else ctx.allocation
+        return build(ctx.model, src, ctx.sparsity, allocation=alloc, arch=ctx.arch)
     raise ValueError(
         f"method={method!r} needs thresholds=calibrate_moments(model, windows) (Moments) or a "
         f"plan from dejavu_lab.sparsify.{method}.plan; got {type(src).__name__}."
