@@ -153,9 +153,10 @@ def test_moments_cached_with_the_fingerprint(tmp_path, monkeypatch, qwen):
     p = larosa.plan(model, again, 0.5, allocation="search")  # the search is saved beside
     (saved,) = mo.path.parent.glob("*.search-*.safetensors")
     fresh = load_moments(mo.path, model)
+    fresh.ids = None  # no text to search on: the path can only come from the saved file
     assert larosa.plan(model, fresh, 0.5, allocation="search").kept_fractions() == (
         p.kept_fractions()
-    ) and len(fresh.cache) > 0  # fmt: skip
+    )  # fmt: skip
     other = random_model("tiny-llama", seed=1).model
     with pytest.raises(CalibrationError, match="another model"):
         load_moments(mo.path, other)
