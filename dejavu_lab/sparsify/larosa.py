@@ -13,11 +13,12 @@ Where the rotation can be folded into the weights, and what it costs where it ca
   weights (``W diag(g)``, QuaRot's move), and ``u = h / rms(h)`` commutes with a rotation of the
   residual stream ``h``. With one basis for the whole residual stream (``basis="global"``:
   embedding rows, every writer's rows — o_proj, down_proj — and every reader's columns rotated,
-  SliceGPT-style) the rotation is free. A basis per layer (``"layer"``, shared by the layer's
-  two norms, as LaRoSA's code has one per layer) needs the stream turned from one layer's basis
-  to the next: one d × d matrix read per layer. A basis per site (``"site"``) turns it twice
-  per layer: 2 d². These are counted as extra elements per token (the same bytes as computing
-  ``Qᵀx`` online).
+  SliceGPT-style; the tied embedding is untied, and a LayerNorm model would also need its mean
+  subtraction folded as SliceGPT does) the rotation is free. A basis per layer (``"layer"``,
+  shared by the layer's two norms) needs the stream turned from one layer's basis to the next:
+  one d × d matrix read per layer. A basis per site (``"site"``, as LaRoSA's code has one for
+  attention's input and one for the MLP's) turns it twice per layer: 2 d². These are counted
+  as extra elements per token (the same bytes as computing ``Qᵀx`` online).
 - ``o_in`` (attention's output ``z``, per head): a rotation per key/value head group folds into
   W_V's rows and W_O's columns (``z_h = P_h V_g`` and ``V_g Q_g`` stays a value), so it is free.
   A rotation mixing heads could not be folded (each head has its own probabilities).
@@ -25,7 +26,14 @@ Where the rotation can be folded into the weights, and what it costs where it ca
   and an online one reads n × n weights, n/d times down_proj itself (2.7× for the demo model).
   This site keeps TEAL's top-k of ``|a_j|`` in its own basis, as LaRoSA's code does.
 
-``score="weighted"`` ranks ``|y_j| · ‖(W Q)[:, j]‖`` (WINA's weighting in the rotated basis).
+``score="weighted"`` ranks ``|y_j| · ‖(W Q)[:, j]‖`` (WINA's weighting in the rotated basis);
+``rule="threshold"`` keeps ``|y_j|`` above a calibrated threshold instead of a fixed count (TEAL's
+rule in the rotated basis: what the engine's threshold kernels would run on ``W Q``);
+``basis="none"`` is the fixed top-k without rotation (the ablation). The budget is spread over
+a layer's sites uniformly, as TEAL's greedy search spread it (``allocation="greedy"``), or by
+the same search run on this method's own sites (``"search"``,
+:mod:`~dejavu_lab.sparsify.search`), which a fixed count needs: TEAL's shares were chosen for a
+threshold.
 The hooks compute ``x' = g ⊙ Q·topk(Qᵀ u) + b``: the same vector the folded layer sees, so the
 model's own forward measures the quality. :func:`folded_weights` writes the weights an engine
 would store.
