@@ -110,7 +110,7 @@ def plan(
     *,
     allocation: str = "uniform",
     teal=None,
-    basis: str = "layer",
+    basis: str = "global",  # free (folded); measured better at equal bytes than "layer"
     rotate_o: bool = True,
     score: str = "magnitude",
     fold_gain: bool = True,
@@ -133,9 +133,11 @@ def plan(
     >>> m = random_model("tiny-llama")
     >>> mo = calibrate_moments(m.model, torch.randint(0, 128, (1, 16)), cache=False,
     ...                        progress=False)
-    >>> p = plan(m.model, mo, 0.5)
+    >>> p = plan(m.model, mo, 0.5, basis="layer")
     >>> p.sites[(0, "attn_in")].keep, p.sites[(0, "down_in")].keep, p.layer_extra[0]  # d² a layer
     (32, 96, 4096.0)
+    >>> plan(m.model, mo, 0.5).layer_extra  # one basis for the residual stream: folded, free
+    {}
     >>> plan(m.model, mo, 0.5, basis="random")
     Traceback (most recent call last):
     ...
@@ -235,8 +237,8 @@ def larosa_hooks(ctx: SparseContext) -> list:
     >>> ids = torch.randint(0, 128, (2, 32))
     >>> mo = calibrate_moments(model, ids, cache=False, progress=False)
     >>> r = sparse_eval(model, ids, method="larosa", sparsity=0.5, thresholds=mo, progress=False)
-    >>> r.kept["attn_in"], round(r.bytes_per_token_fraction, 3)  # half the columns + Q per layer
-    (0.5, 0.583)
+    >>> r.kept["attn_in"], round(r.bytes_per_token_fraction, 3)  # half the columns, Q folded
+    (0.5, 0.5)
     """
     p = plan_for(ctx, plan)
     p_fp = p.fingerprint
