@@ -64,6 +64,11 @@ VARIANTS: dict[str, dict] = {
     # the top-k methods (dejavu_lab.sparsify.topk): "search" runs TEAL's greedy search on the
     # method's own transform, "greedy" takes TEAL's shares; the other keys are plan options
     "larosa (search)": {"method": "larosa", "allocation": "search", "basis": "global"},
+    # attention's output rotated per K/V group only (folded into W_V and W_O: free)
+    "larosa (o_in, threshold, search)": {
+        "method": "larosa", "allocation": "search", "basis": "none", "rule": "threshold"
+    },
+    "larosa (o_in, search)": {"method": "larosa", "allocation": "search", "basis": "none"},
     "larosa (threshold, search)": {
         "method": "larosa", "allocation": "search", "basis": "global", "rule": "threshold"
     },
