@@ -29,14 +29,20 @@ Where the rotation can be folded into the weights, and what it costs where it ca
 ``score="weighted"`` ranks ``|y_j| · ‖(W Q)[:, j]‖`` (WINA's weighting in the rotated basis);
 ``rule="threshold"`` keeps ``|y_j|`` above a calibrated threshold instead of a fixed count (TEAL's
 rule in the rotated basis: what the engine's threshold kernels would run on ``W Q``);
-``basis="none"`` is the fixed top-k without rotation (the ablation). The budget is spread over
+``basis="none"`` leaves attn_in and mlp_in unrotated (with ``rotate_o=False`` too: the plain
+top-k, the ablation). The budget is spread over
 a layer's sites uniformly, as TEAL's greedy search spread it (``allocation="greedy"``), or by
 the same search run on this method's own sites (``"search"``,
 :mod:`~dejavu_lab.sparsify.search`), which a fixed count needs: TEAL's shares were chosen for a
-threshold.
-The hooks compute ``x' = g ⊙ Q·topk(Qᵀ u) + b``: the same vector the folded layer sees, so the
-model's own forward measures the quality. :func:`folded_weights` writes the weights an engine
-would store.
+threshold. The hooks compute ``x' = g ⊙ Q·topk(Qᵀ u) + b``: the same vector the folded layer
+sees, so the model's own forward measures the quality. :func:`folded_weights` writes the
+weights an engine would store.
+
+What paid on the demo model (``results/frontier_rotation*_demo.json``): the one free rotation,
+of attention's output, with TEAL's rule and the method's own search (``basis="none",
+rule="threshold", allocation="search"``) reads fewer bytes than TEAL greedy for the same
+perplexity; a rotated residual stream (global basis) did worse than none under the threshold
+rule, and per-layer bases cost more bytes (d² a layer) than they saved.
 """
 
 from __future__ import annotations
