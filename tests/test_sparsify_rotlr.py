@@ -218,3 +218,23 @@ def test_search_allocation_spends_the_layer_budget(qwen):
     assert len(set(round(v, 2) for v in shares.values())) > 1  # not uniform
     r = sparse_eval(model, _ids(), method="larosa", thresholds=p, progress=False)
     assert r.bytes_per_token_fraction == pytest.approx(0.6, abs=0.02)  # a global basis is free
+
+
+def test_attention_output_rotation_folds_into_teal(qwen):
+    import copy
+
+    from dejavu_lab.collect import fingerprint
+    from dejavu_lab.sparsify import Thresholds
+
+    (model, _, _), mo = qwen
+    p = larosa.plan(model, mo, 0.5, basis="none", rule="threshold")
+    ids = _ids()
+    want = _logits(model, ids, method="larosa", thresholds=p)
+    folded = copy.deepcopy(model)
+    thr = larosa.fold_into(folded, p)
+    torch.testing.assert_close(_logits(folded, ids), _logits(model, ids), atol=1e-4, rtol=1e-4)
+    teal = Thresholds("teal", thr, {}, fingerprint(folded))
+    got = _logits(folded, ids, method="teal", thresholds=teal)
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
+    with pytest.raises(ValueError, match="only plans with basis='none'"):
+        larosa.fold_into(folded, larosa.plan(model, mo, 0.5))

@@ -61,7 +61,7 @@ from .moments import Moments, norm_affine
 from .search import search_path
 from .topk import RULES, SitePlan, TopkPlan, plan_for, quantile, sample_scores, site_shares
 
-__all__ = ["BASES", "folded_weights", "larosa_hooks", "plan"]
+__all__ = ["BASES", "fold_into", "folded_weights", "larosa_hooks", "plan"]
 
 # one rotation for the residual stream / per layer / per site; "none": TEAL's inputs, top-k
 BASES = ("global", "layer", "site", "none")
@@ -343,3 +343,32 @@ def folded_weights(model: nn.Module, p: TopkPlan, arch: Arch | None = None) -> d
             wo = wo.reshape(wo.shape[0], arch.n_heads, arch.d_head)
             out[f"{i}.o.weight"] = torch.einsum("ohd,hde->ohe", wo, t["qh"]).flatten(1)
     return out
+
+
+@torch.no_grad()
+def fold_into(model: nn.Module, p: TopkPlan, arch: Arch | None = None) -> dict:
+    """Write plan ``p``'s rotation of attention's output into ``model`` (W_V rows, W_O columns,
+    in place) and return the TEAL thresholds that then run it: ``{(layer, site): t}``, as
+    :class:`~dejavu_lab.sparsify.thresholds.Thresholds` and the engine's
+    ``SparseConfig("teal", thresholds=...)`` take them. The folded model's dense output is the
+    original's; with these thresholds, TEAL's hooks and kernels run this plan at TEAL's cost.
+
+    Only plans whose residual-stream sites are unrotated (``basis="none"``) and that keep by
+    threshold (``rule="threshold"``) fold this way.
+    """
+    arch = arch or get_arch(model)
+    if p.options.get("basis") != "none" or p.options.get("rule") != "threshold":
+        raise ValueError(
+            "only plans with basis='none' and rule='threshold' fold into TEAL's thresholds; "
+            "store folded_weights() for the others."
+        )
+    w = folded_weights(model, p, arch)
+    for i in range(arch.n_layers):
+        if f"{i}.o.weight" not in w:
+            continue
+        v, o = arch.part(model, i, "v"), arch.part(model, i, "o")
+        v.weight.copy_(w[f"{i}.v.weight"].to(v.weight.dtype))
+        if v.bias is not None:
+            v.bias.copy_(w[f"{i}.v.bias"].to(v.bias.dtype))
+        o.weight.copy_(w[f"{i}.o.weight"].to(o.weight.dtype))
+    return {k: float(sp.threshold) for k, sp in sorted(p.sites.items())}
