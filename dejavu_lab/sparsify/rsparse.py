@@ -22,6 +22,11 @@ takes what is left. Since ``U_r V_r = W P_r`` with ``P_r = diag(s) B_r B_rᵀ di
 the top right singular vectors of ``W diag(s)``), the hooks replace the site's input by
 ``x_S + P_r x_R``: the model's own layers then compute exactly the sparse + low-rank output.
 :func:`factors` gives the ``U_r``, ``V_r`` an engine would store (one extra small GEMV pair).
+
+On the demo model (``results/frontier_*lowrank*_demo*.json``) the factors did not pay for
+their bytes: at equal bytes R-Sparse stayed above TEAL greedy at every budget we measured,
+with a tenth or a quarter of a site's bytes in the factors, plain or activation-aware SVD, a
+fixed count or TEAL's rule, TEAL's shares or its own search.
 """
 
 from __future__ import annotations
