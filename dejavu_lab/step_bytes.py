@@ -27,6 +27,13 @@ share of units a site kept — one number for every layer (``{"mlp": 0.15}``) or
 each (bytes are linear in it). The unembedding (``vocab × d``) and the predictors are read in
 full; the embedding row and the norms and biases are left out (under 0.1% of a layer).
 
+Methods that read weights besides the kept columns add them as extra elements per token (the
+``predictors`` bytes here; :func:`bytes_per_token_fraction`'s ``extra_elements``): DejaVu's
+predictors, LaRoSA's residual-stream rotation where its basis changes between layers (one
+d × d matrix per turn; :mod:`dejavu_lab.sparsify.larosa`), R-Sparse's low-rank factors
+(``r · (d_in + d_out)`` per site; :mod:`dejavu_lab.sparsify.rsparse`). Their kept columns are
+columns of the folded weights (``W Q``), the same size as ``W``'s, so the table holds for them.
+
 Three readings of a sparse step use this one count:
 
 - what our engine (:class:`dejavu_lab.engine.Decoder`) reads — :func:`step_bytes`'s

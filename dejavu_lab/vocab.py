@@ -110,7 +110,9 @@ class Method:
     """
 
     name: str
-    family: str  # "dense"; "unit": top-k neurons and heads; "threshold": |x| > t per site
+    family: str  # "dense"; "unit": top-k neurons and heads; "threshold": |x| > t per site;
+    # "topk": a fixed top-k per token of a transformed site input (rotated, or beside a low-rank
+    # term), run from a plan (dejavu_lab.sparsify.topk) built on calibration moments
     sites: tuple[str, ...]  # threshold family: the sites it thresholds; unit: ("mlp", "heads")
     needs: str  # what must exist first: "nothing", "calibration", "predictors", "static sets"
     engine: bool  # the decoder (dejavu_lab.engine) runs it, not only the hooks on HF models
@@ -170,6 +172,10 @@ METHODS: dict[str, Method] = {
                allocation="greedy", score="weighted", paper="WINA (Chen et al., 2025)"),
         Method("cats", "threshold", ("gate",), "calibration", engine=True,
                score="gate", paper="CATS (Lee et al., 2024)"),
+        Method("larosa", "topk", _TEAL_SITES, "calibration", engine=False,
+               score="rotated", paper="LaRoSA (Liu et al., ICML 2025)"),
+        Method("rsparse", "topk", _TEAL_SITES, "calibration", engine=False,
+               score="sparse + low rank", paper="R-Sparse (Zhang et al., ICLR 2025)"),
     )
 }  # fmt: skip
 ALIASES = {a: m.name for m in METHODS.values() for a in m.aliases}
@@ -183,7 +189,7 @@ def method(name: str) -> Method:
     >>> method("relu")
     Traceback (most recent call last):
     ...
-    KeyError: "unknown method 'relu'; methods are dense, oracle, static, dejavu, teal, wina, cats"
+    KeyError: "unknown method 'relu'; methods are dense, oracle, static, dejavu, teal, wina, cats, ..."
     """
     name = ALIASES.get(name, name)
     if name not in METHODS:

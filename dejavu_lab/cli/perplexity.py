@@ -108,7 +108,8 @@ def _method_args(p: argparse.ArgumentParser) -> None:
         "--allocation",
         choices=["uniform", "greedy"],
         default=None,
-        help="teal/wina: spread over a layer's inputs (default greedy)",
+        help="teal/wina: spread over a layer's inputs (default greedy); larosa/rsparse: greedy "
+        "is the same search run on their own transform",
     )
     p.add_argument(
         "--predictor-mode", choices=["same", "lookahead"], default="lookahead", help="dejavu"
@@ -316,6 +317,12 @@ def prepare(args, spec: Method, model, tok, arch, *, skip: int = 0) -> tuple[dic
         info = {"calibration": source, "calibration_tokens": int(calib.numel())}
     if spec.needs == "static sets":
         kw["static"] = static_sets_for(model, calib, kw, args)
+    elif spec.needs == "calibration" and spec.family == "topk":
+        from ..sparsify import calibrate_moments  # their plans are built from moments
+
+        kw["thresholds"] = calibrate_moments(model, calib, arch=arch, progress=not args.no_progress)
+        kw["allocation"] = args.allocation or spec.allocation
+        info["calibration_file"] = str(kw["thresholds"].path)
     elif spec.needs == "calibration":
         from ..sparsify import calibrate
 

@@ -9,7 +9,9 @@ so adding a method is adding one file and its row in :data:`dejavu_lab.vocab.MET
 - :mod:`~dejavu_lab.sparsify.dejavu` — the sets DejaVu's predictors choose (§4.1–4.3);
 - :mod:`~dejavu_lab.sparsify.teal` — TEAL's magnitude thresholds on every linear input;
 - :mod:`~dejavu_lab.sparsify.wina` — WINA's weight-informed scores with TEAL's rule;
-- :mod:`~dejavu_lab.sparsify.cats` — CATS's threshold on the gate activation.
+- :mod:`~dejavu_lab.sparsify.cats` — CATS's threshold on the gate activation;
+- :mod:`~dejavu_lab.sparsify.larosa` — LaRoSA's fixed top-k in a rotated (PCA) basis;
+- :mod:`~dejavu_lab.sparsify.rsparse` — R-Sparse's large entries plus a low-rank term.
 
 The threshold methods take their thresholds from a calibration
 (:mod:`~dejavu_lab.sparsify.calibration`; TEAL's greedy allocation:
@@ -30,7 +32,16 @@ Deferred KV (§4.2) for token-by-token generation is in :mod:`dejavu_lab.deferre
 
 from ..budgets import budgets, head_gram, head_output_norms, n_keep, topk_mask
 from ..step_bytes import bytes_per_token_fraction
-from . import cats, dejavu, oracle, static, teal, wina  # noqa: F401  (each registers its method)
+from . import (  # noqa: F401  (each registers its method)
+    cats,
+    dejavu,
+    larosa,
+    oracle,
+    rsparse,
+    static,
+    teal,
+    wina,
+)
 from .calibration import (
     Calibration,
     CalibrationConfig,
@@ -43,8 +54,10 @@ from .calibration import (
 from .core import METHODS, MODES, SITES, register, sparsified
 from .evaluate import SparseResult, sparse_eval, sparse_perplexity
 from .kept import Kept
+from .moments import Moments, calibrate_moments, load_moments
 from .paper import PAPER_ABLATION, PAPER_TASKS
 from .static import StaticSets, static_sets
+from .topk import TopkPlan
 
 __all__ = [
     "Calibration",
@@ -60,6 +73,10 @@ __all__ = [
     "PAPER_TASKS",
     "SITES",
     "Kept",
+    "Moments",
+    "TopkPlan",
+    "calibrate_moments",
+    "load_moments",
     "SparseResult",
     "StaticSets",
     "budgets",

@@ -281,7 +281,7 @@ def _context(
              static=static, predictors=predictors, thresholds=thresholds, allocation=allocation),
     )  # fmt: skip
     L = arch.n_layers
-    unit = spec.family != "threshold"  # dense and the unit masks take mlp/head budgets
+    unit = spec.family not in ("threshold", "topk")  # dense and unit masks: mlp/head budgets
     if spec.needs == "static sets":
         # duck-typed: the sets come from dejavu_lab.sparsify.static (which imports this module)
         if not all(hasattr(static, a) for a in ("mlp_score", "head_score", "mlp_sparsity")):

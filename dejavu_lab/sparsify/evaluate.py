@@ -93,10 +93,10 @@ def sparse_eval(
     with torch.no_grad(), sparsified(model, kept=kept, **sparsified_kwargs):
         ppl = perplexity(model, windows, batch_size=batch_size, progress=progress)
     name = _method_name(sparsified_kwargs.get("method"), sparsified_kwargs.get("mode"))
-    extra = 0.0
+    extra = kept.extra_elements()  # online rotations, low-rank terms
     predictors = sparsified_kwargs.get("predictors")
     if method(name).needs == "predictors" and predictors is not None:
-        extra = _predictor_elements(predictors, kept, arch)
+        extra += _predictor_elements(predictors, kept, arch)
     frac = bytes_per_token_fraction(arch, kept.fractions(), extra_elements=extra)
     budget = sparsified_kwargs.get("sparsity")
     if budget is None:

@@ -35,6 +35,7 @@ from ..corpus import CorpusError, load_text, token_windows
 from ..vocab import CORPORA, METHODS, SITES, method
 from .calibration import calibrate, greedy_allocates
 from .evaluate import sparse_eval
+from .topk import DEFAULT_DESIGN, DESIGNS
 
 __all__ = [
     "CALIBRATION_TOKENS",
@@ -72,7 +73,9 @@ def allocations(name: str) -> tuple[str, ...]:
     (('uniform', 'greedy'), (), ())
     """
     m = method(name)
-    return ("uniform", "greedy") if m.family != "unit" and set(m.sites) == set(SITES) else ()
+    if m.family in ("unit", "topk"):  # neurons and heads; the top-k methods' own designs
+        return ()
+    return ("uniform", "greedy") if set(m.sites) == set(SITES) else ()
 
 
 def _variants() -> dict[str, dict]:
@@ -82,6 +85,9 @@ def _variants() -> dict[str, dict]:
     for m in METHODS.values():
         if m.family == "dense":
             continue
+        if m.family == "topk":  # named designs (topk.DESIGNS); its own name: the best
+            out[m.name] = dict(DESIGNS[DEFAULT_DESIGN[m.name]])
+            continue
         if allocations(m.name):
             for a in ("uniform", "greedy"):
                 out[f"{m.name} ({a})"] = {"method": m.name, "allocation": a}
@@ -90,10 +96,12 @@ def _variants() -> dict[str, dict]:
     return out
 
 
+_RUN_KEYS = ("method", "allocation", "sites", "dense_layers", "mlp_sparsity", "head_sparsity")
+
 # name -> spec: sparse_eval's method plus, for the threshold methods, the allocation over a
 # layer's sites (and optionally which sites, and dense layers). A spec may also carry
 # ``sites``, ``dense_layers``, ``mlp_sparsity`` or ``head_sparsity``.
-VARIANTS: dict[str, dict] = _variants()
+VARIANTS: dict[str, dict] = {**_variants(), **DESIGNS}
 # methods that need no trained predictor (but static sets or a calibration)
 TRAINING_FREE = tuple(m.name for m in METHODS.values() if m.needs in ("static sets", "calibration"))
 
@@ -243,6 +251,13 @@ def prepare(
     m = method(spec["method"])
     if m.needs == "nothing":
         return {}
+    if m.family == "topk":  # second moments for its bases; TEAL's greedy path for its shares
+        from .moments import calibrate_moments
+
+        ready = {"moments": calibrate_moments(model, calib, arch=arch, progress=progress)}
+        if spec.get("allocation") == "greedy":
+            ready["cal"] = calibrate(model, calib, greedy=["teal"], arch=arch, progress=progress)
+        return ready
     if m.needs == "calibration":
         greedy = []
         if spec.get("allocation") == "greedy":  # its own greedy search, or TEAL's shares
@@ -350,7 +365,17 @@ def _kwargs(spec: dict, s: float, ready: dict, model) -> dict:
     """sparse_eval's keywords for ``spec`` at ``s``, from what :func:`prepare` built."""
     m = METHODS.get(spec["method"])  # None for a name outside the table: refused below
     kw = {"method": spec["method"], "dense_layers": tuple(spec.get("dense_layers", ()))}
-    if m is not None and m.family == "unit":
+    if m is not None and m.family == "topk":  # a plan of fixed counts (dejavu_lab.sparsify.topk)
+        from . import larosa, rsparse
+
+        build = {"larosa": larosa.plan, "rsparse": rsparse.plan}[m.name]
+        opts = {k: v for k, v in spec.items() if k not in _RUN_KEYS}
+        alloc = spec.get("allocation", "uniform")
+        kw["thresholds"] = build(
+            model, ready["moments"], s, allocation=alloc, teal=ready.get("cal"),
+            dense_layers=kw["dense_layers"], **opts,
+        )  # fmt: skip
+    elif m is not None and m.family == "unit":
         kw["sparsity"] = s
         for k in ("mlp_sparsity", "head_sparsity"):
             if k in spec:

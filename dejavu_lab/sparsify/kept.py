@@ -31,6 +31,9 @@ class Kept:
     """
 
     def __init__(self, per_token: bool = False):
+        # (layer, what) -> weight elements read per token besides the kept columns: an online
+        # rotation, a low-rank term (dejavu_lab.sparsify.larosa, .rsparse)
+        self.extra: dict[tuple[int, str], float] = {}
         self.counts: dict[tuple[int, str], list[float]] = defaultdict(lambda: [0.0, 0.0])
         self.tokens: dict[tuple[int, str], list[torch.Tensor]] | None = (
             defaultdict(list) if per_token else None
@@ -43,6 +46,21 @@ class Kept:
         c[1] += keep.numel()
         if self.tokens is not None:
             self.tokens[(layer, site)].append(keep.float().mean(-1).flatten().cpu())
+
+    def add_extra(self, layer: int, what: str, elements: float) -> None:
+        """Record that every token of ``layer`` reads ``elements`` weights besides its sites'
+        kept columns (set, not summed: the same for every token and batch).
+
+        >>> k = Kept()
+        >>> k.add_extra(0, "rotation", 4096); k.add_extra(0, "rotation", 4096)
+        >>> k.extra_elements()
+        4096.0
+        """
+        self.extra[(layer, what)] = float(elements)
+
+    def extra_elements(self) -> float:
+        """Weight elements read per token besides the kept columns, over every layer."""
+        return float(sum(self.extra.values()))
 
     def per_token(self):
         """A pandas table: layer, site, token (in order seen), kept fraction."""
