@@ -43,13 +43,13 @@ DEFAULT_METHODS = ("training-free",)
 
 def _variants(text: str) -> list[tuple[str, dict]]:
     """An argparse ``type=`` for ``--methods``: a method as users write it, or a group."""
-    from ..sparsify.frontier import TRAINING_FREE, VARIANTS, parse_variant
+    from ..sparsify.frontier import METHOD_VARIANTS, TRAINING_FREE, parse_variant
     from ..vocab import METHODS
 
     if text == "all":
-        return list(VARIANTS.items())
+        return list(METHOD_VARIANTS.items())
     if text == "training-free":
-        return [(k, v) for k, v in VARIANTS.items()
+        return [(k, v) for k, v in METHOD_VARIANTS.items()
                 if v["method"] in TRAINING_FREE or METHODS[v["method"]].needs == "nothing"]  # fmt: skip
     try:
         return [parse_variant(text)]

@@ -41,6 +41,7 @@ __all__ = [
     "CALIBRATION_TOKENS",
     "SPARSITIES",
     "TRAIN_TOKENS",
+    "METHOD_VARIANTS",
     "TRAINING_FREE",
     "VARIANTS",
     "allocations",
@@ -101,7 +102,9 @@ _RUN_KEYS = ("method", "allocation", "sites", "dense_layers", "mlp_sparsity", "h
 # name -> spec: sparse_eval's method plus, for the threshold methods, the allocation over a
 # layer's sites (and optionally which sites, and dense layers). A spec may also carry
 # ``sites``, ``dense_layers``, ``mlp_sparsity`` or ``head_sparsity``.
-VARIANTS: dict[str, dict] = {**_variants(), **DESIGNS}
+# one or two variants per method (its allocations), what 'all' and 'training-free' run
+METHOD_VARIANTS: dict[str, dict] = _variants()
+VARIANTS: dict[str, dict] = {**METHOD_VARIANTS, **DESIGNS}  # and the top-k methods' designs
 # methods that need no trained predictor (but static sets or a calibration)
 TRAINING_FREE = tuple(m.name for m in METHODS.values() if m.needs in ("static sets", "calibration"))
 

@@ -40,7 +40,14 @@ from ..hooks import hooks
 from .core import SITES, _check_windows
 from .thresholds import CalibrationError, _check_fingerprint, _load, _save
 
-__all__ = ["MOMENTS_FORMAT", "Moments", "calibrate_moments", "load_moments", "norm_affine"]
+__all__ = [
+    "MOMENTS_FORMAT",
+    "Moments",
+    "calibrate_moments",
+    "default_path",
+    "load_moments",
+    "norm_affine",
+]
 
 MOMENTS_FORMAT = "dejavu-lab-moments/1"
 _NORMED = {"attn_in": "ln_attn", "mlp_in": "ln_mlp"}  # sites that are a norm's output

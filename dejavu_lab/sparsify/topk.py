@@ -32,6 +32,7 @@ __all__ = [
     "SitePlan",
     "TopkPlan",
     "plan_for",
+    "quantile",
     "sample_scores",
     "site_shares",
 ]
