@@ -213,13 +213,16 @@ def test_a_run_killed_after_its_first_point_resumes_where_it_stopped(capsys, tmp
 
 
 def test_the_demo_recording_holds_every_training_free_variant_with_its_provenance():
-    """results/frontier_demo.json (chapter 42 reads it): every point, where and how it ran."""
+    """results/frontier_demo.json (chapter 42 reads it): every point its command asked for,
+    where and how it ran; the variants it holds are the method table's (a method added after
+    the recording joins it when the command is run again: the finished points are kept)."""
     from dejavu_lab import results
     from dejavu_lab.cli.frontier import _variants
 
     frame, prov = results.load("frontier_demo")
-    variants = [name for name, _ in _variants("training-free")]
-    assert set(frame["variant"]) == {"dense", *variants}
+    variants = dict(_variants("training-free"))
+    assert set(frame["variant"]) == {"dense", *prov["variants"]}
+    assert {v: variants[v] for v in prov["variants"]} == prov["variants"]
     assert (frame[frame.variant != "dense"].groupby("variant").size() == 5).all()
     assert prov["command"].startswith("dejavu-lab frontier --model demo")
     assert prov["tokens"] >= 4096 and prov["window"] == 512 and prov["calibration_tokens"] == 8192
