@@ -313,6 +313,18 @@ def folded_weights(model: nn.Module, p: TopkPlan, arch: Arch | None = None) -> d
     site's basis is ``Q_nextᵀ Q_prev``, read where the basis is not global); ``{i}.v.weight`` (rows turned per head group)
     and ``{i}.o.weight`` (columns turned) when attention's output is rotated. Dense output is
     unchanged: ``W x = folded (Qᵀ u) + bias``.
+
+    >>> from dejavu_lab.models import random_model
+    >>> from dejavu_lab.sparsify.moments import calibrate_moments
+    >>> m = random_model("tiny-llama")
+    >>> mo = calibrate_moments(m.model, torch.randint(0, 128, (1, 16)), cache=False,
+    ...                        progress=False)
+    >>> w = folded_weights(m.model, plan(m.model, mo, 0.5))
+    >>> w["0.mlp_in.weight"].shape, w["0.o.weight"].shape  # [W_gate; W_up] diag(g) Q, W_O turned
+    (torch.Size([384, 64]), torch.Size([64, 64]))
+    >>> q = w["0.mlp_in.rotation"]
+    >>> torch.allclose(q.T @ q, torch.eye(64), atol=1e-5)  # orthogonal
+    True
     """
     arch = arch or get_arch(model)
     out = {}
@@ -355,6 +367,20 @@ def fold_into(model: nn.Module, p: TopkPlan, arch: Arch | None = None) -> dict:
 
     Only plans whose residual-stream sites are unrotated (``basis="none"``) and that keep by
     threshold (``rule="threshold"``) fold this way.
+
+    >>> from dejavu_lab.models import random_model
+    >>> from dejavu_lab.sparsify.moments import calibrate_moments
+    >>> m = random_model("tiny-llama")
+    >>> ids = torch.randint(0, 128, (1, 16))
+    >>> mo = calibrate_moments(m.model, ids, cache=False, progress=False)
+    >>> p = plan(m.model, mo, 0.5, basis="none", rule="threshold")
+    >>> with torch.no_grad():
+    ...     dense = m.model(ids).logits
+    ...     t = fold_into(m.model, p)
+    ...     torch.allclose(m.model(ids).logits, dense, atol=1e-5)  # W_V, W_O turned in place
+    True
+    >>> len(t), sorted(t)[:2]  # a threshold per (layer, site)
+    (8, [(0, 'attn_in'), (0, 'down_in')])
     """
     arch = arch or get_arch(model)
     if p.options.get("basis") != "none" or p.options.get("rule") != "threshold":

@@ -151,7 +151,15 @@ def load_moments(path: str | os.PathLike, model=None, arch: Arch | None = None) 
 
 
 def default_path(fp: dict, text_sha: str) -> Path:
-    """The cache file :func:`calibrate_moments` uses (nothing is created)."""
+    """The cache file :func:`calibrate_moments` uses (nothing is created).
+
+    >>> from dejavu_lab.collect import fingerprint
+    >>> from dejavu_lab.models import random_model
+    >>> m = random_model("tiny-llama")
+    >>> p = default_path(fingerprint(m.model, m.arch), "0123456789abcdef" * 4)
+    >>> p.parent.name, p.name.endswith("-0123456789ab.safetensors"), p.exists()
+    ('calibration', True, False)
+    """
     from ..assets import cache_dir
 
     return cache_dir() / "calibration" / f"moments-{fingerprint_id(fp)}-{text_sha[:12]}.safetensors"
@@ -170,6 +178,16 @@ def calibrate_moments(
 
     ``cache``: read and write ``default_path(...)`` under :func:`dejavu_lab.assets.cache_dir`
     (a damaged file is recomputed and overwritten).
+
+    >>> from dejavu_lab.models import random_model
+    >>> m = random_model("tiny-llama")
+    >>> mo = calibrate_moments(m.model, torch.randint(0, 128, (2, 16)), cache=False,
+    ...                        progress=False)
+    >>> mo.n_tokens, mo.ids.shape, mo.cov(1, "mlp_in").shape  # ids: the first windows, kept
+    (32, torch.Size([2, 16]), torch.Size([64, 64]))
+    >>> c = mo.cov(0, "attn_in")
+    >>> torch.equal(c, c.T), bool(torch.linalg.eigvalsh(c).min() > -1e-9)  # symmetric, PSD
+    (True, True)
     """
     from .calibration import text_hash
 

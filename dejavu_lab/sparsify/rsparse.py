@@ -232,7 +232,21 @@ def _transform(sp: SitePlan, site: str, x: torch.Tensor, cache: dict):
 @torch.no_grad()
 def factors(model: nn.Module, p: TopkPlan, arch: Arch | None = None) -> dict:
     """``{i}.{site}.u`` [d_out, r] and ``.v`` [r, d_in], fp32: the low-rank term an engine adds
-    (``y = W[:, S] x_S + u (v x_R)``), for every site of plan ``p`` with a rank."""
+    (``y = W[:, S] x_S + u (v x_R)``), for every site of plan ``p`` with a rank.
+
+    >>> from dejavu_lab.models import random_model
+    >>> from dejavu_lab.sparsify.moments import calibrate_moments
+    >>> m = random_model("tiny-llama")
+    >>> mo = calibrate_moments(m.model, torch.randint(0, 128, (1, 16)), cache=False,
+    ...                        progress=False)
+    >>> f = factors(m.model, plan(m.model, mo, 0.5, lowrank=0.25))
+    >>> f["0.mlp_in.u"].shape, f["0.mlp_in.v"].shape  # rank 6 of [W_gate; W_up]
+    (torch.Size([384, 6]), torch.Size([6, 64]))
+    >>> full = factors(m.model, plan(m.model, mo, 0.5, ranks={(0, "mlp_in"): 64}))
+    >>> w = _stacked(m.model, m.arch, 0, "mlp_in")
+    >>> torch.allclose(full["0.mlp_in.u"] @ full["0.mlp_in.v"], w, atol=1e-5)  # full rank: W
+    True
+    """
     arch = arch or get_arch(model)
     out = {}
     for (i, site), sp in sorted(p.sites.items()):

@@ -75,7 +75,15 @@ _SAMPLE = 1 << 14  # scores kept per site and window for the thresholds' quantil
 
 @dataclass
 class SitePlan:
-    """One (layer, site) of a plan."""
+    """One (layer, site) of a plan.
+
+    >>> sp = SitePlan(keep=2, width=4)
+    >>> sp.select(torch.tensor([0.1, 3.0, 0.5, 2.0]))  # the top 2
+    tensor([False,  True, False,  True])
+    >>> sp.threshold = 0.4
+    >>> sp.select(torch.tensor([0.1, 3.0, 0.5, 2.0]))  # rule "threshold": above it
+    tensor([False,  True,  True,  True])
+    """
 
     keep: int  # entries of the (transformed) input kept per token: weight columns read
     width: int  # entries of the site's input (d_in)
@@ -101,6 +109,11 @@ class TopkPlan:
 
     ``layer_extra``: elements read per token once per layer besides the sites (LaRoSA's
     residual-stream rotation).
+
+    >>> p = TopkPlan("rsparse", {(0, "mlp_in"): SitePlan(16, 64, extra=100.0)}, {},
+    ...              layer_extra={0: 10.0})
+    >>> p.kept_fractions(), p.extra_elements()
+    ({(0, 'mlp_in'): 0.25}, 110.0)
     """
 
     method: str
@@ -176,7 +189,24 @@ def plan_for(ctx, build) -> TopkPlan:
     ``build(model, moments, sparsity, allocation=..., arch=...)`` from
     :class:`~dejavu_lab.sparsify.moments.Moments` and ``sparsified``'s ``sparsity=`` and
     ``allocation=`` (``"greedy"`` there is the search on the method's own sites, ``"search"``;
-    ``sparsified`` has already zeroed the budget of its dense layers)."""
+    ``sparsified`` has already zeroed the budget of its dense layers).
+
+    >>> from dataclasses import replace
+    >>> from dejavu_lab.models import random_model
+    >>> from dejavu_lab.sparsify import rsparse
+    >>> from dejavu_lab.sparsify.core import SparseContext
+    >>> from dejavu_lab.sparsify.moments import calibrate_moments
+    >>> m = random_model("tiny-llama")
+    >>> mo = calibrate_moments(m.model, torch.randint(0, 128, (1, 16)), cache=False,
+    ...                        progress=False)
+    >>> ctx = SparseContext(m.model, m.arch, "rsparse", [0.0, 0.0], [0.0, 0.0],
+    ...                     sparsity=[0.5, 0.5], thresholds=mo)
+    >>> p = plan_for(ctx, rsparse.plan)  # built from the moments
+    >>> p.method, len(p.sites)
+    ('rsparse', 8)
+    >>> plan_for(replace(ctx, sparsity=None, thresholds=p), rsparse.plan) is p  # a ready plan
+    True
+    """
     from .moments import Moments
 
     src, method = ctx.thresholds, ctx.method
@@ -202,7 +232,19 @@ def plan_for(ctx, build) -> TopkPlan:
 def sample_scores(model, moments, scorer, key, arch) -> dict[tuple[int, str], torch.Tensor]:
     """(layer, site) -> a sorted sample of the scores ``scorer(layer, site, x)`` [..., width]
     over the calibration windows the moments kept (dense forward): the quantiles the rule
-    ``"threshold"`` takes. Cached on ``moments.cache`` under ``key``."""
+    ``"threshold"`` takes. Cached on ``moments.cache`` under ``key``.
+
+    >>> from dejavu_lab.models import random_model
+    >>> from dejavu_lab.sparsify.moments import calibrate_moments
+    >>> m = random_model("tiny-llama")
+    >>> mo = calibrate_moments(m.model, torch.randint(0, 128, (1, 16)), cache=False,
+    ...                        progress=False)
+    >>> s = sample_scores(m.model, mo, lambda i, site, x: x.abs(), "abs", m.arch)
+    >>> s[(0, "mlp_in")].shape, s[(1, "down_in")].shape  # 16 tokens x width
+    (torch.Size([1024]), torch.Size([3072]))
+    >>> bool((s[(0, "mlp_in")].diff() >= 0).all())  # sorted
+    True
+    """
     from ..hooks import hooks
 
     ck = ("scores", repr(key))  # the method's options: a dict, not hashable
