@@ -3,7 +3,7 @@
 transformers reads a GGUF file by dequantising every weight (the demo model: ~15 s; the Qwen2.5
 0.5B / 1.5B Q4_K_M files: ~36 / ~61 s on one CPU core), and it refuses to ``save_pretrained`` such
 a model ("quantized with gguf and is not serializable"). So :func:`converted` writes the
-dequantised weights itself, once, as a folder any later load reads in seconds:
+dequantised weights itself, once, as a folder any later load reads in seconds::
 
     $DEJAVU_LAB_CACHE/gguf/<file stem>-<first 16 hex digits of the file's sha256>/
         config.json            the model's config (without GGUF's quantization_config)
@@ -13,8 +13,8 @@ dequantised weights itself, once, as a folder any later load reads in seconds:
         source.json            the GGUF's name, size and sha256
 
 Keyed by content, not by path: moving or renaming the file finds its cache entry (by the sha256
-in the folder's name), and a changed file gets a new one. The folder is written under a temporary name and renamed into place when
-complete; two processes converting the same file take turns (:func:`dejavu_lab.atomic.locked`,
+in the folder's name), and a changed file gets a new one. The folder is written under a
+temporary name and renamed into place when complete; two processes converting the same file take turns (:func:`dejavu_lab.atomic.locked`,
 one lock file per entry), and the second finds the folder there. An entry costs 4 bytes per
 parameter (the 1.5B: 6.2 GB); delete the folder to free it.
 """

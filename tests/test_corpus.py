@@ -37,7 +37,7 @@ def test_windows_are_contiguous_and_drop_the_tail():
     "text,window,match",
     [
         ("short", 512, "5 tokens, fewer than one window of 512"),
-        ("", 4, "0 tokens"),
+        ("", 4, "the text is empty"),
         ("abc", 1, "window must be at least 2"),
     ],
 )

@@ -61,7 +61,7 @@ class FrontierState:
     >>> fp = {"model_type": "llama", "n_layers": 2, "d_model": 64, "weights_sha256": "ab" * 8}
     >>> root = tempfile.mkdtemp()
     >>> state = FrontierState.open(root, {"fingerprint": fp, "window": 16})
-    >>> state.folder.name.startswith("llama-L2-d64-abababab-"), state.get({"method": "cats"}, 0.5)
+    >>> state.folder.name.startswith("llama-L2-d64-abababababab-"), state.get({"method": "cats"}, 0.5)
     (True, None)
     >>> state.add({"method": "cats"}, 0.5, {"perplexity": 31.0})
     >>> again = FrontierState.open(root, {"fingerprint": fp, "window": 16})
