@@ -38,7 +38,7 @@ threshold. The hooks compute ``x' = g ⊙ Q·topk(Qᵀ u) + b``: the same vector
 sees, so the model's own forward measures the quality. :func:`folded_weights` writes the
 weights an engine would store.
 
-What paid on the demo model (``results/frontier_rotation*_demo.json``): the one free rotation,
+What paid on the demo model (``results/designs_*demo*.json``): the one free rotation,
 of attention's output, with TEAL's rule and the method's own search (``basis="none",
 rule="threshold", allocation="search"``) reads fewer bytes than TEAL greedy for the same
 perplexity; a rotated residual stream (global basis) did worse than none under the threshold
