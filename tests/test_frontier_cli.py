@@ -97,6 +97,39 @@ def test_frontier_measures_the_studys_points_and_records_provenance(
     assert set(frame["git_sha"]) == set(prov["points_git_sha"])
 
 
+def test_a_new_machine_extends_a_recording_without_measuring_its_points_again(
+    capsys, tmp_path, monkeypatch
+):
+    """The state folder lives in a cache a fresh machine lacks; the recording in ``results/``
+    holds the same points, so a rerun adding a method takes them and measures only the new
+    one. A recording of other settings gives nothing; a damaged one is one line and rewritten."""
+    monkeypatch.setenv("DEJAVU_LAB_RESULTS", str(tmp_path / "results"))
+    rec = ["--record", "tiny", "--json"]
+    rc, out, err = _run(capsys, "--methods", "oracle", "--sparsity", "0.5", *TINY,
+                        "--state-dir", str(tmp_path / "a"), *rec)  # fmt: skip
+    assert rc == 0, err
+    first = {r["variant"]: r for r in json.loads(out)["rows"]}
+    rc, out, err = _run(capsys, "--methods", "oracle", "cats", "--sparsity", "0.5", *TINY,
+                        "--state-dir", str(tmp_path / "b"), *rec)  # fmt: skip
+    assert rc == 0 and "took 2 points from results/tiny.json" in err, err
+    got = json.loads(out)
+    assert (got["computed"], got["reused"]) == (1, 2)
+    rows = {r["variant"]: r for r in got["rows"]}
+    for name in ("dense", "oracle"):  # taken as measured, with their own sha and time
+        assert rows[name]["perplexity"] == first[name]["perplexity"]
+        assert rows[name]["computed_at"] == first[name]["computed_at"]
+    # another window is another run: nothing taken
+    other = [a if a != "32" else "16" for a in TINY]
+    rc, out, err = _run(capsys, "--methods", "oracle", "--sparsity", "0.5", *other,
+                        "--state-dir", str(tmp_path / "c"), *rec)  # fmt: skip
+    assert rc == 0 and "took" not in err and json.loads(out)["computed"] == 2
+    (tmp_path / "results" / "tiny.json").write_text("{not json")
+    rc, out, err = _run(capsys, "--methods", "oracle", "--sparsity", "0.5", *TINY,
+                        "--state-dir", str(tmp_path / "d"), *rec)  # fmt: skip
+    assert rc == 0 and "could not be read" in err and json.loads(out)["computed"] == 2
+    assert json.loads((tmp_path / "results" / "tiny.json").read_text())["rows"]
+
+
 def test_adding_methods_and_sparsities_measures_only_the_new_points(capsys, tmp_path):
     state = ["--state-dir", str(tmp_path)]
     rc, out, err = _run(capsys, "--methods", "oracle", "--sparsity", "0.5", *TINY, *state, "--json")

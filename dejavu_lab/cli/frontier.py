@@ -257,7 +257,11 @@ def _run(args, model, tok, arch, specs: dict, sparsities: list[float]):
     computed = 0
     with state.locked():
         state.reload()  # a process that held the lock before us may have added points
+        taken = _seed(state, args.record)
         done = sum(state.get(spec, s) is not None for _, spec, s in points)
+        if taken:
+            print(f"dejavu-lab: took {taken} points from results/{args.record}.json (same model, "
+                  "text and settings).", file=sys.stderr)  # fmt: skip
         if done:
             print(f"dejavu-lab: resuming {state.path}: {done} of {len(points)} points done.",
                   file=sys.stderr)  # fmt: skip
@@ -296,6 +300,25 @@ def _run(args, model, tok, arch, specs: dict, sparsities: list[float]):
         "reused": len(points) - computed,
     }
     return df, {"summary": summary, "inputs": inputs, "specs": specs, "git_sha": git_sha}
+
+
+def _seed(state, record: str | None) -> int:
+    """Points an earlier ``--record`` of the same run holds (a fresh machine has no state
+    folder, but the recording is in ``results/``): taken into ``state``, counted."""
+    from ..results import results_dir
+
+    path = results_dir() / f"{record}.json" if record else None
+    if path is None or not path.exists():
+        return 0
+    try:
+        recording = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(recording, dict):
+            raise ValueError("not a results file")
+        return state.seed(recording)
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+        print(f"dejavu-lab: {path} could not be read ({e}); its points are measured again and "
+              "it is rewritten at the end.", file=sys.stderr)  # fmt: skip
+        return 0
 
 
 def _record(args, df, run) -> Path:

@@ -122,6 +122,54 @@ class FrontierState:
         """The saved row of this point, or None when it still has to be measured."""
         return self.points.get(point_key(spec, sparsity))
 
+    def seed(self, recording: dict) -> int:
+        """Take the points of a ``dejavu-lab frontier --record`` file (``{"provenance",
+        "rows"}``) that this state lacks, when the recording measured this run's inputs (same
+        model fingerprint, dtype, window, texts, calibration settings); return how many were
+        taken. A new machine then extends a recording without recomputing it; each taken row
+        keeps the ``git_sha`` and ``computed_at`` it was measured with.
+
+        >>> import tempfile
+        >>> fp = {"model_type": "llama", "n_layers": 2, "d_model": 64, "weights_sha256": "ab" * 8}
+        >>> inputs = {"fingerprint": fp, "dtype": "float32", "window": 16, "evaluated_sha": "e",
+        ...           "calibration_sha": "c", "train_tokens": 64, "calibration_config": ["k"]}
+        >>> rec = {"provenance": {"model_fingerprint": fp, "dtype": "float32", "window": 16,
+        ...        "text_sha": {"evaluated": "e", "calibration": "c"}, "train_tokens": 64,
+        ...        "calibration_config": ["k"], "variants": {"cats": {"method": "cats"}}},
+        ...        "rows": [{"variant": "cats", "sparsity": 0.5, "perplexity": 31.0,
+        ...                  "ppl_ratio": 1.1, "git_sha": "abc"}]}
+        >>> state = FrontierState.open(tempfile.mkdtemp(), inputs)
+        >>> state.seed(rec), state.get({"method": "cats"}, 0.5)["git_sha"]
+        (1, 'abc')
+        >>> state.seed({**rec, "provenance": {**rec["provenance"], "window": 32}})  # other run
+        0
+        """
+        prov = recording.get("provenance") or {}
+        text = prov.get("text_sha") or {}
+        theirs = {
+            "fingerprint": prov.get("model_fingerprint"),
+            "dtype": prov.get("dtype"),
+            "window": prov.get("window"),
+            "evaluated_sha": text.get("evaluated"),
+            "calibration_sha": text.get("calibration"),
+            "train_tokens": prov.get("train_tokens"),
+            "calibration_config": prov.get("calibration_config"),
+        }
+        if json.loads(json.dumps(theirs, sort_keys=True)) != self.inputs:
+            return 0
+        variants = {"dense": {"method": "dense"}, **(prov.get("variants") or {})}
+        taken = 0
+        for row in recording.get("rows") or []:
+            spec = variants.get(row.get("variant"))
+            if spec is None or self.get(spec, row["sparsity"]) is not None:
+                continue
+            kept = {k: v for k, v in row.items() if k not in ("variant", "ppl_ratio")}
+            self.points[point_key(spec, row["sparsity"])] = kept
+            taken += 1
+        if taken:
+            self._save()
+        return taken
+
     def add(self, spec: dict, sparsity: float, row: dict) -> None:
         """Keep ``row`` (stamped ``computed_at``; a perplexity that overflowed saved as None,
         JSON has no inf) and replace the state file atomically."""
@@ -129,6 +177,9 @@ class FrontierState:
         row = {k: None if isinstance(v, float) and not math.isfinite(v) else v
                for k, v in row.items()}  # fmt: skip
         self.points[point_key(spec, sparsity)] = {**row, "computed_at": now}
+        self._save()
+
+    def _save(self) -> None:
         points = [{**json.loads(k), "row": r} for k, r in self.points.items()]
         hint = "free space there or pass another state folder"
         write_json(
