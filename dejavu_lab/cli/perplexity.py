@@ -35,10 +35,10 @@ from .args import (
     load,
     positive,
     sparsity_args,
-    static_sets_for,
     text_source,
 )
 from .options import check as check_options
+from .prepare import cache_relative, from_calibration
 
 __all__ = ["CALIBRATION_TOKENS", "TRAIN_TOKENS", "add_parser", "cmd_perplexity", "prepare"]
 
@@ -315,46 +315,11 @@ def prepare(args, spec: Method, model, tok, arch, *, skip: int = 0) -> tuple[dic
             )
         calib = corpus_windows(args, tok, n_calib, 0, source=source)
         info = {"calibration": source, "calibration_tokens": int(calib.numel())}
-    if spec.needs == "static sets":
-        kw["static"] = static_sets_for(model, calib, kw, args)
-    elif spec.needs == "calibration" and spec.family == "topk":
-        from ..sparsify import calibrate_moments  # their plans are built from moments
-
-        kw["thresholds"] = calibrate_moments(model, calib, arch=arch, progress=not args.no_progress)
-        kw["allocation"] = args.allocation or spec.allocation
-        info["calibration_file"] = str(kw["thresholds"].path)
-    elif spec.needs == "calibration":
-        from ..sparsify import calibrate
-
-        allocation = args.allocation or spec.allocation
-        # TEAL's greedy search over a layer's sites exists for the methods defaulting to it
-        greedy = [spec.name] if allocation == "greedy" and spec.allocation == "greedy" else []
-        kw["thresholds"] = calibrate(
-            model, calib, greedy=greedy, arch=arch, progress=not args.no_progress
-        )
-        kw["allocation"] = allocation
-        info["calibration_file"] = _cache_relative(kw["thresholds"].path)
-    elif spec.needs == "predictors":
+        info.update(from_calibration(args, spec, model, calib, kw, arch))
+    if spec.needs == "predictors":
         kw["predictors"] = _predictors(args, model, tok, arch, source)
-        info = {"predictors": _cache_relative(kw["predictors"].info.get("path"))}
+        info = {"predictors": cache_relative(kw["predictors"].info.get("path"))}
     return kw, info
-
-
-def _cache_relative(path) -> str | None:
-    """A file under the cache directory as a path relative to it; any other path as given.
-
-    >>> from dejavu_lab.assets import cache_dir
-    >>> _cache_relative(cache_dir() / "calibration" / "x.safetensors")
-    'calibration/x.safetensors'
-    """
-    from ..assets import cache_dir
-
-    if path is None:
-        return None
-    try:
-        return str(Path(path).relative_to(cache_dir()))
-    except ValueError:
-        return str(path)
 
 
 def _predictors(args, model, tok, arch, source: str):

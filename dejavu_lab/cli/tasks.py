@@ -18,8 +18,9 @@ from pathlib import Path
 
 from ..vocab import ALIASES, method_names
 from ..vocab import method as method_spec
-from .args import budget, common_args, corpus_windows, count, layer_list, load, static_sets_for
+from .args import budget, common_args, corpus_windows, count, layer_list, load
 from .options import check as check_options
+from .prepare import from_calibration
 
 __all__ = ["add_parser", "cmd_eval_tasks", "prepare"]
 
@@ -76,7 +77,8 @@ def prepare(args, model, tok, arch) -> dict:
 
     The method's family says which budgets it takes, its ``needs`` what to build first from
     the corpus's first ``--calibration-windows`` (static sets, a calibration) or to load
-    (``--predictors``). Thresholds spread uniformly over a layer's sites here.
+    (``--predictors``), by the same rule as ``perplexity`` (:mod:`~dejavu_lab.cli.prepare`):
+    TEAL's greedy shares for teal/wina, second moments for larosa/rsparse.
 
     >>> from dejavu_lab.cli.main import parser
     >>> args = parser().parse_args("eval-tasks --method predicted --sparsity 0.5".split())
@@ -96,8 +98,7 @@ def prepare(args, model, tok, arch) -> dict:
         kw["sparsity"] = args.sparsity
     if spec.needs in ("static sets", "calibration"):
         calib = corpus_windows(args, tok, args.calibration_windows)
-    if spec.needs == "static sets":
-        kw["static"] = static_sets_for(model, calib, kw, args)
+        from_calibration(args, spec, model, calib, kw, arch)
     elif spec.needs == "predictors":
         from ..predictors import load_predictors
 
@@ -106,10 +107,6 @@ def prepare(args, model, tok, arch) -> dict:
                 f"--method {spec.name} needs --predictors FILE (see train-predictors)."
             )
         kw["predictors"] = load_predictors(args.predictors, model, arch)
-    elif spec.needs == "calibration":
-        from ..sparsify import calibrate
-
-        kw["thresholds"] = calibrate(model, calib, arch=arch, progress=not args.no_progress)
     return {"method": spec.name, **kw}
 
 
