@@ -14,6 +14,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from dejavu_lab.engine import (  # noqa: E402
+    BatchDecoder,
     Decoder,
     EngineError,
     SparseConfig,
@@ -146,6 +147,8 @@ def test_int4_layouts_that_do_not_fit_the_method_are_refused():
          "reads the rows layout of w_qkv"),
         (lambda: Decoder(dense4, max_seq_len=8, sparse=cats), "reads the rows layout of w_in"),
         (lambda: quantize_weights(decoder_weights(m), GROUP, "oracle"), "must be one of"),
+        (lambda: BatchDecoder(quantize_weights(decoder_weights(m), GROUP, "dejavu"), max_seq_len=8,
+                              sparse=SparseConfig()), "runs batch 1 only"),
         (lambda: Decoder(m, max_seq_len=8, sparse=cats, weights="int4", group=128),
          "not a multiple of group=128"),
     ]  # fmt: skip
@@ -154,6 +157,14 @@ def test_int4_layouts_that_do_not_fit_the_method_are_refused():
             call()
         msg = str(info.value)
         assert msg.endswith(".") and msg.count(". ") == 0, msg
+    # int4 weights laid out anew for a method hold the same numbers as quantising for it
+    again = quantize_weights(dense4, GROUP, "dejavu").layers[0]
+    direct = quantize_weights(decoder_weights(m), GROUP, "dejavu").layers[0]
+    for name in ("w_qkv", "w_in"):
+        a, b = getattr(again, name), getattr(direct, name)
+        assert all(torch.equal(getattr(a, t), getattr(b, t)) for t in ("packed", "scales", "mins"))
+    back = quantize_weights(quantize_weights(dense4, GROUP, "dejavu"), GROUP, "dense").layers[0]
+    assert torch.equal(back.w_in_t.packed, dense4.layers[0].w_in_t.packed)
     # the rows layout built for DejaVu serves a dense decoder's prefill and step as well
     w4 = quantize_weights(decoder_weights(m), GROUP, "dejavu")
     assert Decoder(w4, max_seq_len=8, sparse=SparseConfig(mlp_sparsity=0.0)).generate(
