@@ -14,8 +14,8 @@ heads); ``gated``: ``act(gate_r . x + b_r) * (up_r . x + b_{n + r})``, the up ro
 
 The kernel (:func:`int4_up_kernel`) also serves CATS (:mod:`.cats`: ``MODE=2``, every gate row,
 then the up rows of the neurons whose ``|act(gate)|`` passes the threshold — a row no token
-keeps is masked off the load) and the dense product (``MODE=0``, every row: the CATS gate alone,
-the prefill-free dense step over this layout). Program ``j`` owns ``BLOCK_N`` outputs and walks
+keeps is masked off the load) and the dense product (``MODE=0``, every row: a dense step over
+weights stored in this layout, :func:`~dejavu_lab.engine.weights.linear_rows`). Program ``j`` owns ``BLOCK_N`` outputs and walks
 the inputs ``BLOCK_K`` at a time, codes loaded as int32 words of 8 nibbles (``in`` is a multiple
 of the group, so of 8) and unpacked with shifts; batch 1 sums ``q x`` per group and applies the
 scale once per group and row (one FMA per weight), union batches (2-32 tokens) dequantise the
