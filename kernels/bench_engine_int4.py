@@ -1,4 +1,4 @@
-"""End to end on an H200: fp16 dense, fp16 TEAL, int4 dense, int4 TEAL / WINA, one engine.
+"""End to end on an H200: fp16 dense, fp16 TEAL, int4 dense, int4 TEAL / WINA / DejaVu / CATS, one engine.
 
 Random weights at Llama-3-8B and Llama-2-13B shapes (quantised to int4 at build time), batch 1,
 one prompt, CUDA-graph replay (:func:`dejavu_lab.bench.engine_int4.bench_int4`): ms per token,
@@ -7,7 +7,7 @@ dense over fp16 dense; int4 + TEAL over int4 dense). Written to
 ``results/engine_int4.json`` with provenance.
 
     PYTHONPATH=. python kernels/bench_engine_int4.py [--models llama-3-8b,llama-2-13b]
-        [--group 128] [--sparsity 0.4,0.5] [--methods teal,wina] [--prompt 512]
+        [--group 128] [--sparsity 0.4,0.5] [--methods teal,wina,dejavu,cats] [--prompt 512]
         [--int4-only llama-3-70b]   # built in int4 without fp16 (its fp16 does not fit)
     TRITON_INTERPRET=1 python kernels/bench_engine_int4.py --quick   # CPU plumbing, tiny model
 """
@@ -38,7 +38,11 @@ def main(argv=None):
     )
     ap.add_argument("--group", type=int, default=128, help="int4 group size (32, 64, 128)")
     ap.add_argument("--sparsity", default="0.4,0.5", help="TEAL/WINA sparsities, comma-separated")
-    ap.add_argument("--methods", default="teal,wina", help="int4 threshold methods")
+    ap.add_argument(
+        "--methods",
+        default="teal,wina,dejavu,cats",
+        help="int4 sparse methods (DejaVu: that share of neurons and heads dropped)",
+    )
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--quick", action="store_true", help="tiny model on the CPU (plumbing)")

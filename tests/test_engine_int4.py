@@ -106,8 +106,8 @@ def test_int4_requests_it_cannot_run_are_refused():
         (dict(weights="int8"), "must be None"),
         (dict(weights="int4", group=128), "not a multiple of group=128"),
         (dict(weights="int4", group=48), "group=48 is not supported"),
-        (dict(weights="int4", sparse=SparseConfig(method="cats", thresholds=keep_all(m, "cats"))),
-         "runs dense, TEAL and WINA"),
+        (dict(weights="int4", group=128, sparse=SparseConfig(mlp_sparsity=0.5)),
+         "not a multiple of group=128"),
     ]  # fmt: skip
     for kw, match in bad:
         with pytest.raises(EngineError, match=match):

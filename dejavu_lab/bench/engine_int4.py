@@ -4,12 +4,18 @@ sparsity each buy end to end, and what they buy together, on one engine.
 For one model shape (random weights at a preset, quantised at build time) and one prompt,
 :func:`bench_int4` times, each in CUDA-graph replay: the fp16 dense decoder (the engine's
 default) and fp16 TEAL at each sparsity; the int4 dense decoder
-(``Decoder(..., weights="int4")``) and int4 TEAL / WINA at each sparsity. Each row has its ms
-per token, its bytes per token (:func:`int4_step_bytes` for int4: codes of the rows read,
-every group's scale and min, the KV cache and ``lm_head`` in fp16) and the fraction of the
-copy ceiling they reach; int4 rows add their speedup over fp16 dense and over int4 dense.
-Before timing, int4 TEAL with every entry kept is checked against int4 dense, and int4 dense
-against fp16 dense (the quantisation's own error, for the record).
+(``Decoder(..., weights="int4")``) and int4 TEAL / WINA / DejaVu / CATS at each sparsity
+(DejaVu: that share of the neurons and of the heads dropped, random kept sets per layer, as a
+predictor's would be; CATS: thresholds calibrated on the prompt). Each row has its ms per
+token, its bytes per token (:func:`int4_step_bytes` for int4 TEAL/WINA: codes of the rows read,
+every group's scale and min, the KV cache and ``lm_head`` in fp16;
+:func:`~dejavu_lab.step_bytes.step_bytes` with ``int4_group`` for DejaVu and CATS, whose kept
+rows carry their own scales) and the fraction of the copy ceiling they reach; int4 rows add
+their speedup over fp16 dense and over int4 dense. Before timing, int4 TEAL, DejaVu and CATS
+with everything kept are checked against int4 dense, and int4 dense against fp16 dense (the
+quantisation's own error, for the record). DejaVu and CATS run on their own copy of the int4
+weights, ``W_QKV`` / ``W_in`` in the rows layout (:func:`~dejavu_lab.engine.int4.
+quantize_weights`, laid out anew from the columns copy: the same numbers).
 """
 
 from __future__ import annotations
@@ -25,9 +31,10 @@ from ..step_bytes import step_bytes
 from .engine import build
 from .timing import cuda, relerr, timed
 
-__all__ = ["bench_int4", "int4_step_bytes", "ms_per_token"]
+__all__ = ["bench_int4", "int4_step_bytes", "ms_per_token", "random_sets"]
 
 SITES4 = ("attn_in", "o_in", "mlp_in", "down_in")  # TEAL/WINA's sites
+ROWS = ("dejavu", "cats")  # the methods that read the rows layout of W_QKV / W_in
 
 
 def int4_step_bytes(arch, *, vocab: int, context: int, group: int, kept: float = 1.0,
@@ -69,6 +76,24 @@ def ms_per_token(dec: Decoder, ids: torch.Tensor, new_tokens: int) -> dict:
     return {"ms_per_token": ms / (new_tokens - 1), "prefill_ms": prefill}
 
 
+def random_sets(dec: Decoder, seed: int = 0) -> None:
+    """Give a DejaVu decoder random kept neurons and heads in every layer (unsorted, as a
+    predictor's top-k comes), for timing without predictors.
+
+    >>> from dejavu_lab.models import random_model
+    >>> dec = Decoder(random_model("tiny-llama", dtype=torch.float16).model, max_seq_len=8,
+    ...               sparse=SparseConfig(mlp_sparsity=0.5, head_sparsity=0.5))
+    >>> random_sets(dec, seed=1)
+    >>> dec.sets.mlp_idx.shape, bool((dec.sets.mlp_idx[0] != torch.arange(96)).any())
+    (torch.Size([2, 96]), True)
+    """
+    g = torch.Generator().manual_seed(seed)
+    for i in range(dec.arch.n_layers):
+        mlp = torch.randperm(dec.arch.d_mlp, generator=g)[: dec.k_mlp]
+        heads = torch.randperm(dec.H, generator=g)[: dec.k_heads]
+        dec.set_indices(i, mlp=mlp, heads=heads)
+
+
 def _logits(dec: Decoder, ids: torch.Tensor, n_prompt: int) -> torch.Tensor:
     with torch.no_grad():
         out = [dec.prefill(ids[:, :n_prompt])]
@@ -82,7 +107,7 @@ def bench_int4(preset: str, *, prompt: int, new_tokens: int, group: int, sparsit
     """Time fp16 and int4 decoders of ``preset`` (see module doc) and append their rows
     (``check_tokens``: the checks' prompt and decoded tokens; ``quiet``: print nothing;
     ``int4_only``: int4 weights built without the fp16 model, :func:`~dejavu_lab.engine.int4.
-    random_int4_weights`, for shapes fp16 cannot fit: no fp16 rows, TEAL only).
+    random_int4_weights`, for shapes fp16 cannot fit: no fp16 rows, no WINA).
 
     >>> rows = []
     >>> bench_int4("tiny-llama", prompt=4, new_tokens=3, group=64, sparsities=[0.5],
@@ -94,7 +119,7 @@ def bench_int4(preset: str, *, prompt: int, new_tokens: int, group: int, sparsit
     if int4_only:
         w, w4 = None, random_int4_weights(preset, group=group, device=device)
         arch, vocab = w4.arch, w4.embed.shape[0]
-        methods = [m for m in methods if m == "teal"]  # WINA's column norms read fp16 weights
+        methods = [m for m in methods if m != "wina"]  # WINA's column norms read fp16 weights
     else:
         model, arch = build(preset, device)
         vocab = model.config.vocab_size
@@ -116,9 +141,17 @@ def bench_int4(preset: str, *, prompt: int, new_tokens: int, group: int, sparsit
     quant_err = math.nan
     if w is not None:
         quant_err = relerr(dense4, _logits(Decoder(w, max_seq_len=n_check + 1), check, n_prompt))
+    w4r = {m: quantize_weights(w4, group, m) for m in ROWS if m in methods}  # rows layouts
+    everything = {"dejavu": SparseConfig(mlp_sparsity=0.0),
+                  "cats": SparseConfig(method="cats", thresholds=keep_all(w4, "cats"))}  # fmt: skip
+    keep_rows = {f"keep_all_{m}_vs_dense": relerr(_logits(
+        Decoder(w4r[m], max_seq_len=n_check + 1, sparse=everything[m]), check, n_prompt), dense4)
+        for m in w4r}  # fmt: skip
     say(f"{preset}: int4 TEAL keep-all vs int4 dense {keep_err:.1e}; "
-          f"int4 vs fp16 dense {quant_err:.1e} (the format's own error)")  # fmt: skip
-    rows.append({**base, "kind": "check", "keep_all_vs_dense": keep_err, "int4_vs_fp16": quant_err})
+          f"int4 vs fp16 dense {quant_err:.1e} (the format's own error); "
+          + "; ".join(f"{k} {v:.1e}" for k, v in keep_rows.items()))  # fmt: skip
+    rows.append({**base, "kind": "check", "keep_all_vs_dense": keep_err, "int4_vs_fp16": quant_err,
+                 **keep_rows})  # fmt: skip
     plan = [] if w is None else [("fp16", "dense", 0.0)] + [("fp16", "teal", s) for s in sparsities]
     plan += [("int4", "dense", 0.0)] + [("int4", m, s) for m in methods for s in sparsities]
     times = {}
@@ -126,11 +159,15 @@ def bench_int4(preset: str, *, prompt: int, new_tokens: int, group: int, sparsit
         row = {**base, "kind": "e2e", "weights": weights, "engine": method, "sparsity": sparsity}
         try:
             sparse = None
-            if method != "dense":
+            if method == "dejavu":
+                sparse = SparseConfig(mlp_sparsity=sparsity, head_sparsity=sparsity)
+            elif method != "dense":
                 thr = calibrate_thresholds(w if w is not None else w4, ids, sparsity, method=method)
                 sparse = SparseConfig(method=method, thresholds=thr)
-            dec = Decoder(w4 if weights == "int4" else w, max_seq_len=prompt + new_tokens,
-                          sparse=sparse)  # fmt: skip
+            weights_of = w4r.get(method, w4) if weights == "int4" else w
+            dec = Decoder(weights_of, max_seq_len=prompt + new_tokens, sparse=sparse)
+            if method == "dejavu":
+                random_sets(dec, seed=0)
             row.update(ms_per_token(dec, ids, new_tokens))
             del dec
         except Exception as exc:  # record and go on: one failure must not lose the run
@@ -138,7 +175,11 @@ def bench_int4(preset: str, *, prompt: int, new_tokens: int, group: int, sparsit
             rows.append({**row, "error": repr(exc)[:300]})
             continue
         kept = 1.0 - sparsity
-        if weights == "int4":
+        if weights == "int4" and method in ROWS:
+            sites = ({"mlp_kept": kept, "head_kept": kept} if method == "dejavu"
+                     else {"site_kept": {"gate": kept}})  # fmt: skip
+            nbytes = step_bytes(arch, vocab=vocab, context=ctx, int4_group=group, **sites)["total"]
+        elif weights == "int4":
             nbytes = int4_step_bytes(arch, vocab=vocab, context=ctx, group=group, kept=kept)
         else:
             site = dict.fromkeys(SITES4, kept)
@@ -155,7 +196,7 @@ def bench_int4(preset: str, *, prompt: int, new_tokens: int, group: int, sparsit
         say(f"{preset:>12} {weights} {method:>6} {sparsity:4.2f}: {ms:8.3f} ms/token, "
               f"{row['tbps']:.2f} TB/s, x{row.get('vs_fp16_dense', float('nan')):.2f} over fp16 "
               f"dense")  # fmt: skip
-    del w, w4
+    del w, w4, w4r
     gc.collect()
     if cuda():
         torch.cuda.empty_cache()

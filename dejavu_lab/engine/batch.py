@@ -54,7 +54,9 @@ from .batch_sets import BatchSets
 from .config import EngineError, SparseConfig
 from .decoder import Decoder, _norm
 from .greedy import argmax_rows, sample_rows
+from .int4 import is_int4
 from .mlp import KeptMLP
+from .weights import DecoderWeights
 
 __all__ = ["MAX_BATCH", "BatchDecoder"]
 
@@ -94,6 +96,9 @@ class BatchDecoder(Decoder):
         )
         if sparse is not None and sparse.fused:
             raise EngineError("fused=True runs batch 1 only; use SparseConfig(fused=False).")
+        int4 = isinstance(model, DecoderWeights) and is_int4(model)
+        if int4 and sparse is not None and sparse.method == "dejavu":
+            raise EngineError("DejaVu on int4 weights runs batch 1 only; decode it with Decoder.")
         self._union_budget = union_budget  # read by _new_sets
         super().__init__(model, max_seq_len=max_seq_len, sparse=sparse, predictors=predictors,
                          arch=arch, dense_ops=dense_ops)  # fmt: skip

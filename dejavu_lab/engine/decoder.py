@@ -42,7 +42,8 @@ from .config import EngineError, SparseConfig, default_ops
 from .config import dense_ops as resolve_ops
 from .fused_step import fused_layers
 from .greedy import argmax_rows
-from .int4 import int4_blocks, is_int4, quantize_weights
+from .int4 import check_int4_layout, is_int4, quantize_weights
+from .int4_sparse import int4_blocks
 from .kept_heads import KeptHeads
 from .mlp import KeptMLP, gate_act, mlp_block
 from .sets import KeptSets
@@ -75,8 +76,8 @@ class Decoder:
     layout, ``dense_columns`` in ``results/engine_methods.json``). One-token steps of a pre-LN
     model finish each block in its residual add + norm (:mod:`~dejavu_lab.engine.fused_step`),
     except DejaVu's. ``weights="int4"`` quantises the layer matrices to group-wise int4 (``group``
-    input channels per scale and min) and runs the dense, TEAL and WINA steps over them
-    (:mod:`~dejavu_lab.engine.int4`). Its parts: ``attn[i]`` and ``mlp[i]`` (layer i's blocks), ``sets``
+    input channels per scale and min, laid out for the method) and runs every method's step over
+    them (:mod:`~dejavu_lab.engine.int4`, :mod:`~dejavu_lab.engine.int4_sparse`). Its parts: ``attn[i]`` and ``mlp[i]`` (layer i's blocks), ``sets``
     (DejaVu's kept sets, else None), ``st`` (what every block of a step reads).
 
     >>> from dejavu_lab.models import random_model
@@ -100,19 +101,15 @@ class Decoder:
         if weights not in (None, "int4"):
             raise EngineError(f"weights={weights!r} must be None (as loaded) or 'int4'.")
         int4 = weights == "int4" or (isinstance(model, DecoderWeights) and is_int4(model))
-        if int4 and method in ("dejavu", "cats"):
-            raise EngineError(
-                f"the int4 engine runs dense, TEAL and WINA steps; {method} reads the rows "
-                "layout, which int4 weights do not have yet."
-            )
         # a DecoderWeights is shared as is (dense and sparse decoders over one copy)
         if isinstance(model, DecoderWeights):
             self.w = model
         else:
-            layout = "columns" if weights == "int4" else layout_for(method)
+            rows = weights != "int4" or method in ("dejavu", "cats")
+            layout = layout_for(method) if rows else "columns"
             self.w = decoder_weights(model, arch, layout=layout)
-        if weights == "int4":  # the layer matrices in group-wise int4 (engine.int4)
-            self.w = quantize_weights(self.w, group)
+        if int4 and not is_int4(self.w):  # the layer matrices in int4, laid out for the method
+            self.w = quantize_weights(self.w, group, method)  # (int4 weights: shared as they are)
         self.int4 = int4
         self.ops = resolve_ops(dense_ops if dense_ops is not None else default_ops(self.w))
         a = self.arch = self.w.arch
@@ -124,7 +121,10 @@ class Decoder:
                 f"the {method} path runs the fp16/bf16 kernels but the weights are "
                 f"{self.w.dtype}; load the model with dtype=torch.float16 (or bfloat16)."
             )
-        check_layout(self.w, method, sparse)
+        if int4:
+            check_int4_layout(self.w, method, sparse)
+        else:
+            check_layout(self.w, method, sparse)
         if predictors is not None and getattr(predictors, "mode", "lookahead") != "lookahead":
             raise EngineError(
                 "the engine runs lookahead predictors (§4.3); train mode='lookahead'."
@@ -201,7 +201,8 @@ class Decoder:
         :mod:`~dejavu_lab.engine.attention`, :mod:`~dejavu_lab.engine.mlp`)."""
         w, L = self.w, range(self.arch.n_layers)
         if self.int4:
-            return int4_blocks(w, self.kv, self.st, self.site_thresholds)
+            return int4_blocks(w, self.kv, self.st, self.site_thresholds, method=self.method,
+                               sets=self.sets)  # fmt: skip
         if self.sets is not None:  # DejaVu
             fused = self.sparse.fused
             attn = [

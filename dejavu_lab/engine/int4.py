@@ -1,9 +1,15 @@
-"""4-bit weights in the decode engine: dense and TEAL / WINA steps over group-wise int4 matrices.
+"""4-bit weights in the decode engine: group-wise int4 matrices, and the dense and TEAL / WINA steps over them.
 
-:func:`quantize_weights` turns the four matrices of every layer of the ``"columns"`` layout
-(``W_QKV^T``, ``W_O^T``, ``W_in^T``, ``W2^T``: one row per input channel) into
-:class:`~dejavu_lab.quant.Int4Weight` s, round-to-nearest with one (scale, min) per ``group``
-input channels; norms, embeddings and ``lm_head`` stay in the model's dtype. The blocks then
+:func:`quantize_weights` turns the four matrices of every layer into group-wise int4,
+round-to-nearest with one (scale, min) per output and ``group`` input channels; norms,
+embeddings and ``lm_head`` stay in the model's dtype. ``W_O^T`` and ``W2^T`` are
+:class:`~dejavu_lab.quant.Int4Weight` s (one row per input channel: TEAL's dropped inputs and
+Deja Vu's kept heads and neurons are rows of them); ``W_QKV`` and ``W_in`` take the layout the
+method reads (:data:`LAYOUTS`): the columns (``W_QKV^T``, ``W_in^T`` as Int4Weights) for dense,
+TEAL and WINA, the rows (``W_QKV``, ``W_in`` as :class:`~dejavu_lab.quant.Int4Rows`, one row per
+output) for the kept heads and neurons of DejaVu and the kept up rows of CATS. Both hold the
+same numbers (the groups run along the inputs either way), so a method's choice of layout
+changes which bytes it can skip, never the weights. The blocks then
 run the int4 kernels (:mod:`dejavu_lab.kernels.int4`): :class:`Int4Attention` and
 :class:`Int4MLP` are the dense blocks with each product an :func:`~dejavu_lab.kernels.int4.
 int4_gemv`, or an :func:`~dejavu_lab.kernels.int4.int4_threshold_gemv` at the sites with a
@@ -12,8 +18,8 @@ tensors, so the fused one-token step (:mod:`~dejavu_lab.engine.fused_step`) adds
 them as it does cuBLAS's. The dense prefill multiplies by the dequantised matrices
 (:func:`~dejavu_lab.engine.weights.linear_t`).
 
-``Decoder(model, ..., weights="int4", group=...)`` builds this; DejaVu and CATS read rows of
-``W_QKV`` / ``W_in`` (the ``"rows"`` layout) and are not run on int4 weights yet.
+``Decoder(model, ..., weights="int4", group=...)`` builds this for every method; DejaVu's and
+CATS's blocks are in :mod:`~dejavu_lab.engine.int4_sparse`.
 
 >>> from dejavu_lab.engine import Decoder
 >>> from dejavu_lab.models import random_model
@@ -32,22 +38,27 @@ import dataclasses
 import torch
 
 from ..kernels.int4 import int4_threshold_gemv
-from ..quant import GROUPS, Int4Weight, quantize
+from ..quant import GROUPS, Int4Rows, Int4Weight, quantize, rows_layout
 from .attention import DenseAttention
 from .config import EngineError
 from .mlp import DenseMLP, act
-from .weights import DecoderWeights, decoder_weights, linear_t
+from .weights import DecoderWeights, decoder_weights, linear_rows, linear_t
 
 __all__ = [
     "Int4Attention",
     "Int4MLP",
-    "int4_blocks",
+    "check_int4_layout",
     "is_int4",
     "quantize_weights",
     "random_int4_weights",
 ]
 
-MATRICES = ("w_qkv_t", "w_o_t", "w_in_t", "w_down_t")  # what the int4 blocks read
+MATRICES = ("w_qkv_t", "w_o_t", "w_in_t", "w_down_t")  # the columns layout's four matrices
+# per method, the layout of W_QKV and of W_in its int4 blocks read (W_O^T, W2^T: always rows of
+# the transposes); DejaVu gathers kept heads' and neurons' rows, CATS its kept up rows
+LAYOUTS = {"dense": ("columns", "columns"), "teal": ("columns", "columns"),
+           "wina": ("columns", "columns"), "dejavu": ("rows", "rows"),
+           "cats": ("columns", "rows")}  # fmt: skip
 
 
 def is_int4(w: DecoderWeights) -> bool:
@@ -62,9 +73,11 @@ def is_int4(w: DecoderWeights) -> bool:
     return isinstance(w.layers[0].w_down_t, Int4Weight)
 
 
-def quantize_weights(w: DecoderWeights, group: int = 128) -> DecoderWeights:
-    """A copy of ``w`` (``"columns"`` or ``"both"`` layout, fp16/bf16) whose layer matrices are
-    int4 with ``group`` input channels per (scale, min); the rows-layout copies are dropped.
+def quantize_weights(w: DecoderWeights, group: int = 128, method: str = "dense") -> DecoderWeights:
+    """A copy of ``w`` (any layout, fp16/bf16) whose layer matrices are int4 with ``group`` input
+    channels per (scale, min), ``W_QKV`` and ``W_in`` in the layout ``method``'s blocks read
+    (:data:`LAYOUTS`: columns for dense/TEAL/WINA, rows for DejaVu, W_in's rows for CATS).
+    Int4 weights are laid out anew, exactly (the same codes, scales and mins; ``group`` unused).
 
     >>> from dejavu_lab.engine import decoder_weights
     >>> from dejavu_lab.models import random_model
@@ -73,9 +86,25 @@ def quantize_weights(w: DecoderWeights, group: int = 128) -> DecoderWeights:
     >>> lw = w4.layers[0]
     >>> lw.w_qkv_t.shape, lw.w_qkv_t.group, lw.w_qkv is None, is_int4(w4)
     ((64, 128), 64, True, True)
+    >>> lw = quantize_weights(decoder_weights(m), group=64, method="cats").layers[0]
+    >>> type(lw.w_qkv_t).__name__, type(lw.w_in).__name__, lw.w_in.shape  # gate, then up rows
+    ('Int4Weight', 'Int4Rows', (384, 64))
     """
+    if method not in LAYOUTS:
+        raise EngineError(f"method={method!r} must be one of {', '.join(LAYOUTS)}.")
+    pairs = (("w_qkv", "w_qkv_t"), ("w_in", "w_in_t"))
     if is_int4(w):
-        return w
+        layers = []
+        for lw in w.layers:
+            new = {}
+            for (rows, cols), layout in zip(pairs, LAYOUTS[method], strict=True):
+                r, c = getattr(lw, rows), getattr(lw, cols)
+                if layout == "rows":
+                    new[rows], new[cols] = (r if r is not None else rows_layout(c)), None
+                else:
+                    new[rows], new[cols] = None, (c if c is not None else r.columns())
+            layers.append(dataclasses.replace(lw, **new))
+        return dataclasses.replace(w, layers=layers)
     if w.dtype not in (torch.float16, torch.bfloat16):
         raise EngineError(
             f"int4 weights pair with fp16/bf16 activations but the model is {w.dtype}; load it "
@@ -83,24 +112,56 @@ def quantize_weights(w: DecoderWeights, group: int = 128) -> DecoderWeights:
         )
     if group not in GROUPS:
         raise EngineError(f"group={group!r} is not supported; pick one of {GROUPS}.")
-    if w.layers[0].w_qkv_t is None or w.layers[0].w_in_t is None:
-        raise EngineError(
-            "int4 weights are built from the 'columns' layout; pass decoder_weights(model, "
-            "layout='columns') (or the model itself)."
-        )
     layers = []
     for lw in w.layers:
         new = {}
-        for name in MATRICES:
-            t = getattr(lw, name)
-            if t.shape[0] % group:
-                raise EngineError(
-                    f"{name} has {t.shape[0]} input channels, not a multiple of group={group}; "
-                    f"pick a group that divides every layer's inputs (one of {GROUPS})."
-                )
-            new[name] = quantize(t, group=group, dtype=w.dtype)
-        layers.append(dataclasses.replace(lw, w_qkv=None, w_in=None, **new))
+        for (rows, cols), layout in zip(pairs, LAYOUTS[method], strict=True):
+            t = getattr(lw, cols)
+            q = _quantize(cols, t if t is not None else getattr(lw, rows).T, group, w.dtype)
+            new[rows], new[cols] = (rows_layout(q), None) if layout == "rows" else (None, q)
+        for name in ("w_o_t", "w_down_t"):
+            new[name] = _quantize(name, getattr(lw, name), group, w.dtype)
+        layers.append(dataclasses.replace(lw, **new))
     return dataclasses.replace(w, layers=layers)
+
+
+def _quantize(name: str, t: torch.Tensor, group: int, dtype) -> Int4Weight:
+    """``t`` ([d_in, d_out]) in int4, or one sentence when its inputs do not split into groups."""
+    if t.shape[0] % group:
+        raise EngineError(
+            f"{name} has {t.shape[0]} input channels, not a multiple of group={group}; "
+            f"pick a group that divides every layer's inputs (one of {GROUPS})."
+        )
+    return quantize(t, group=group, dtype=dtype)
+
+
+def check_int4_layout(w: DecoderWeights, method: str, sparse=None) -> None:
+    """Raise :class:`EngineError` when int4 weights ``w`` lack a layout ``method`` reads: DejaVu
+    the rows of ``W_QKV`` and ``W_in``, CATS the rows of ``W_in``, TEAL / WINA the columns of the
+    matrices whose input they threshold (``sparse``: the :class:`~dejavu_lab.engine.SparseConfig`);
+    a dense product runs on either layout.
+
+    >>> from dejavu_lab.engine import decoder_weights
+    >>> from dejavu_lab.models import random_model
+    >>> m = random_model("tiny-llama", dtype=torch.float16).model
+    >>> check_int4_layout(quantize_weights(decoder_weights(m), 64, "dejavu"), "dejavu")  # fine
+    >>> check_int4_layout(quantize_weights(decoder_weights(m), 64, "dejavu"), "dense")  # fine
+    """
+    lw, need = w.layers[0], []
+    pairs = (("w_qkv", "w_qkv_t", "attn_in"), ("w_in", "w_in_t", "mlp_in"))
+    if method in ("dejavu", "cats"):
+        need = [(rows, "rows") for (rows, _, _), lay in zip(pairs, LAYOUTS[method], strict=True)
+                if lay == "rows"]  # fmt: skip
+    elif method in ("teal", "wina"):
+        sites = {site for _, site in sparse.thresholds}
+        need = [(cols, "columns") for _, cols, site in pairs if site in sites]
+    for name, layout in need:
+        if getattr(lw, name) is None:
+            raise EngineError(
+                f"method {method!r} reads the {layout} layout of {name.removesuffix('_t')} but "
+                f"these int4 weights do not hold it; build them with quantize_weights(w, group, "
+                f"method={method!r})."
+            )
 
 
 def random_int4_weights(preset: str, *, group: int = 128, dtype=torch.float16,
@@ -169,8 +230,11 @@ def random_int4_weights(preset: str, *, group: int = 128, dtype=torch.float16,
     )  # fmt: skip
 
 
-def _product(x: torch.Tensor, w4: Int4Weight, b, t) -> torch.Tensor:
-    """``x @ dequant(w4) + b``, thresholded at ``t`` (a Threshold, or None: dense)."""
+def _product(x: torch.Tensor, w4: Int4Weight | Int4Rows, b, t) -> torch.Tensor:
+    """``x @ dequant(w4) + b``, thresholded at ``t`` (a Threshold, or None: dense); a rows-layout
+    ``w4`` (``W`` itself) is dense."""
+    if isinstance(w4, Int4Rows):
+        return linear_rows(x, w4, b)
     if t is None or x.shape[0] > 32:
         return linear_t(x, w4, b)
     return int4_threshold_gemv(x, w4, t.at(x), bias=b)
@@ -194,7 +258,8 @@ class Int4Attention(DenseAttention):
         self.t_in, self.t_o = t_in, t_o
 
     def qkv(self, x: torch.Tensor) -> torch.Tensor:
-        return _product(x, self.lw.w_qkv_t, self.lw.b_qkv, self.t_in)
+        lw = self.lw
+        return _product(x, lw.w_qkv if lw.w_qkv_t is None else lw.w_qkv_t, lw.b_qkv, self.t_in)
 
     def out(self, o: torch.Tensor) -> torch.Tensor:
         return _product(o, self.lw.w_o_t, self.lw.b_o, self.t_o)
@@ -202,7 +267,8 @@ class Int4Attention(DenseAttention):
 
 class Int4MLP(DenseMLP):
     """The MLP over int4 ``W_in^T`` and ``W2^T``, thresholded at ``t_in`` (mlp_in) and
-    ``t_down`` (down_in) where given (TEAL / WINA), else dense.
+    ``t_down`` (down_in) where given (TEAL / WINA), else dense (``W_in`` in the rows layout, as
+    CATS's weights hold it, is dense).
 
     >>> from dejavu_lab.engine import Decoder
     >>> from dejavu_lab.models import random_model
@@ -228,26 +294,6 @@ class Int4MLP(DenseMLP):
         return self(x)
 
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
-        a = _product(x, self.lw.w_in_t, self.lw.b_in, self.t_in)
+        lw = self.lw
+        a = _product(x, lw.w_in if lw.w_in_t is None else lw.w_in_t, lw.b_in, self.t_in)
         return act(a, self.activation, self.gated, self.n)
-
-
-def int4_blocks(w: DecoderWeights, kv: torch.Tensor, st, thresholds: list[dict]):
-    """Each layer's (attention, MLP) blocks over int4 weights: ``kv`` the cache [L, ...],
-    ``st`` the decoder's :class:`~dejavu_lab.engine.attention.StepState`, ``thresholds`` its
-    per-layer ``{site: Threshold or None}``.
-
-    >>> from dejavu_lab.engine import Decoder
-    >>> from dejavu_lab.models import random_model
-    >>> dec = Decoder(random_model("tiny-llama", dtype=torch.float16).model, max_seq_len=8,
-    ...               weights="int4", group=64)
-    >>> attn, mlp = int4_blocks(dec.w, dec.kv, dec.st, dec.site_thresholds)
-    >>> [type(b).__name__ for b in (attn[1], mlp[1])]
-    ['Int4Attention', 'Int4MLP']
-    """
-    attn, mlp = [], []
-    for i, lw in enumerate(w.layers):
-        t = thresholds[i]
-        attn.append(Int4Attention(lw, kv[i], st, t["attn_in"], t["o_in"]))
-        mlp.append(Int4MLP(lw, w, t["mlp_in"], t["down_in"]))
-    return attn, mlp

@@ -8,7 +8,10 @@ Skipped heads write no K/V: the attention input of the last ``window`` tokens is
 layer (``StepState.hwin``), a kept head recomputes its K/V over that window in the same weight
 pass (a union batch), and every ``window`` tokens one dense K/V pass over the window fills
 every head (:meth:`KeptHeads.flush`). ``fused``: QKV, RoPE and the window's K/V write in one
-launch (:func:`~dejavu_lab.kernels.qkv_rope`), else apart.
+launch (:func:`~dejavu_lab.kernels.qkv_rope`), else apart. The unfused step reads its weights
+through three methods — the kept heads' QKV rows, their ``W_O^T`` rows, every head's K/V rows
+over the window — that the 4-bit block (:class:`~dejavu_lab.engine.int4_sparse.Int4KeptHeads`)
+replaces with the int4 kernels.
 """
 
 from __future__ import annotations
@@ -69,22 +72,37 @@ class KeptHeads:
 
     def _attend(self, qkv: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
         """Append this token's K/V, attend over the kept heads' cache only, then their W_O rows."""
-        st, lw = self.st, self.lw
+        st = self.st
         o = sparse_attention_core(
             qkv, self.kv[0][None], self.kv[1][None], st.seqlen, heads, n_heads=st.H,
             kv_heads=None if st.window else st.kv_all, scale=st.scale,
         )  # [1, k dh]  # fmt: skip
+        return self._out(o, heads)
+
+    def _qkv_rows(self, xb: torch.Tensor) -> torch.Tensor:
+        """[B, (k + 2 nkv) dh]: the kept blocks of W_QKV times xb [B, d] (the gather-GEMV)."""
+        lw = self.lw
+        return sparse_mlp_up(xb, lw.w_qkv, self.sets.qkv_idx[self.i], bias=lw.b_qkv,
+                             activation="none", rows_per_index=self.st.dh,
+                             validate=False)  # fmt: skip
+
+    def _out(self, o: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+        """[1, d]: the kept heads' rows of W_O^T times their attention output o [1, k dh]."""
         return sparse_mlp_down(
-            o, lw.w_o_t, heads, bias=lw.b_o, rows_per_index=st.dh, validate=False
+            o, self.lw.w_o_t, heads, bias=self.lw.b_o, rows_per_index=self.st.dh, validate=False
         )
+
+    def _kv_rows(self, hwin: torch.Tensor) -> torch.Tensor:
+        """[W, 2 Hkv dh]: every head's K and V over the window's attention inputs hwin [W, d]."""
+        lw, H, dh = self.lw, self.st.H, self.st.dh
+        bias = None if lw.b_qkv is None else lw.b_qkv[H * dh :]
+        return F.linear(hwin, lw.w_qkv[H * dh :], bias)
 
     def _unfused(self, xb: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
         """The kept heads' QKV gather-GEMV, RoPE, the window's K/V write and attention apart."""
-        st, lw, dh = self.st, self.lw, self.st.dh
+        st, dh = self.st, self.st.dh
         k, nkv = self.sets.k_heads, self.sets.n_kv_sel
-        qkv = sparse_mlp_up(xb, lw.w_qkv, self.sets.qkv_idx[self.i], bias=lw.b_qkv,
-                            activation="none", rows_per_index=dh,
-                            validate=False)  # [B, (k + 2 nkv) dh]  # fmt: skip
+        qkv = self._qkv_rows(xb)  # [B, (k + 2 nkv) dh]
         if st.cos is not None:  # row b sits at positions[b]
             blocks = qkv.view(xb.shape[0], k + 2 * nkv, dh)
             cos, sin = st.cos[st.positions, None], st.sin[st.positions, None]
@@ -104,9 +122,8 @@ class KeptHeads:
                      positions=positions, bias=lw.b_qkv, cos=st.cos, sin=st.sin,
                      k_cache=kv[0], v_cache=kv[1])  # fmt: skip
             return
-        H, Hkv, dh, W, b = st.H, st.Hkv, st.dh, st.window, base
-        bias = None if lw.b_qkv is None else lw.b_qkv[H * dh :]
-        new = F.linear(hwin, lw.w_qkv[H * dh :], bias).view(W, 2, Hkv, dh)
+        Hkv, dh, W, b = st.Hkv, st.dh, st.window, base
+        new = self._kv_rows(hwin).view(W, 2, Hkv, dh)
         kk = new[:, 0]
         if st.cos is not None:
             kk = rotate(kk, st.cos[b : b + W, None], st.sin[b : b + W, None])

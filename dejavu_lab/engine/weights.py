@@ -30,13 +30,13 @@ from torch import nn
 
 from ..arch import Arch, get_arch
 from ..kernels import use_triton
-from ..kernels.int4 import int4_gemv
-from ..quant import Int4Weight
+from ..kernels.int4 import int4_gemv, int4_kept_up
+from ..quant import Int4Rows, Int4Weight
 from ..vocab import METHODS
 from .config import EngineError
 
 __all__ = ["DecoderWeights", "LayerWeights", "check_layout", "decoder_weights", "layout_for",
-           "linear_t"]  # fmt: skip
+           "linear_rows", "linear_t"]  # fmt: skip
 
 ENGINE_TYPES = ("opt", "llama", "mistral", "qwen2")  # Arch tables whose blocks the engine runs
 
@@ -74,13 +74,13 @@ class LayerWeights:
     def qkv(self, x: torch.Tensor) -> torch.Tensor:
         """Dense ``x @ W_QKV^T + b`` (cuBLAS) from whichever layout is stored; x [S, d]."""
         if self.w_qkv is not None:
-            return F.linear(x, self.w_qkv, self.b_qkv)
+            return linear_rows(x, self.w_qkv, self.b_qkv)
         return linear_t(x, self.w_qkv_t, self.b_qkv)
 
     def mlp_in(self, x: torch.Tensor) -> torch.Tensor:
         """Dense ``x @ W_in^T + b`` (fc1, or gate then up), either layout; x [S, d]."""
         if self.w_in is not None:
-            return F.linear(x, self.w_in, self.b_in)
+            return linear_rows(x, self.w_in, self.b_in)
         return linear_t(x, self.w_in_t, self.b_in)
 
 
@@ -98,6 +98,22 @@ def linear_t(x: torch.Tensor, w_t, b: torch.Tensor | None) -> torch.Tensor:
             return int4_gemv(x, w_t, bias=b)
         w_t = w_t.dequantize(x.dtype)
     return x @ w_t if b is None else torch.addmm(b, x, w_t)
+
+
+def linear_rows(x: torch.Tensor, w, b: torch.Tensor | None) -> torch.Tensor:
+    """``x @ w.T + b`` for a weight stored as rows ([d_out, d_in], ``nn.Linear.weight``); an
+    :class:`~dejavu_lab.quant.Int4Rows` runs :func:`~dejavu_lab.kernels.int4.int4_kept_up` over
+    every row for 1-32 rows on a GPU (or the CPU under ``TRITON_INTERPRET=1``), else the
+    dequantised matrix.
+
+    >>> linear_rows(torch.ones(1, 2), torch.tensor([[1.0, 2.0], [3.0, 4.0]]), None)
+    tensor([[3., 7.]])
+    """
+    if isinstance(w, Int4Rows):
+        if x.shape[0] <= 32 and use_triton(x.device):
+            return int4_kept_up(x, w, bias=b)
+        w = w.dequantize(x.dtype)
+    return F.linear(x, w, b)
 
 
 @dataclass

@@ -2,6 +2,8 @@
 
 - :mod:`~dejavu_lab.quant.int4` — the format (:class:`Int4Weight`) and round-to-nearest
   quantisation from fp16/bf16/fp32 weights;
+- :mod:`~dejavu_lab.quant.int4_rows` — the same format one row per output (:class:`Int4Rows`),
+  for the kernels that skip outputs (Deja Vu's kept neurons and heads, CATS's up rows);
 - :mod:`~dejavu_lab.quant.gguf_blocks` — GGUF's Q4_0 / Q4_1 / Q4_K blocks read into it exactly;
 - :mod:`~dejavu_lab.quant.gguf_model` — a loaded model's decoder linears from its GGUF file;
 - :mod:`~dejavu_lab.quant.swap` — a model run on its dequantised int4 weights (the quality
@@ -11,12 +13,14 @@
 from .gguf_blocks import FOUR_BIT, decode_blocks, int4_from_blocks
 from .gguf_model import GGUFImport, gguf_names, import_gguf
 from .int4 import GROUPS, Int4Weight, QuantError, quantize
+from .int4_rows import Int4Rows, quantize_rows, rows_layout
 from .swap import decoder_linears, dequantized, rtn_weights
 
 __all__ = [
     "FOUR_BIT",
     "GGUFImport",
     "GROUPS",
+    "Int4Rows",
     "Int4Weight",
     "QuantError",
     "decode_blocks",
@@ -26,5 +30,7 @@ __all__ = [
     "import_gguf",
     "int4_from_blocks",
     "quantize",
+    "quantize_rows",
+    "rows_layout",
     "rtn_weights",
 ]

@@ -182,7 +182,8 @@ def quantize(w_t: torch.Tensor, group: int = 128, dtype: torch.dtype | None = No
     dtype = dtype or (w_t.dtype if w_t.dtype in _SCALE_DTYPES else torch.float32)
     if dtype not in _SCALE_DTYPES:
         raise QuantError(f"dtype={dtype} for scales; use float16, bfloat16 or float32.")
-    w = w_t.float().reshape(n_in // group, group, n_out)
+    # row-major whatever w_t's strides (a transposed view): the kernels read contiguous codes
+    w = w_t.float().contiguous().reshape(n_in // group, group, n_out)
     if not torch.isfinite(w).all():
         raise QuantError("w_t holds NaN or inf; quantise finite weights only.")
     lo, hi = w.amin(dim=1), w.amax(dim=1)

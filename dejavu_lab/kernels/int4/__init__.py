@@ -8,20 +8,35 @@ one row per input channel, so a dropped channel is a row whose bytes are never r
 - :func:`int4_threshold_gemv` (:mod:`.threshold`) — TEAL / WINA: the mask ``|x| > thr`` computed
   in the kernel, rows below threshold skipped, union batches of 1-32 tokens;
 - :func:`int4_rows_gemv` (:mod:`.rows`) — the rows of an index list (Deja Vu's down projection
-  over the kept neurons).
+  over the kept neurons, ``W_Oᵀ`` over the kept heads).
+
+Deja Vu's up projection and kept heads' QKV, and CATS's up rows, drop *outputs* instead: one
+more kernel (:mod:`.up`) reads a rows-layout :class:`~dejavu_lab.quant.Int4Rows` (``W``, one row
+of codes per output, groups along the inputs), so a dropped output is a row never read:
+
+- :func:`int4_kept_up` (:mod:`.up`) — ``act(W[rows] x + b)`` (or ``act(gate) * up``) for the rows
+  of an index list (or every row);
+- :func:`int4_cats_up` (:mod:`.cats`) — CATS: every gate row, then the up rows of the neurons
+  whose ``|act(gate)|`` passes the threshold, the mask formed in the kernel.
 
 Each has a plain-PyTorch ``*_ref``; on the CPU the kernel runs under ``TRITON_INTERPRET=1``
 (else the reference). ``kernels/bench_int4.py`` times them on a GPU against cuBLAS fp16 and
 gemlite.
 """
 
+from .cats import int4_cats_up, int4_cats_up_ref
 from .dense import int4_gemv, int4_gemv_ref
 from .rows import int4_rows_gemv, int4_rows_gemv_ref
 from .threshold import int4_threshold_gemv, int4_threshold_gemv_ref
+from .up import int4_kept_up, int4_kept_up_ref
 
 __all__ = [
+    "int4_cats_up",
+    "int4_cats_up_ref",
     "int4_gemv",
     "int4_gemv_ref",
+    "int4_kept_up",
+    "int4_kept_up_ref",
     "int4_rows_gemv",
     "int4_rows_gemv_ref",
     "int4_threshold_gemv",

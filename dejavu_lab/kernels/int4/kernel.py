@@ -20,7 +20,7 @@ the output directly).
 ``MODE``: 0 dense; 1 threshold (TEAL/WINA: each token's entries below ``thr`` are zeroed, and a
 row no token keeps is masked off the code load, so its bytes never move; a group's scales and
 mins are read only when one of its rows is kept); 2 kept rows (row ``r`` of the walk is weight
-row ``idx[r]``, x holds the listed rows' activations in list order: Deja Vu's down projection).
+row ``idx[r // RPI] RPI + r % RPI``, x holds the listed rows' activations in list order: Deja Vu's down projection).
 
 Codes are read as words of ``NPE`` nibbles (int32: 8 outputs per load element, when the output
 count allows), unpacked with shifts: ``UNPACK=0`` shifts a [rows, words, NPE] tile (batch 1
@@ -75,7 +75,7 @@ def int4_gemv_kernel(
     m_ptr,  # [K // GROUP, D] mins
     thr_ptr,  # MODE 1: [K] fp32 thresholds (THR_SCALAR: unused)
     thr_value,  # MODE 1 with THR_SCALAR: the one threshold
-    idx_ptr,  # MODE 2: [n] weight rows, int32
+    idx_ptr,  # MODE 2: [n // RPI] weight row blocks, int32
     b_ptr,  # [D] bias (HAS_BIAS)
     out_ptr,  # [B, D] output
     ws_ptr,  # fp32 partials [n_split, B, D] (serial) or sums [B, D] (atomic)
@@ -89,6 +89,7 @@ def int4_gemv_kernel(
     rows_per_split,
     n_split,
     MODE: tl.constexpr,  # 0 dense, 1 threshold, 2 kept rows
+    RPI: tl.constexpr,  # MODE 2: rows per index (1: neurons; d_head: heads of W_O^T)
     THR_SCALAR: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     REDUCE: tl.constexpr,  # 0 one split writes out, 1 serial partials, 2 atomics
@@ -127,7 +128,7 @@ def int4_gemv_kernel(
         offs_r = r0 + offs_k
         mask_r = offs_r < r_hi
         if MODE == 2:
-            rows = tl.load(idx_ptr + offs_r, mask=mask_r, other=0)
+            rows = tl.load(idx_ptr + offs_r // RPI, mask=mask_r, other=0) * RPI + offs_r % RPI
         else:
             rows = offs_r
         # x: the step's inputs, zero where dropped; use: the rows whose codes are read
@@ -257,10 +258,12 @@ def nibbles_per_word(d_out: int) -> int:
 
 
 def launch(xb: torch.Tensor, w, res2: torch.Tensor, cfg: dict, *, mode: str, thr=None,
-           idx: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> None:  # fmt: skip
+           idx: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+           rows_per_index: int = 1) -> None:  # fmt: skip
     """Run :func:`int4_gemv_kernel` on checked inputs: ``xb`` [B, K] (``mode="rows"``: [B, n]),
     ``w`` an Int4Weight on xb's device and dtype, ``res2`` the [B, D] output; ``thr`` a float or
-    fp32 [K] (threshold); ``idx`` int32 [n] (rows). ``cfg``: ``BLOCK_R``, ``BLOCK_D``,
+    fp32 [K] (threshold); ``idx`` int32 [n] (rows: blocks of
+    ``rows_per_index`` rows). ``cfg``: ``BLOCK_R``, ``BLOCK_D``,
     ``num_warps``, ``num_stages``, ``programs_per_sm`` (or ``programs``, or ``split``: the
     number of row splits), ``reduce`` (serial, atomic) and ``unpack`` (0, 1).
 
@@ -273,7 +276,7 @@ def launch(xb: torch.Tensor, w, res2: torch.Tensor, cfg: dict, *, mode: str, thr
     """
     batch = xb.shape[0]
     d_out = w.shape[1]
-    n = idx.numel() if mode == "rows" else w.shape[0]
+    n = idx.numel() * rows_per_index if mode == "rows" else w.shape[0]
     device = xb.device
     npe = nibbles_per_word(d_out)
     codes = w.packed.view({8: torch.int32, 4: torch.int16, 2: torch.uint8}[npe])
@@ -313,7 +316,7 @@ def launch(xb: torch.Tensor, w, res2: torch.Tensor, cfg: dict, *, mode: str, thr
     int4_gemv_kernel[(n_col, n_split)](
         xb, codes, w.scales, w.mins, thr_ptr, thr_value, idx if idx is not None else ws,
         bias if bias is not None else ws, res2, ws, counts, batch, n, d_out, xb.stride(0),
-        codes.stride(0), res2.stride(0), rows_per_split, n_split, MODE=MODES[mode],
+        codes.stride(0), res2.stride(0), rows_per_split, n_split, MODE=MODES[mode], RPI=rows_per_index,
         THR_SCALAR=scalar, HAS_BIAS=bias is not None, REDUCE=REDUCE[reduce], GROUP=w.group,
         NPE=npe, UNPACK=unpack, BLOCK_B=block_b, BLOCK_R=block_r,
         BLOCK_D=block_d, UPCAST=upcast_dot(xb.dtype), CHUNK=chunk, num_warps=cfg["num_warps"],
