@@ -94,6 +94,10 @@ class BatchDecoder(Decoder):
         )
         if sparse is not None and sparse.fused:
             raise EngineError("fused=True runs batch 1 only; use SparseConfig(fused=False).")
+        if sparse is not None and sparse.method == "rsparse":
+            raise EngineError(
+                "R-Sparse's low-rank terms run in the batch-1 Decoder only; use Decoder."
+            )
         self._union_budget = union_budget  # read by _new_sets
         super().__init__(model, max_seq_len=max_seq_len, sparse=sparse, predictors=predictors,
                          arch=arch, dense_ops=dense_ops)  # fmt: skip
