@@ -3,11 +3,12 @@
 
 Per site, ``y = W[:, S] x_S + U_r (V_r x_R)``: ``S`` the entries of x above the threshold
 (what :func:`~dejavu_lab.kernels.threshold_gemv` reads), ``R`` the rest. :class:`LowRank` is
-the second term: a mask of x and two small GEMVs (``V_r`` then ``U_r``), plain torch ops with
-no host synchronisation, so the step stays one CUDA graph; it reads ``r · (d_in + d_out)``
-weights per token (all of ``V_r``, as the quality path counts it). Where the threshold GEMV
-leaves fp32 sums for a fused epilogue (:mod:`~dejavu_lab.engine.fused_step`), the term is added
-into them in place. A layer without a factor runs TEAL's blocks
+the second term, added in place to the GEMV's output — or, where the threshold GEMV leaves
+fp32 sums for a fused epilogue (:mod:`~dejavu_lab.engine.fused_step`), to those sums — by
+:func:`~dejavu_lab.kernels.threshold.lowrank.lowrank_add`: two launches (``V_r`` on the
+dropped entries, then ``U_r``), no host synchronisation, so the step stays one CUDA graph. It
+counts ``r · (d_in + d_out)`` weights per token (all of ``V_r``, as the quality path does;
+the kernel loads only the rows of the dropped entries). A layer without a factor runs TEAL's blocks
 (:class:`~dejavu_lab.engine.attention.ThresholdAttention`, :class:`~dejavu_lab.engine.mlp.ThresholdMLP`),
 so rank 0 everywhere is TEAL with R-Sparse's thresholds.
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import rope_sums, threshold_gemv, threshold_sums
+from ..kernels.threshold.lowrank import lowrank_add, lowrank_ref
 from .attention import ThresholdAttention
 from .mlp import ThresholdMLP, act
 from .weights import linear_t
@@ -34,8 +36,11 @@ class LowRank:
     >>> from dejavu_lab.engine.site_thresholds import Threshold
     >>> u, v = torch.ones(3, 2), torch.ones(2, 4)
     >>> lr = LowRank(u, v, Threshold(0.5, torch.full((4,), 0.5)), torch.float32)
-    >>> lr(torch.tensor([[1.0, 0.25, -0.5, 2.0]]))  # 0.25 - 0.5 through the rank-2 term
+    >>> x = torch.tensor([[1.0, 0.25, -0.5, 2.0]])
+    >>> lr(x)  # 0.25 - 0.5 through the rank-2 term
     tensor([[-0.5000, -0.5000, -0.5000]])
+    >>> lr.add_to(torch.ones(1, 3), x)  # in place
+    tensor([[0.5000, 0.5000, 0.5000]])
     >>> lr.nbytes  # (3 + 4) x 2 fp32 values
     56
     """
@@ -48,12 +53,13 @@ class LowRank:
         self.nbytes = self.v_t.nbytes + self.u_t.nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x_r = torch.where(x.float().abs() > self.thr, 0.0, x)  # [B, d_in] the dropped entries
-        return (x_r @ self.v_t) @ self.u_t  # [B, d_out]
+        """The term alone, [B, d_out] fp32 (the reference)."""
+        return lowrank_ref(x, self.thr, self.v_t, self.u_t)
 
-    def add_to(self, sums: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Add the term for one token x [1, d_in] into fp32 sums [d_out], in place."""
-        return sums.add_(self(x).view(-1))
+    def add_to(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Add the term of x [B, d_in] to ``out`` ([B, d_out], or fp32 sums [d_out] of one
+        token) in place; returns ``out``."""
+        return lowrank_add(x, self.thr, self.v_t, self.u_t, out)
 
 
 class LowRankAttention(ThresholdAttention):
@@ -75,12 +81,12 @@ class LowRankAttention(ThresholdAttention):
         self.lr_in, self.lr_o = lr_in, lr_o
 
     def qkv(self, x: torch.Tensor) -> torch.Tensor:
-        out = super().qkv(x)
-        return out if self.lr_in is None else out + self.lr_in(x)
+        out = super().qkv(x)  # a fresh tensor: the term is added in place
+        return out if self.lr_in is None else self.lr_in.add_to(out, x)
 
     def out(self, o: torch.Tensor) -> torch.Tensor:
         y = super().out(o)
-        return y if self.lr_o is None else y + self.lr_o(o)
+        return y if self.lr_o is None else self.lr_o.add_to(y, o)
 
     def qkv_rot(self, x: torch.Tensor) -> torch.Tensor:
         """One token: the term joins the QKV sums before the rotation finishes them."""
@@ -125,8 +131,8 @@ class LowRankMLP(ThresholdMLP):
         if self.lr_in is None:
             return super().hidden(x)  # the activation in the GEMV's finalize
         lw = self.lw
-        a = threshold_gemv(x, lw.w_in_t, self.t_in.at(x), bias=lw.b_in) + self.lr_in(x)
-        return act(a, self.activation, self.gated, self.n)
+        a = threshold_gemv(x, lw.w_in_t, self.t_in.at(x), bias=lw.b_in)
+        return act(self.lr_in.add_to(a, x), self.activation, self.gated, self.n)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self._down(self.hidden(x))
@@ -136,7 +142,7 @@ class LowRankMLP(ThresholdMLP):
         if self.t_down is None:
             return linear_t(h, lw.w_down_t, lw.b_down)
         y = threshold_gemv(h, lw.w_down_t, self.t_down.at(h), bias=lw.b_down)
-        return y if self.lr_down is None else y + self.lr_down(h)
+        return y if self.lr_down is None else self.lr_down.add_to(y, h)
 
     def src(self, x: torch.Tensor, fuse_hidden: bool) -> tuple:
         """The down GEMV's sums with its term added (the hidden activations materialised)."""
