@@ -75,7 +75,8 @@ def hooks_logits(model, ids, method, plan, n_prompt=N_PROMPT):
 
 
 def larosa_plan(m, mo, sparsity=0.5, **kw):
-    return larosa.plan(m.model, mo, sparsity, basis="none", rule="threshold", **kw)
+    kw = {"basis": "none", **kw}
+    return larosa.plan(m.model, mo, sparsity, rule="threshold", **kw)
 
 
 def rsparse_plan(m, mo, sparsity=0.5, **kw):
@@ -83,10 +84,11 @@ def rsparse_plan(m, mo, sparsity=0.5, **kw):
     return rsparse.plan(m.model, mo, sparsity, rule="threshold", **kw)
 
 
-@pytest.mark.parametrize("score", ["magnitude", "weighted"])
-def test_larosa_step_equals_the_hooks(lm, score):
+@pytest.mark.parametrize("basis, score", [("none", "magnitude"), ("none", "weighted"),
+                                          ("global", "magnitude")])  # fmt: skip
+def test_larosa_step_equals_the_hooks(lm, basis, score):
     m, mo = lm
-    p = larosa_plan(m, mo, score=score)
+    p = larosa_plan(m, mo, score=score, basis=basis)
     ids = ids_of(N, seed=1)
     dec = Decoder(m.model, max_seq_len=N + 2, sparse=SparseConfig(method="larosa", plan=p))
     got, want = decode_logits(dec, ids), hooks_logits(m.model, ids, "larosa", p)
@@ -145,9 +147,8 @@ def test_bad_plans_are_one_sentence(lm):
         (other, SparseConfig(method="larosa", plan=larosa_plan(m, mo)), "another model"),
         (m.model, SparseConfig(method="larosa", plan=larosa.plan(m.model, mo, 0.5, basis="none")),
          "top-k kernel"),
-        (m.model, SparseConfig(method="larosa", plan=larosa.plan(m.model, mo, 0.5,
-                                                                  rule="threshold")),
-         "rotated residual stream"),
+        (m.model, SparseConfig(method="larosa", plan=larosa_plan(m, mo, basis="layer")),
+         "basis per layer or site"),
     ]  # fmt: skip
     for model, sp, match in cases:
         with pytest.raises(EngineError, match=match) as err:

@@ -53,7 +53,14 @@ from ..step_bytes import predictor_bytes, step_bytes
 from .batch import MAX_BATCH, BatchDecoder
 from .config import DENSE_ENGINES, DENSE_OPS, METHODS, SITES, EngineError, SparseConfig, dense_ops
 from .decoder import Decoder
-from .plans import factor_bytes, fold_rotations, plan_parts, random_factors, random_rotations
+from .plans import (
+    factor_bytes,
+    fold_residual,
+    fold_rotations,
+    plan_parts,
+    random_factors,
+    random_rotations,
+)
 from .sets import KeptSets
 from .thresholds import calibrate_thresholds, column_norms, keep_all
 from .tp import NVLS_OFF, TPDecoder, init_tp, split_indices
@@ -78,6 +85,7 @@ __all__ = [
     "decoder_weights",
     "dense_ops",
     "factor_bytes",
+    "fold_residual",
     "fold_rotations",
     "keep_all",
     "plan_parts",

@@ -73,8 +73,9 @@ class SparseConfig:
     ``"larosa"`` and ``"rsparse"`` run a plan (``plan=``, from ``dejavu_lab.sparsify.larosa.plan``
     or ``rsparse.plan`` with ``rule="threshold"``; :mod:`~dejavu_lab.engine.plans` maps it to
     the engine), or its parts given by hand: ``thresholds`` with LaRoSA's ``rotations``
-    (``{layer: fp32 [kv_heads, d_head, d_head]}``, folded into W_V's rows and W_O's columns;
-    none: the weights given are folded already, :func:`~dejavu_lab.engine.fold_rotations`) or
+    (``{layer: fp32 [kv_heads, d_head, d_head]}``, folded into W_V's rows and W_O's columns,
+    and ``"residual": fp32 [d, d]`` for one basis of the residual stream; none: the weights
+    given are folded already, :func:`~dejavu_lab.engine.fold_rotations`) or
     R-Sparse's ``factors`` (``{(layer, site): (U [d_out, r], V [r, d_in])}``, the low-rank term
     ``U (V x_R)`` of the entries the threshold drops).
 

@@ -4,18 +4,21 @@ Both keep TEAL's rule on a transformed site input when their plan keeps by thres
 (``rule="threshold"``, the designs that measured best: ``sparsify.topk.DEFAULT_DESIGN``), so
 the engine runs them through TEAL's threshold kernels:
 
-- **LaRoSA** with ``basis="none"``: attention's output is rotated per key/value group. The
-  rotation folds into W_V's rows and W_O's columns (:func:`fold_rotations`: a copy of those two
-  matrices per layer, the rest shared), after which the step is TEAL's on the folded weights,
-  with the plan's thresholds in the rotated basis (per column ``t / ||(W Q)[:, j]||`` for
-  ``score="weighted"``): the same kernels and the same bytes at the same kept fractions.
+- **LaRoSA**: attention's output is rotated per key/value group. The rotation folds into W_V's
+  rows and W_O's columns (:func:`fold_rotations`: a copy of those two matrices per layer, the
+  rest shared), after which the step is TEAL's on the folded weights, with the plan's
+  thresholds in the rotated basis (per column ``t / ||(W Q)[:, j]||`` for
+  ``score="weighted"``): the same kernels and the same bytes at the same kept fractions. One
+  basis for the whole residual stream (``basis="global"``, RMSNorm models) folds too
+  (:func:`fold_residual`, SliceGPT's move: the embedding, every writer's rows and every
+  reader's columns turned, the norms' gains folded into the readers; a copy of the model).
 - **R-Sparse**: per site the thresholded product plus ``U_r (V_r x_R)``, ``x_R`` the entries
   the threshold drops (:mod:`~dejavu_lab.engine.lowrank`); ``U_r = W diag(s) B_r`` and
   ``V_r = B_rᵀ diag(1/s)`` from the plan's SVD, as ``sparsify.rsparse.factors`` writes them.
 
 What the engine does not run, refused in one sentence: a fixed count per token
-(``rule="topk"``: it needs a top-k kernel) and a rotated residual stream (``basis`` other than
-``"none"``: its rotation is not folded into the engine's weights).
+(``rule="topk"``: it needs a top-k kernel) and a basis per layer or per site (``basis="layer"``
+or ``"site"``: the stream's turn between bases is a d × d GEMV the engine does not have).
 
 >>> import torch
 >>> from dejavu_lab.engine import decoder_weights
@@ -36,8 +39,8 @@ from ..collect import fingerprint
 from .config import EngineError
 from .weights import DecoderWeights
 
-__all__ = ["check_factors", "factor_bytes", "fold_rotations", "plan_parts", "random_factors",
-           "random_rotations", "site_shape"]  # fmt: skip
+__all__ = ["check_factors", "factor_bytes", "fold_residual", "fold_rotations", "plan_parts",
+           "random_factors", "random_rotations", "site_shape"]  # fmt: skip
 
 _SHAPE = ("model_type", "n_layers", "d_model", "n_heads", "d_mlp")
 
@@ -45,7 +48,8 @@ _SHAPE = ("model_type", "n_layers", "d_model", "n_heads", "d_mlp")
 def plan_parts(plan, w: DecoderWeights, model=None) -> tuple[dict, dict, dict]:
     """``(thresholds, rotations, factors)`` of a LaRoSA or R-Sparse plan (a
     ``sparsify.topk.TopkPlan``) for the engine over weights ``w``: ``{(layer, site): float or
-    fp32 [d_in]}``, ``{layer: fp32 [kv_heads, d_head, d_head]}`` (LaRoSA) and ``{(layer,
+    fp32 [d_in]}``, ``{layer: fp32 [kv_heads, d_head, d_head]}`` (LaRoSA; with
+    ``"residual": fp32 [d, d]`` for a global basis, :func:`fold_residual`) and ``{(layer,
     site): (U [d_out, r], V [r, d_in])}`` fp32 (R-Sparse, sites with a rank). ``model``: the
     Hugging Face model ``w`` was built from, whose fingerprint the plan's must match (without
     it, only the shapes are compared).
@@ -87,10 +91,13 @@ def plan_parts(plan, w: DecoderWeights, model=None) -> tuple[dict, dict, dict]:
                 "it does not have."
             )
         if "q" in t:
-            raise EngineError(
-                "the engine folds LaRoSA's rotation of attention's output only (basis='none', "
-                "the default design); a rotated residual stream is not folded into its weights."
-            )
+            if getattr(plan, "options", {}).get("basis") != "global":
+                raise EngineError(
+                    "the engine folds one basis for the whole residual stream (basis='global') "
+                    "or none; a basis per layer or site turns the stream with a d x d GEMV it "
+                    "does not have."
+                )
+            rotations["residual"] = t["q"].float()
         thr = float(sp.threshold)
         if "norms" in t:  # score |y_j| · ||W[:, j]|| > t, i.e. |y_j| > t / ||W[:, j]||
             thr = (thr / t["norms"].float().clamp_min(1e-12)).contiguous()
@@ -123,7 +130,8 @@ def fold_rotations(w: DecoderWeights, rotations: dict) -> DecoderWeights:
     """Weights with each layer's K/V group bases ``rotations[layer]`` [kv_heads, d_head,
     d_head] folded in: W_V's rows of group g turned to ``Q_gᵀ W_V,g`` (its bias too) and W_O's
     columns of head h to ``W_O,h Q_g(h)``. A new :class:`DecoderWeights` that shares every other
-    tensor with ``w`` (``w`` is left as it was); its dense output is ``w``'s.
+    tensor with ``w`` (``w`` is left as it was); its dense output is ``w``'s. A key
+    ``"residual"`` (fp32 [d, d]) also turns the residual stream (:func:`fold_residual`).
 
     >>> from dejavu_lab.engine import Decoder, decoder_weights
     >>> from dejavu_lab.models import random_model
@@ -138,7 +146,8 @@ def fold_rotations(w: DecoderWeights, rotations: dict) -> DecoderWeights:
     H, Hkv, dh = a.n_heads, a.n_kv_heads, a.d_head
     v0, v1 = (H + Hkv) * dh, (H + 2 * Hkv) * dh  # W_V's rows in W_QKV
     layers = list(w.layers)
-    for i, q in rotations.items():
+    heads = {i: q for i, q in rotations.items() if i != "residual"}
+    for i, q in heads.items():
         if not (isinstance(i, int) and 0 <= i < a.n_layers):
             raise EngineError(
                 f"rotations has layer {i!r} but the model has layers 0..{a.n_layers - 1}."
@@ -170,7 +179,66 @@ def fold_rotations(w: DecoderWeights, rotations: dict) -> DecoderWeights:
         o = lw.w_o_t.float().view(H, dh, -1)  # W_O^T: head h's rows are W_O,hᵀ
         new["w_o_t"] = torch.einsum("hde,hdk->hek", qh, o).reshape(H * dh, -1).to(lw.w_o_t.dtype)
         layers[i] = replace(lw, **new)
-    return replace(w, layers=layers)
+    out = replace(w, layers=layers)
+    return fold_residual(out, rotations["residual"]) if "residual" in rotations else out
+
+
+@torch.no_grad()
+def fold_residual(w: DecoderWeights, q: torch.Tensor) -> DecoderWeights:
+    """Weights whose residual stream lives in the basis ``q`` (fp32 [d, d], orthogonal): every
+    vector of the stream ``r`` becomes ``r Q``. The embedding's rows and every writer's
+    outputs (W_O, W_down) turn with it; every reader (W_QKV, W_in, ``lm_head``) takes its
+    norm's gain and ``Q`` into its columns, ``W diag(g) Q``, and its RMSNorm runs with gain 1
+    (``rms(r Q) = rms(r)``), so a reader's input is ``(r / rms(r)) Q``: the rotated inputs
+    LaRoSA's global basis thresholds. A copy of the model's matrices; dense output unchanged.
+
+    >>> from dejavu_lab.engine import Decoder, decoder_weights
+    >>> from dejavu_lab.models import random_model
+    >>> w = decoder_weights(random_model("tiny-llama").model, layout="both")
+    >>> q = torch.linalg.qr(torch.randn(64, 64)).Q
+    >>> ids = torch.tensor([[1, 2, 3]])
+    >>> torch.allclose(Decoder(fold_residual(w, q), max_seq_len=8).prefill(ids),
+    ...                Decoder(w, max_seq_len=8).prefill(ids), atol=1e-4)
+    True
+    """
+    d = w.arch.d_model
+    if w.norm != "rms" or w.project_in is not None or w.pos_embed is not None:
+        raise EngineError(
+            "the engine folds a rotated residual stream into RMSNorm models only; a LayerNorm "
+            "model would need its mean subtraction folded too (SliceGPT)."
+        )
+    if not isinstance(q, torch.Tensor) or tuple(q.shape) != (d, d):
+        got = tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
+        raise EngineError(f"the residual basis must be fp32 [{d}, {d}], got {got}.")
+    qf = q.to(w.device, torch.float32)
+
+    def rows(m):  # a stream vector per row: m Q
+        return None if m is None else (m.float() @ qf).to(m.dtype)
+
+    def reader_t(m, g):  # stored transposed [d, out]: (W diag(g) Q)^T = Q^T diag(g) W^T
+        return None if m is None else (qf.T @ (g.float()[:, None] * m.float())).to(m.dtype)
+
+    def reader(m, g):  # stored [out, d]: W diag(g) Q
+        return None if m is None else ((m.float() * g.float()) @ qf).to(m.dtype)
+
+    def unit(norm):  # the gain folded into the readers
+        return (torch.ones_like(norm[0]), norm[1], norm[2])
+
+    layers = []
+    for lw in w.layers:
+        ga, gm = lw.ln_attn[0], lw.ln_mlp[0]
+        layers.append(replace(
+            lw, ln_attn=unit(lw.ln_attn), ln_mlp=unit(lw.ln_mlp),
+            w_qkv=reader(lw.w_qkv, ga), w_qkv_t=reader_t(lw.w_qkv_t, ga),
+            w_in=reader(lw.w_in, gm), w_in_t=reader_t(lw.w_in_t, gm),
+            w_o_t=rows(lw.w_o_t), b_o=rows(lw.b_o),
+            w_down_t=rows(lw.w_down_t), b_down=rows(lw.b_down),
+        ))  # fmt: skip
+    gf = w.final_norm[0] if w.final_norm is not None else torch.ones(d, device=w.device)
+    return replace(
+        w, layers=layers, embed=rows(w.embed), lm_head=reader(w.lm_head, gf),
+        final_norm=None if w.final_norm is None else unit(w.final_norm),
+    )  # fmt: skip
 
 
 def random_rotations(arch, *, seed: int = 0, device="cpu") -> dict:
