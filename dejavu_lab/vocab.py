@@ -7,7 +7,7 @@ explorer's methods, the lm-eval bridge, ``sparsified``'s registry and the engine
 one row of :data:`METHODS`.
 
 >>> [m.name for m in METHODS.values() if m.engine]  # what the decoder runs
-['dense', 'dejavu', 'teal', 'wina', 'cats']
+['dense', 'dejavu', 'teal', 'wina', 'cats', 'larosa', 'rsparse']
 >>> METHODS["wina"].sites, METHODS["wina"].needs, METHODS["wina"].allocation
 (('attn_in', 'o_in', 'mlp_in', 'down_in'), 'calibration', 'greedy')
 >>> method("predicted").name  # DejaVu's sets, by their older name
@@ -172,9 +172,9 @@ METHODS: dict[str, Method] = {
                allocation="greedy", score="weighted", paper="WINA (Chen et al., 2025)"),
         Method("cats", "threshold", ("gate",), "calibration", engine=True,
                score="gate", paper="CATS (Lee et al., 2024)"),
-        Method("larosa", "topk", _TEAL_SITES, "calibration", engine=False,
+        Method("larosa", "topk", _TEAL_SITES, "calibration", engine=True,
                score="rotated", paper="LaRoSA (Liu et al., ICML 2025)"),
-        Method("rsparse", "topk", _TEAL_SITES, "calibration", engine=False,
+        Method("rsparse", "topk", _TEAL_SITES, "calibration", engine=True,
                score="sparse + low rank", paper="R-Sparse (Zhang et al., ICLR 2025)"),
     )
 }  # fmt: skip

@@ -23,7 +23,12 @@ not be trained to be timed), batch 1, for each prompt length, the variants of ``
   ``sparse_inline_predictors`` (one stream; at ``--parts-at`` only);
 - ``teal``, ``wina``, ``cats`` — one row per ``--sparsity``: thresholds calibrated for that
   fraction per site on the prompt's dense prefill
-  (:func:`dejavu_lab.engine.calibrate_thresholds`), applied to every token decoded.
+  (:func:`dejavu_lab.engine.calibrate_thresholds`), applied to every token decoded;
+- ``larosa``, ``rsparse`` — one row per ``--sparsity``, at the bytes TEAL reads there
+  (:func:`dejavu_lab.bench.engine.planned_config`): LaRoSA over the weights with random K/V-group
+  rotations folded into W_V and W_O (TEAL's kernels on them, the same kept fractions);
+  R-Sparse with random low-rank factors of the rank that ``--lowrank`` (a share of each site's
+  kept bytes, 0.1 as its default design) buys, and thresholds for the columns that leave.
 
 Before a variant is timed at a model, the same variant with everything kept (DejaVu at 0%,
 thresholds -1) decodes 8 tokens and its logits are compared with the dense decoder's
@@ -43,6 +48,8 @@ and :mod:`dejavu_lab.bench.engine_batch` (``--batch``); the clocks and the copy 
     python kernels/bench_engine.py --models llama-2-13b,llama-3-8b,opt-30b --prompts 512 \
         --methods dense,dense_columns,dejavu,teal,wina,cats --sparsity 0.4,0.5 \
         --baselines hf,hf_compiled --name engine_methods           # the gated-MLP methods
+    python kernels/bench_engine.py --models llama-3-8b --prompts 512 --baselines '' \
+        --methods dense,teal,larosa,rsparse --sparsity 0.4,0.5 --name engine_planned
     python kernels/bench_engine.py --models opt-30b --prompts 512 --hf-new-tokens 16
     python kernels/bench_engine.py --models facebook/opt-6.7b --prompts 512   # a real checkpoint
     python kernels/bench_engine.py --quick                    # CPU plumbing check, tiny shapes
@@ -79,7 +86,7 @@ MODELS = ["opt-30b", "llama-2-13b", "llama-3-8b", "opt-13b", "opt-6.7b"]  # most
 
 PROMPTS = [128, 256, 512, 1024]
 
-ALL_METHODS = (*DENSE_ENGINES, "dejavu", "teal", "wina", "cats")
+ALL_METHODS = (*DENSE_ENGINES, "dejavu", "teal", "wina", "cats", "larosa", "rsparse")
 
 
 def check(device: str, rows: list[dict]) -> None:
@@ -180,8 +187,11 @@ def main(argv=None):
     ap.add_argument(
         "--sparsity",
         default="0.5",
-        help="teal/wina/cats: fractions dropped per site, comma-separated (0.4,0.5)",
+        help="teal/wina/cats: fractions dropped per site, comma-separated (0.4,0.5); "
+        "larosa/rsparse: at TEAL's bytes for each",
     )
+    ap.add_argument("--lowrank", type=float, default=engine_bench.LOWRANK,
+                    help="rsparse: share of each site's kept bytes in its low-rank factors")  # fmt: skip
     ap.add_argument(
         "--dejavu-sparsity",
         default=None,
@@ -265,7 +275,7 @@ def main(argv=None):
         dense_ops(args.dense_ops)
     except (ValueError, EngineError) as exc:
         sys.exit(f"bad --sparsity, --dejavu-sparsity or --dense-ops: {exc or 'MLP,heads'}")
-    if not all(0 <= s < 1 for s in sparsities + (budget or [])):
+    if not all(0 <= s < 1 for s in sparsities + (budget or []) + [args.lowrank]):
         sys.exit("sparsities are fractions removed, in [0, 1).")
     models = args.models.split(",") if not args.quick else ["tiny-opt", "tiny-llama"]
     prompts = [int(p) for p in (args.prompts or ",".join(map(str, PROMPTS))).split(",")]
@@ -292,7 +302,8 @@ def main(argv=None):
             engine_bench.bench_model(
                 preset, prompts, new, hf_new, hf_prompts, device, ceiling, parts_at,
                 baselines=baselines, methods=methods, sparsities=sparsities, dejavu_budget=budget,
-                dense_ops=args.dense_ops, plain=args.plain, check_tokens=check_tokens, rows=rows,
+                dense_ops=args.dense_ops, plain=args.plain, check_tokens=check_tokens,
+                lowrank=args.lowrank, rows=rows,
             )  # fmt: skip
         except Exception as exc:
             print(f"{preset} failed: {exc!r}")

@@ -19,7 +19,7 @@ def test_quick_run_records_every_variant(tmp_path, monkeypatch, capsys):
     bench = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "bench_engine", bench)  # its dataclass looks itself up
     spec.loader.exec_module(bench)
-    methods = "dense,dense_columns,dense_auto,dejavu,teal,wina,cats"
+    methods = "dense,dense_columns,dense_auto,dejavu,teal,wina,cats,larosa,rsparse"
     bench.main(["--quick", "--no-check", "--methods", methods, "--sparsity", "0.5", "--prompts", "8",
                 "--baselines", "hf,hf_compiled", "--name", "quick"])  # fmt: skip
     rows = json.loads((tmp_path / "quick.json").read_text())["rows"]
@@ -37,9 +37,16 @@ def test_quick_run_records_every_variant(tmp_path, monkeypatch, capsys):
             "teal",
             "wina",
             "cats",
+            "larosa",
+            "rsparse",
         }, got
         cols = next(r for r in e2e if r["model"] == model and r["engine"] == "dense_columns")
         assert cols["keep_all_vs_dense"] < 3e-2  # every column read: the dense model's logits
+        by = {r["engine"]: r for r in e2e if r["model"] == model and r.get("sparsity") == 0.5}
+        teal = by["teal"]["bytes_total"]  # LaRoSA and R-Sparse (factors included) at its bytes
+        assert by["larosa"]["bytes_total"] == teal
+        assert by["rsparse"]["lowrank_bytes"] > 0
+        assert abs(by["rsparse"]["bytes_total"] - teal) < 0.02 * teal
     assert all(r["check_ok"] for r in e2e if "check_ok" in r)
     assert {r["op"] for r in rows if r["kind"] == "op"} == {"qkv", "attn", "o", "mlp"}
     out = capsys.readouterr().out

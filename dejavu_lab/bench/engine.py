@@ -25,25 +25,36 @@ from ..engine import (
     SparseConfig,
     calibrate_thresholds,
     decoder_weights,
+    factor_bytes,
+    fold_rotations,
     keep_all,
+    random_factors,
+    random_rotations,
     step_bytes,
 )
+from ..engine.plans import site_shape
+from ..engine.weights import layout_for
 from ..kernels import pdl
 from ..kernels.cats import mlp as cats_mlp_module  # its SPLIT_GATE switch
 from ..models import PRESETS, load_model, random_model
-from ..vocab import METHODS, method_names
+from ..sparsify.rsparse import split_budget
+from ..vocab import method_names
 from .timing import cuda, graph_ms, relerr, timed
 
 THRESHOLD = method_names(family="threshold")  # the methods timed at each --sparsity
+PLANNED = method_names(family="topk", engine=True)  # LaRoSA, R-Sparse: also at each --sparsity
+LOWRANK = 0.1  # R-Sparse: share of a site's kept bytes in its factors (sparsify.topk.DESIGNS)
 
 __all__ = [
     "CHECK",
+    "LOWRANK",
     "SPARSITY",
     "Variant",
     "bench_model",
     "build",
     "make_decoder",
     "make_predictors",
+    "planned_config",
     "print_table",
     "variants",
 ]
@@ -188,14 +199,15 @@ class Variant:
     """
 
     engine: str  # dense, dense_triton, sparse, sparse_fixed_sets, sparse_inline_predictors,
-    #              teal, wina, cats
+    #              teal, wina, cats, larosa, rsparse
     method: str = "dense"  # the SparseConfig method ("dense": sparse=None)
-    sparsity: float = 0.0  # teal/wina/cats: the calibrated fraction of entries dropped per site
+    sparsity: float = 0.0  # teal/wina/cats: the calibrated fraction of entries dropped per site;
+    # larosa, rsparse: the fraction of each site's bytes removed (TEAL's at the same number)
     sparse: SparseConfig | None = None  # dejavu's config (teal/wina/cats: built per prompt)
     predictors: bool = False  # dejavu: lookahead predictors choose the kept sets
     ops: str | None = None  # dense_ops of this decoder (None: --dense-ops)
     only_at_parts: bool = False  # time only at the breakdown's prompt
-    columns: bool = False  # reads TEAL's columns layout (teal, wina, dense_columns)
+    columns: bool = False  # reads the columns layout (teal, wina, larosa, rsparse, dense_columns)
 
 
 def variants(methods, sparsities, dejavu_budget, preds) -> list[Variant]:
@@ -224,7 +236,8 @@ def variants(methods, sparsities, dejavu_budget, preds) -> list[Variant]:
                                    sparse=SparseConfig(ms_, hs_, side_stream=False),
                                    only_at_parts=True))  # fmt: skip
         else:
-            out += [Variant(m, m, sparsity=s, columns=METHODS[m].input_sparse) for s in sparsities]
+            cols = layout_for(m) == "columns"
+            out += [Variant(m, m, sparsity=s, columns=cols) for s in sparsities]
     return sorted(out, key=lambda v: v.columns)  # stable: rows layout first
 
 
@@ -248,6 +261,8 @@ def make_decoder(v: Variant, w, arch, max_len, preds, dense_ops, thresholds=None
     """
     if v.method in THRESHOLD:
         sp = SparseConfig(method=v.method, thresholds=thresholds)
+    elif v.method in PLANNED:  # planned_config's SparseConfig
+        sp = thresholds
     else:
         sp = v.sparse
     dec = Decoder(w, max_seq_len=max_len, sparse=sp, predictors=preds if v.predictors else None,
@@ -260,6 +275,42 @@ def make_decoder(v: Variant, w, arch, max_len, preds, dense_ops, thresholds=None
     return dec
 
 
+def planned_config(v: Variant, w, arch, ids, *, lowrank: float = LOWRANK, keep: bool = False):
+    """``(SparseConfig, weights, site_kept, extra bytes)`` of a LaRoSA or R-Sparse variant on
+    random weights, at the bytes TEAL reads at ``v.sparsity``: LaRoSA over ``w`` with random
+    K/V-group rotations folded in (:func:`~dejavu_lab.engine.fold_rotations`), TEAL's thresholds
+    calibrated on it (the same kept fractions); R-Sparse with random factors of the rank its
+    ``lowrank`` share of each site's bytes buys (:func:`~dejavu_lab.sparsify.rsparse.split_budget`)
+    and thresholds for the columns left. ``keep``: every column kept (thresholds -1; R-Sparse's
+    term then adds zero), for the keep-all check.
+
+    >>> model, arch = build("tiny-llama", "cpu", torch.bfloat16)
+    >>> w = decoder_weights(model, arch, layout="columns")
+    >>> ids = torch.randint(0, 128, (1, 16))
+    >>> sp, _, kept, extra = planned_config(Variant("rsparse", "rsparse", 0.5), w, arch, ids)
+    >>> kept["mlp_in"], tuple(sp.factors[(0, "mlp_in")][0].shape)  # ~0.5 x 0.9 of the columns
+    (0.46875, (384, 2))
+    >>> extra  # bf16 factor bytes of every site and layer: rank x (d_in + d_out) x 2 bytes
+    7680
+    """
+    if v.method == "larosa":
+        wf = fold_rotations(w, random_rotations(arch, device=w.device))
+        thr = keep_all(wf) if keep else calibrate_thresholds(wf, ids, v.sparsity, method="teal")
+        kept = dict.fromkeys(SITES["larosa"], 1 - v.sparsity)
+        return SparseConfig(method="larosa", thresholds=thr), wf, kept, 0
+    ranks, kept, thr = {}, {}, {}
+    for site in SITES["rsparse"]:
+        d_in, d_out = site_shape(arch, site)
+        ranks[site], k = split_budget(v.sparsity, d_in, d_out, lowrank)
+        kept[site] = k / d_in
+        if not keep:  # calibrated for this site's share of columns
+            thr.update(calibrate_thresholds(w, ids, 1 - kept[site], method="teal", sites=[site]))
+    thr = keep_all(w) if keep else thr
+    factors = random_factors(arch, ranks, device=w.device, dtype=w.dtype)
+    sp = SparseConfig(method="rsparse", thresholds=thr, factors=factors)
+    return sp, w, kept, factor_bytes(factors, w.dtype.itemsize)
+
+
 def _keep_all_check(v: Variant, w, arch, ids, ref, preds, dense_ops,
                    n_prompt: int = CHECK[0]) -> float:  # fmt: skip
     """relerr of this variant with everything kept against the dense decoder's logits."""
@@ -268,6 +319,8 @@ def _keep_all_check(v: Variant, w, arch, ids, ref, preds, dense_ops,
     else:
         kv = v
     thr = keep_all(w, v.method) if v.method in THRESHOLD else None
+    if v.method in PLANNED:
+        thr, w, _, _ = planned_config(v, w, arch, ids, keep=True)
     dec = make_decoder(kv, w, arch, ids.shape[1] + 1, preds, dense_ops, thr)
     return relerr(_decode_logits(dec, ids, n_prompt), ref)
 
@@ -296,12 +349,13 @@ def _graph_check(dec: Decoder, ids) -> tuple[float, float]:
 def bench_model(preset, prompts, new_tokens, hf_new, hf_prompts, device, ceiling, parts_at, *,
                 baselines=("hf", "hf_compiled"), methods=("dense", "dejavu"), sparsities=(0.5,),
                 dejavu_budget=None, dense_ops=None, plain=False, check_tokens=CHECK,
-                rows: list[dict]) -> None:  # fmt: skip
+                lowrank=LOWRANK, rows: list[dict]) -> None:  # fmt: skip
     """Time every variant of ``methods`` (and the HF ``baselines``) on ``preset`` at each prompt,
     appending one row per (variant, prompt) to ``rows``: ms per token, prefill, the bytes a step
     reads and the bandwidth against ``ceiling`` (TB/s), the keep-all and graph checks, and at
     ``parts_at`` the time of each part of the step. A failure is recorded as a row with its
-    ``error`` and the run goes on.
+    ``error`` and the run goes on. LaRoSA and R-Sparse run at TEAL's bytes for each sparsity
+    (:func:`planned_config`; ``lowrank``: R-Sparse's share of a site's kept bytes in factors).
 
     >>> import contextlib, io
     >>> rows = []
@@ -366,10 +420,13 @@ def bench_model(preset, prompts, new_tokens, hf_new, hf_prompts, device, ceiling
                    "sparsity": v.sparsity, "dense_ops": v.ops or dense_ops or "torch",
                    "keep_all_vs_dense": keep_err, "check_ok": ok}  # fmt: skip
             try:
-                thr = None
+                thr, wv, extra = None, w, 0
                 if v.method in THRESHOLD:
                     thr = calibrate_thresholds(w, ids, v.sparsity, method=v.method)
-                dec = make_decoder(v, w, arch, p + new_tokens, preds, dense_ops, thr)
+                elif v.method in PLANNED:  # at TEAL's bytes: rotated weights, or factors
+                    thr, wv, site_kept, extra = planned_config(v, w, arch, ids, lowrank=lowrank)
+                    row["lowrank_bytes"] = extra
+                dec = make_decoder(v, wv, arch, p + new_tokens, preds, dense_ops, thr)
                 row.update(_engine_row(dec, ids, new_tokens))
                 if plain and dec.fuse_epilogues and v.method != "dejavu":  # the unfused step
                     dec.fuse_epilogues = False
@@ -398,14 +455,16 @@ def bench_model(preset, prompts, new_tokens, hf_new, hf_prompts, device, ceiling
             if v.method == "dejavu":
                 kept.update(mlp_kept=1 - ms_, head_kept=1 - hs_,
                             predictors=pred_bytes if v.predictors else 0)  # fmt: skip
+            elif v.method in PLANNED:  # R-Sparse's factors: extra bytes, as the predictors'
+                kept.update(site_kept=site_kept, predictors=extra)
             elif v.method in SITES:
                 kept["site_kept"] = dict.fromkeys(SITES[v.method], 1 - v.sparsity)
             rows.append(_bw(row, prompt=p, **kept, **bw))
             print(_fmt(row))
-            if p == parts_at and v.engine in (*DENSE_ENGINES, "sparse", "teal", "cats"):
+            if p == parts_at and v.engine in (*DENSE_ENGINES, "sparse", "teal", "cats", *PLANNED):
                 rows.extend(_parts_rows(dec, {**base, "engine": v.engine, "prompt": p,
                                              "sparsity": v.sparsity}))  # fmt: skip
-            del dec
+            del dec, wv
             gc.collect()
     del model, w, preds
     gc.collect()

@@ -1,7 +1,7 @@
 """A static-KV-cache decoder built from Hugging Face weights, dense or contextually sparse (§5.1).
 
 One module per idea; the imports run one way (``config -> weights -> site_thresholds, sets,
-attention, kept_heads, mlp, fused_step -> decoder -> thresholds``; ``sets -> batch_sets``,
+attention, kept_heads, mlp, plans, lowrank, fused_step -> decoder -> thresholds``; ``sets -> batch_sets``,
 ``attention -> batch_blocks``, ``decoder -> batch``; ``weights -> tp_weights``, ``decoder,
 tp_weights -> tp``). The bytes a step reads come from :mod:`dejavu_lab.step_bytes`; its tables
 and figures live in :mod:`dejavu_lab.report` (the engine imports no pandas or plotly, so it runs
@@ -17,6 +17,9 @@ on a bare GPU image):
   :mod:`~dejavu_lab.engine.mlp` — one layer's blocks, chosen once per decoder: every head
   (dense or thresholded), DejaVu's kept heads with deferred KV; the dense, kept-neuron,
   thresholded and CATS MLPs;
+- :mod:`~dejavu_lab.engine.plans`, :mod:`~dejavu_lab.engine.lowrank` — LaRoSA's and
+  R-Sparse's plans as the step runs them: LaRoSA's rotation folded into W_V and W_O, R-Sparse's
+  low-rank term beside TEAL's thresholded product;
 - :mod:`~dejavu_lab.engine.sets`    — :class:`KeptSets`: the kept neurons/heads per layer, set by
   hand or by DejaVu's lookahead predictors inside the step;
 - :mod:`~dejavu_lab.engine.fused_step` — the one-token step with each block finished in its
@@ -41,7 +44,7 @@ on a bare GPU image):
 >>> dec.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4).shape
 torch.Size([1, 7])
 >>> METHODS  # what SparseConfig(method=...) runs
-('dense', 'dejavu', 'teal', 'wina', 'cats')
+('dense', 'dejavu', 'teal', 'wina', 'cats', 'larosa', 'rsparse')
 """
 
 from __future__ import annotations
@@ -50,6 +53,14 @@ from ..step_bytes import predictor_bytes, step_bytes
 from .batch import MAX_BATCH, BatchDecoder
 from .config import DENSE_ENGINES, DENSE_OPS, METHODS, SITES, EngineError, SparseConfig, dense_ops
 from .decoder import Decoder
+from .plans import (
+    factor_bytes,
+    fold_residual,
+    fold_rotations,
+    plan_parts,
+    random_factors,
+    random_rotations,
+)
 from .sets import KeptSets
 from .thresholds import calibrate_thresholds, column_norms, keep_all
 from .tp import NVLS_OFF, TPDecoder, init_tp, split_indices
@@ -73,7 +84,13 @@ __all__ = [
     "column_norms",
     "decoder_weights",
     "dense_ops",
+    "factor_bytes",
+    "fold_residual",
+    "fold_rotations",
     "keep_all",
+    "plan_parts",
+    "random_factors",
+    "random_rotations",
     "predictor_bytes",
     "step_bytes",
     "NVLS_OFF",

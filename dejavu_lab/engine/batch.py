@@ -99,6 +99,10 @@ class BatchDecoder(Decoder):
         int4 = isinstance(model, DecoderWeights) and is_int4(model)
         if int4 and sparse is not None and sparse.method == "dejavu":
             raise EngineError("DejaVu on int4 weights runs batch 1 only; decode it with Decoder.")
+        if sparse is not None and sparse.method == "rsparse":
+            raise EngineError(
+                "R-Sparse's low-rank terms run in the batch-1 Decoder only; use Decoder."
+            )
         self._union_budget = union_budget  # read by _new_sets
         super().__init__(model, max_seq_len=max_seq_len, sparse=sparse, predictors=predictors,
                          arch=arch, dense_ops=dense_ops)  # fmt: skip

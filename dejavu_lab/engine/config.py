@@ -18,8 +18,8 @@ from ..errors import EngineError
 from ..vocab import METHODS as METHODS_TABLE
 from ..vocab import method_names
 
-__all__ = ["DENSE_ENGINES", "DENSE_OPS", "METHODS", "SITES", "EngineError", "SparseConfig",
-           "default_ops", "dense_ops"]  # fmt: skip
+__all__ = ["DENSE_ENGINES", "DENSE_OPS", "METHODS", "PLANNED", "SITES", "EngineError",
+           "SparseConfig", "default_ops", "dense_ops"]  # fmt: skip
 
 
 METHODS = method_names(engine=True)  # what SparseConfig(method=...) runs
@@ -29,8 +29,13 @@ METHODS = method_names(engine=True)  # what SparseConfig(method=...) runs
 DENSE_ENGINES = ("dense", "dense_triton", "dense_columns", "dense_auto")
 # the decode step's dense ops; each runs through "torch" (cuBLAS, PyTorch) or "triton" (ours)
 DENSE_OPS = ("qkv", "attn", "o", "mlp")
-# the input-sparsity sites each threshold method thresholds (vocab.SITES; CATS: the neurons)
-SITES = {m: METHODS_TABLE[m].sites for m in method_names(family="threshold", engine=True)}
+# the input-sparsity sites each threshold method thresholds (vocab.SITES; CATS: the neurons);
+# LaRoSA and R-Sparse run TEAL's rule on their transformed inputs at the same four sites
+SITES = {
+    m: METHODS_TABLE[m].sites for m in METHODS if METHODS_TABLE[m].family in ("threshold", "topk")
+}
+# the methods run from a plan (dejavu_lab.sparsify.topk.TopkPlan, engine.plans)
+PLANNED = method_names(family="topk", engine=True)
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,21 @@ class SparseConfig:
     Traceback (most recent call last):
     ...
     dejavu_lab.errors.EngineError: thresholds has site 'gate', which method 'teal' does not use; its sites are attn_in, o_in, mlp_in, down_in.
+
+    ``"larosa"`` and ``"rsparse"`` run a plan (``plan=``, from ``dejavu_lab.sparsify.larosa.plan``
+    or ``rsparse.plan`` with ``rule="threshold"``; :mod:`~dejavu_lab.engine.plans` maps it to
+    the engine), or its parts given by hand: ``thresholds`` with LaRoSA's ``rotations``
+    (``{layer: fp32 [kv_heads, d_head, d_head]}``, folded into W_V's rows and W_O's columns,
+    and ``"residual": fp32 [d, d]`` for one basis of the residual stream; none: the weights
+    given are folded already, :func:`~dejavu_lab.engine.fold_rotations`) or
+    R-Sparse's ``factors`` (``{(layer, site): (U [d_out, r], V [r, d_in])}``, the low-rank term
+    ``U (V x_R)`` of the entries the threshold drops).
+
+    >>> SparseConfig(method="rsparse", thresholds={(0, "mlp_in"): 0.25},
+    ...              factors={(0, "o_in"): (torch.zeros(64, 2), torch.zeros(2, 64))})
+    Traceback (most recent call last):
+    ...
+    dejavu_lab.errors.EngineError: factors has (0, 'o_in') but thresholds do not; a low-rank term adds to a thresholded site's product.
     """
 
     mlp_sparsity: float = 0.0  # MLP neurons removed (OPT-175B in §5.1: 0.85); dejavu only
@@ -78,6 +98,12 @@ class SparseConfig:
     fused: bool = False
     # {(layer, site): float, or fp32 [d_in] per input column} (teal, wina, cats); not compared
     thresholds: dict | None = field(default=None, compare=False, repr=False)
+    # larosa, rsparse: a TopkPlan of that method (its thresholds, rotations or factors)
+    plan: object | None = field(default=None, compare=False, repr=False)
+    # larosa without a plan: {layer: fp32 [kv_heads, d_head, d_head]}, each K/V group's basis
+    rotations: dict | None = field(default=None, compare=False, repr=False)
+    # rsparse without a plan: {(layer, site): (U [d_out, r], V [r, d_in])}
+    factors: dict | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         budgets(self.mlp_sparsity, 1, "mlp_sparsity")
@@ -88,6 +114,7 @@ class SparseConfig:
                 f"method={self.method!r} is not one the engine runs; choose one of "
                 f"{', '.join(METHODS)}."
             )
+        self._check_plan_parts()
         if self.method in ("dejavu", "dense"):
             if self.thresholds is not None:
                 raise EngineError(
@@ -101,6 +128,14 @@ class SparseConfig:
             raise EngineError(
                 f"method {self.method!r} keeps what passes its thresholds; mlp_sparsity and "
                 "head_sparsity are DejaVu's budgets: leave them at 0."
+            )
+        if self.plan is not None:
+            return
+        if self.method in PLANNED and not isinstance(self.thresholds, dict):
+            raise EngineError(
+                f"method {self.method!r} needs plan=dejavu_lab.sparsify.{self.method}.plan(..., "
+                "rule='threshold') (or thresholds with its "
+                f"{'rotations' if self.method == 'larosa' else 'factors'})."
             )
         if not isinstance(self.thresholds, dict):
             raise EngineError(
@@ -119,6 +154,35 @@ class SparseConfig:
                     f"its sites are {', '.join(sites)}."
                 )
             check_engine.threshold(key, thr)  # finite numbers; tensors without NaN or -inf
+        for key in self.factors or {}:
+            if key not in self.thresholds:
+                raise EngineError(
+                    f"factors has {key!r} but thresholds do not; a low-rank term adds to a "
+                    "thresholded site's product."
+                )
+
+    def _check_plan_parts(self) -> None:
+        """What only the planned methods take: ``plan``, ``rotations``, ``factors``."""
+        own = {"larosa": ("plan", "rotations"), "rsparse": ("plan", "factors")}
+        for name in ("plan", "rotations", "factors"):
+            if getattr(self, name) is not None and name not in own.get(self.method, ()):
+                users = " or ".join(repr(m) for m, o in own.items() if name in o)
+                raise EngineError(f"{name}= applies to method {users}, not {self.method!r}.")
+        for name in ("rotations", "factors"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), dict):
+                raise EngineError(f"{name} must be a dict; see SparseConfig's docstring.")
+        if self.plan is None:
+            return
+        if getattr(self.plan, "method", None) != self.method:
+            got = getattr(self.plan, "method", type(self.plan).__name__)
+            raise EngineError(
+                f"plan= takes a {self.method} plan (dejavu_lab.sparsify.{self.method}.plan), "
+                f"got {got!r}."
+            )
+        if any(getattr(self, n) is not None for n in ("thresholds", "rotations", "factors")):
+            raise EngineError(
+                "a plan carries its thresholds, rotations and factors; pass plan= alone."
+            )
 
 
 def dense_ops(spec: str | dict | None) -> dict[str, str]:

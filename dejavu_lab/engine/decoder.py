@@ -14,7 +14,11 @@ Transformer / Attention / FeedForward split, the sparse variants as siblings):
   neurons, the attention kernel over the kept heads' cache only), their sets in
   :class:`~dejavu_lab.engine.sets.KeptSets`;
 - TEAL / WINA: :class:`~dejavu_lab.engine.attention.ThresholdAttention`,
-  :class:`~dejavu_lab.engine.mlp.ThresholdMLP`; CATS: :class:`~dejavu_lab.engine.mlp.CatsMLP`.
+  :class:`~dejavu_lab.engine.mlp.ThresholdMLP`; CATS: :class:`~dejavu_lab.engine.mlp.CatsMLP`;
+- LaRoSA: TEAL's blocks over weights with its rotation of attention's output folded in;
+  R-Sparse: :class:`~dejavu_lab.engine.lowrank.LowRankAttention`,
+  :class:`~dejavu_lab.engine.lowrank.LowRankMLP` (TEAL's plus a low-rank term), from their plans
+  (:mod:`~dejavu_lab.engine.plans`).
 
 The kept sets of layer ``l + 1`` are chosen by DejaVu's low-rank predictors from layer ``l``'s
 input (lookahead, §4.3) — on a second CUDA stream, so they leave the critical path — or set
@@ -38,14 +42,16 @@ import torch.nn.functional as F
 from ..checks import engine as check_engine
 from ..kernels import row_norm, use_triton
 from .attention import StepState, every_head, rotate
-from .config import EngineError, SparseConfig, default_ops
+from .config import PLANNED, EngineError, SparseConfig, default_ops
 from .config import dense_ops as resolve_ops
 from .fused_step import fused_layers
 from .greedy import argmax_rows
 from .int4 import check_int4_layout, is_int4, quantize_weights
 from .int4_sparse import int4_blocks
 from .kept_heads import KeptHeads
+from .lowrank import LowRank, LowRankAttention, LowRankMLP
 from .mlp import KeptMLP, gate_act, mlp_block
+from .plans import check_factors, fold_rotations, plan_parts
 from .sets import KeptSets
 from .site_thresholds import keep_sites, layer_thresholds
 from .weights import DecoderWeights, check_layout, decoder_weights, layout_for, linear_t
@@ -80,6 +86,11 @@ class Decoder:
     them (:mod:`~dejavu_lab.engine.int4`, :mod:`~dejavu_lab.engine.int4_sparse`). Its parts: ``attn[i]`` and ``mlp[i]`` (layer i's blocks), ``sets``
     (DejaVu's kept sets, else None), ``st`` (what every block of a step reads).
 
+    LaRoSA and R-Sparse (``SparseConfig(method="larosa" or "rsparse", plan=...)``) run their
+    plan's thresholds through TEAL's kernels: LaRoSA over a copy of the weights with its
+    rotation folded in (``model`` is left as it was), R-Sparse with a low-rank term per site
+    (``lowrank_bytes``: what its factors add to a step).
+
     >>> from dejavu_lab.models import random_model
     >>> m = random_model("tiny-opt").model
     >>> dec, ids = Decoder(m, max_seq_len=16), torch.tensor([[5, 6, 7]])
@@ -97,10 +108,15 @@ class Decoder:
                  predictors=None, arch=None, dense_ops: str | dict | None = None,
                  weights: str | None = None, group: int = 128):  # fmt: skip
         method = "dense" if sparse is None else sparse.method
-        self.method = method  # "dense", "dejavu", "teal", "wina" or "cats"
+        self.method = method  # one of engine.METHODS
         if weights not in (None, "int4"):
             raise EngineError(f"weights={weights!r} must be None (as loaded) or 'int4'.")
         int4 = weights == "int4" or (isinstance(model, DecoderWeights) and is_int4(model))
+        if int4 and method in PLANNED:
+            raise EngineError(
+                f"the int4 engine runs dense, TEAL, WINA, CATS and DejaVu steps; {method}'s "
+                "rotations or low-rank factors over int4 weights are not built yet."
+            )
         # a DecoderWeights is shared as is (dense and sparse decoders over one copy)
         if isinstance(model, DecoderWeights):
             self.w = model
@@ -108,6 +124,17 @@ class Decoder:
             rows = weights != "int4" or method in ("dejavu", "cats")
             layout = layout_for(method) if rows else "columns"
             self.w = decoder_weights(model, arch, layout=layout)
+        # LaRoSA, R-Sparse: the plan's thresholds, rotations (folded into a copy) and factors
+        given = (sparse.thresholds or {}) if sparse is not None else {}
+        self.factors: dict = {}
+        if method in PLANNED:
+            rotations, self.factors = sparse.rotations or {}, sparse.factors or {}
+            if sparse.plan is not None:
+                hf = None if isinstance(model, DecoderWeights) else model
+                given, rotations, self.factors = plan_parts(sparse.plan, self.w, hf)
+            check_factors(self.factors, self.w.arch)
+            if rotations:
+                self.w = fold_rotations(self.w, rotations)
         if int4 and not is_int4(self.w):  # the layer matrices in int4, laid out for the method
             self.w = quantize_weights(self.w, group, method)  # (int4 weights: shared as they are)
         self.int4 = int4
@@ -124,7 +151,8 @@ class Decoder:
         if int4:
             check_int4_layout(self.w, method, sparse)
         else:
-            check_layout(self.w, method, sparse)
+            check_layout(self.w, method, given)
+        self.thresholds = given  # {(layer, site): float or fp32 [d_in]}: what the sites run
         if predictors is not None and getattr(predictors, "mode", "lookahead") != "lookahead":
             raise EngineError(
                 "the engine runs lookahead predictors (§4.3); train mode='lookahead'."
@@ -175,7 +203,6 @@ class Decoder:
             method != "dejavu" and a.pre_ln and self.w.dtype in (torch.float16, torch.bfloat16)
         )
         # per layer, each site's Threshold or None (-1 where a dense op runs their kernels)
-        given = (sparse.thresholds or {}) if sparse is not None else {}
         keep = keep_sites(self.ops, rows=self.w.layers[0].w_qkv is not None)
         self.site_thresholds = layer_thresholds(given, a, dev, keep)
         self.sets = None
@@ -212,7 +239,24 @@ class Decoder:
         every = torch.arange(self.arch.d_mlp, device=w.device, dtype=torch.int32)  # all layers'
         cats, triton, t = self.method == "cats", self.ops["mlp"] == "triton", self.site_thresholds
         mlp = [mlp_block(w.layers[i], w, t[i], cats=cats, triton=triton, every=every) for i in L]
-        return [every_head(w.layers[i], self.kv[i], self.st, t[i]) for i in L], mlp
+        attn = [every_head(w.layers[i], self.kv[i], self.st, t[i]) for i in L]
+        for i in L:  # R-Sparse: a layer with a low-rank term
+            lr = {s: LowRank(*self.factors[(i, s)], t[i][s], w.dtype)
+                  for s in ("attn_in", "o_in", "mlp_in", "down_in") if (i, s) in self.factors}  # fmt: skip
+            if lr.get("attn_in") or lr.get("o_in"):
+                attn[i] = LowRankAttention(w.layers[i], self.kv[i], self.st, t[i]["attn_in"],
+                                           t[i]["o_in"], lr.get("attn_in"), lr.get("o_in"))  # fmt: skip
+            if lr.get("mlp_in") or lr.get("down_in"):
+                mlp[i] = LowRankMLP(w.layers[i], w, t[i]["mlp_in"], t[i]["down_in"],
+                                    lr.get("mlp_in"), lr.get("down_in"))  # fmt: skip
+        return attn, mlp
+
+    @property
+    def lowrank_bytes(self) -> int:
+        """Bytes R-Sparse's low-rank terms read per step (0 for the other methods)."""
+        return sum(lr.nbytes for b in (*self.attn, *self.mlp)
+                   for lr in (getattr(b, n, None) for n in ("lr_in", "lr_o", "lr_down"))
+                   if lr is not None)  # fmt: skip
 
     def set_indices(self, layer: int, *, mlp=None, heads=None) -> None:
         """Fix the kept neurons / heads of ``layer`` (used when no predictors are given)."""

@@ -57,7 +57,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from .config import EngineError, SparseConfig
+from .config import PLANNED, EngineError, SparseConfig
 from .decoder import Decoder
 from .sets import KeptSets
 from .tp_weights import ShardedWeights, shard_weights
@@ -200,6 +200,11 @@ class TPDecoder(Decoder):
     def __init__(self, model, *, max_seq_len: int, sparse: SparseConfig | None = None,
                  predictors=None, arch=None, dense_ops: str | dict | None = None, group=None,
                  vocab_parallel: bool = True, device: str | torch.device | None = None):  # fmt: skip
+        if sparse is not None and sparse.method in PLANNED:
+            raise EngineError(
+                f"{sparse.method} runs on one GPU (Decoder); its rotations and factors are not "
+                "sharded over tensor-parallel ranks yet."
+            )
         if not (dist.is_available() and dist.is_initialized()):
             raise EngineError(_NOT_INIT)
         self.group = group

@@ -346,18 +346,25 @@ def decoder_weights(
     )
 
 
+def _reads_columns(method: str) -> bool:
+    """TEAL/WINA, and LaRoSA/R-Sparse (TEAL's rule on their transformed inputs)."""
+    m = METHODS.get(method)
+    return m is not None and (m.input_sparse or m.family == "topk")
+
+
 def layout_for(method: str) -> str:
-    """The weights layout a method reads: TEAL/WINA threshold W_QKV's and W_in's columns.
+    """The weights layout a method reads: TEAL/WINA (and LaRoSA, R-Sparse) threshold W_QKV's
+    and W_in's columns.
 
-    >>> layout_for("teal"), layout_for("dejavu")
-    ('columns', 'rows')
+    >>> layout_for("teal"), layout_for("rsparse"), layout_for("dejavu")
+    ('columns', 'columns', 'rows')
     """
-    return "columns" if method in METHODS and METHODS[method].input_sparse else "rows"
+    return "columns" if _reads_columns(method) else "rows"
 
 
-def check_layout(w: DecoderWeights, method: str, sparse) -> None:
-    """Raise :class:`EngineError` when ``w`` lacks a layout that ``method`` reads (``sparse``:
-    its :class:`~dejavu_lab.engine.SparseConfig`, whose thresholded sites decide for TEAL/WINA).
+def check_layout(w: DecoderWeights, method: str, thresholds) -> None:
+    """Raise :class:`EngineError` when ``w`` lacks a layout that ``method`` reads
+    (``thresholds``: its ``{(layer, site): ...}``, whose sites decide for TEAL/WINA/LaRoSA/R-Sparse).
 
     >>> from dejavu_lab.models import random_model
     >>> w = decoder_weights(random_model("tiny-llama").model, layout="rows")
@@ -366,8 +373,8 @@ def check_layout(w: DecoderWeights, method: str, sparse) -> None:
     lw, need = w.layers[0], []
     if method in ("dejavu", "cats"):
         need = [("w_in", "rows")] + ([("w_qkv", "rows")] if method == "dejavu" else [])
-    elif METHODS[method].input_sparse:
-        sites = {site for _, site in sparse.thresholds}
+    elif _reads_columns(method):
+        sites = {site for _, site in thresholds}
         need = [
             (m, "columns") for m, s in (("w_qkv_t", "attn_in"), ("w_in_t", "mlp_in")) if s in sites
         ]

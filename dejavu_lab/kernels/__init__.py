@@ -2,7 +2,7 @@
 
 One kernel per module, each with a checking wrapper, a plain-PyTorch ``*_ref`` and a CPU path
 (the reference, or the Triton kernel itself under ``TRITON_INTERPRET=1``), grouped by family:
-``mlp/`` (up, down, fused), ``threshold/`` (gemv, tile, fused), ``cats/`` (mlp, up, sums),
+``mlp/`` (up, down, fused), ``threshold/`` (gemv, tile, fused, lowrank), ``cats/`` (mlp, up, sums),
 ``attention/`` (sparse, core, kv_window), ``rope/`` (rotate, qkv, epilogue) and ``norm``. The
 helpers they share live in ``_common`` (checks), ``_neurons`` (activations, row dots),
 ``_reduce``, ``_workspace`` and ``pdl``; ``tuning`` reads the tuned launch tables of ``tuned/``:
@@ -12,7 +12,8 @@ helpers they share live in ``_common`` (checks), ``_neurons`` (activations, row 
 - :func:`sparse_attention` — QKV for the selected heads, attention over their KV cache, W_O.
 - :func:`threshold_gemv` — TEAL/WINA input-sparse GEMV, the mask ``|x| > thr`` computed inside
   (one token: :mod:`.threshold.tile`, one masked tile per program; :func:`threshold_gemv_act`
-  fuses the MLP's activation into it).
+  fuses the MLP's activation into it; :func:`~dejavu_lab.kernels.threshold.lowrank.lowrank_add`
+  adds R-Sparse's low-rank term for the entries it drops).
 - :func:`fused_sparse_mlp` — up (or gate/up), activation and down of the kept neurons, one launch.
 - :func:`cats_mlp` — CATS: dense gate (cuBLAS), then up/down of the kept neurons only.
 - :func:`cats_up`  — CATS's thresholded up step: the up rows of the neurons the gate keeps.

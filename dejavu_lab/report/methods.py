@@ -76,6 +76,8 @@ LABELS = {
     "teal": "TEAL",
     "wina": "WINA",
     "cats": "CATS",
+    "larosa": "LaRoSA (o_in rotated, TEAL's kernels)",
+    "rsparse": "R-Sparse (TEAL's kernels + low rank)",
 }
 
 
@@ -84,6 +86,8 @@ def _budget(r) -> str:
         return f"MLP {r.mlp_sparsity:.0%} · heads {r.head_sparsity:.0%}"
     if r.engine in METHODS and METHODS[r.engine].input_sparse:
         return f"{r.sparsity:.0%} of every input"
+    if r.engine in METHODS and METHODS[r.engine].family == "topk":
+        return f"{r.sparsity:.0%} of every input's bytes"
     if r.engine == "cats":
         return f"MLP {r.sparsity:.0%}"
     return "dense"

@@ -36,7 +36,9 @@ the same search run on this method's own sites (``"search"``,
 :mod:`~dejavu_lab.sparsify.search`), which a fixed count needs: TEAL's shares were chosen for a
 threshold. The hooks compute ``x' = g ⊙ Q·topk(Qᵀ u) + b``: the same vector the folded layer
 sees, so the model's own forward measures the quality. :func:`folded_weights` writes the
-weights an engine would store.
+weights an engine would store; the decode engine runs plans with ``rule="threshold"`` and
+``basis="none"`` or ``"global"`` itself, their rotations folded into its weights
+(:mod:`dejavu_lab.engine.plans`).
 
 What paid on the demo model (``results/designs_*demo*.json``): the one free rotation,
 of attention's output, with TEAL's rule and the method's own search (``basis="none",

@@ -21,9 +21,11 @@ it spent on the factors): ``r = ⌊lowrank · (1 − s) · d_in d_out / (d_in + 
 takes what is left. Since ``U_r V_r = W P_r`` with ``P_r = diag(s) B_r B_rᵀ diag(1/s)`` (``B_r``
 the top right singular vectors of ``W diag(s)``), the hooks replace the site's input by
 ``x_S + P_r x_R``: the model's own layers then compute exactly the sparse + low-rank output.
-:func:`factors` gives the ``U_r``, ``V_r`` an engine would store (one extra small GEMV pair).
+:func:`factors` gives the ``U_r``, ``V_r`` an engine stores (one extra small GEMV pair; the
+decode engine runs a threshold plan: :mod:`dejavu_lab.engine.lowrank`); :func:`split_budget` is
+the split of a site's bytes between columns and factors.
 
-On the demo model (``results/frontier_*lowrank*_demo*.json``) the factors did not pay for
+On the demo model (``results/designs_*lowrank*demo*.json``) the factors did not pay for
 their bytes: at equal bytes R-Sparse stayed above TEAL greedy at every budget we measured,
 with a tenth or a quarter of a site's bytes in the factors, plain or activation-aware SVD, a
 fixed count or TEAL's rule, TEAL's shares or its own search.
@@ -44,7 +46,7 @@ from .moments import Moments
 from .search import search_path
 from .topk import RULES, SitePlan, TopkPlan, plan_for, quantile, sample_scores, site_shares
 
-__all__ = ["SCALINGS", "factors", "plan", "rsparse_hooks"]
+__all__ = ["SCALINGS", "factors", "plan", "rsparse_hooks", "split_budget"]
 
 SCALINGS = ("diag", "plain")  # activation-aware SVD (ASVD's diagonal) or the weights' own SVD
 
@@ -67,6 +69,21 @@ def _svd(model, arch, moments: Moments, i: int, site: str, scaling: str):
         vh = torch.linalg.svd(w.double() * s.double(), full_matrices=False).Vh
         moments.cache[key] = (s, vh.T.float().contiguous())
     return moments.cache[key]
+
+
+def split_budget(share: float, d_in: int, d_out: int, lowrank: float,
+                 rank: int | None = None) -> tuple[int, int]:  # fmt: skip
+    """``(r, k)``: the rank and the kept columns of a site of weight [d_out, d_in] whose
+    ``share`` of bytes is removed, ``lowrank`` of what is left spent on the factors (or the
+    given ``rank``, ``k`` taking what it leaves).
+
+    >>> split_budget(0.5, 4096, 6144, 0.1)  # Llama-3-8B's attn_in at half its bytes
+    (122, 1845)
+    """
+    budget = (1 - share) * d_in * d_out  # elements this site may read
+    r = int(lowrank * budget / (d_in + d_out)) if rank is None else rank
+    keep = max(0, min(d_in, round((budget - r * (d_in + d_out)) / d_out)))
+    return r, keep
 
 
 def plan(
@@ -132,10 +149,8 @@ def plan(
 
     def site_plan(i: int, site: str, share: float) -> SitePlan:
         d_in, d_out = site_width(arch, site), _d_out(model, arch, i, site)
-        budget = (1 - share) * d_in * d_out  # elements this site may read
-        r = ranks.get((i, site), int(lowrank * budget / (d_in + d_out)))
+        r, keep = split_budget(share, d_in, d_out, lowrank, ranks.get((i, site)))
         extra = float(r * (d_in + d_out))
-        keep = max(0, min(d_in, round((budget - extra) / d_out)))
         t: dict = {}
         if r > 0:
             s, b = _svd(model, arch, moments, i, site, scaling)
