@@ -50,6 +50,7 @@ from .union import token_scores, union_sparsity
 
 __all__ = [
     "STAGES",
+    "STAGE_SIZES",
     "Sizes",
     "embedding_quantities",
     "head_levels",
@@ -72,6 +73,17 @@ STAGES = {
 }
 
 
+# stage -> the sizes it depends on (a recording keeps a finished stage while these stay put)
+STAGE_SIZES = {
+    "sparsity": ("window", "eval_windows", "mass"),
+    "sweep": ("window", "eval_windows", "calib_windows", "mlp_levels", "head_fractions"),
+    "embeddings": ("window", "embed_windows"),
+    "heads": ("window", "head_windows"),
+    "union": ("union_window", "union_windows", "union_positions", "union_min_pos",
+              "union_batches", "union_draws", "union_keep", "mass"),
+}  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Sizes:
     """How much text each stage reads; the defaults are the chapters' full (book) sizes."""
@@ -88,7 +100,7 @@ class Sizes:
     union_windows: int = 64  # chapter 35: sequences to draw batches from
     union_positions: int = 4  # sampled decoding positions per sequence
     union_min_pos: int = 24  # positions sampled at or after this
-    union_batch: int = 32  # the batch whose union the book quotes (the paper's largest)
+    union_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32)  # the paper's batch sizes (plus 1)
     union_draws: int = 48  # random batches per batch size
     union_keep: float = 0.1  # each token's top 10% of MLP neurons (the paper's regime)
 
@@ -240,14 +252,14 @@ def measure_stage(model, tokenizer, stage: str, sizes: Sizes = Sizes(), *,
         windows = _windows(tokenizer, s.union_window, s.union_windows)
         scores = token_scores(model, windows, positions=s.union_positions,
                               min_pos=s.union_min_pos, batch_size=8, arch=arch)  # fmt: skip
-        batch = min(s.union_batch, windows.shape[0])
-        q = {"union_batch": batch}
+        batches = tuple(b for b in s.union_batches if b <= windows.shape[0])  # as chapter 35
+        q = {"union_batch": max(batches)}  # the largest batch: the one quoted
         for prefix, sets in (
             ("union_top10", scores.active("topk", keep=s.union_keep, head_mass=s.mass)),
             ("union_mass90", scores.active(mass=s.mass, head_mass=s.mass)),
-        ):
-            union = union_sparsity(sets, (batch,), n_draws=s.union_draws)
-            q |= union_quantities(union, batch, prefix)
+        ):  # all the batch sizes, so that the random draws are the chapter's
+            union = union_sparsity(sets, batches, n_draws=s.union_draws)
+            q |= union_quantities(union, max(batches), prefix)
         q.pop("union_top10_heads", None)  # heads: the mass criterion either way (counted once)
         q.pop("union_top10_heads_uniform", None)
     else:
@@ -262,9 +274,9 @@ def _sizes_dict(sizes: Sizes) -> dict:
 def record(model, tokenizer, name: str, *, sizes: Sizes = Sizes(), stages=tuple(STAGES),
            command: str, extra: dict | None = None, progress: bool = True):  # fmt: skip
     """Measure each of ``stages`` and save ``results/<name>.json`` after each one; return the
-    path. A file already there with the same sizes keeps its finished stages (resume); one
-    with other sizes is replaced. ``extra`` (model name, dtype, threads) joins the provenance,
-    with the sizes and each stage's seconds.
+    path. A file already there keeps each finished stage whose sizes (:data:`STAGE_SIZES`)
+    are unchanged (resume) and measures the others again. ``extra`` (model name, dtype) joins
+    the provenance, with the sizes, each stage's seconds and the commit each stage ran at.
     """
     arch = get_arch(model)
     bad = [st for st in stages if st not in STAGES]
@@ -273,12 +285,17 @@ def record(model, tokenizer, name: str, *, sizes: Sizes = Sizes(), stages=tuple(
     want = _sizes_dict(sizes)
     rows: list[dict] = []
     seconds: dict[str, float] = {}
+    commits: dict[str, str] = {}
     path = results.results_dir() / f"{name}.json"
     if path.is_file():
         old, prov = results.load(path)
-        if prov.get("sizes") == want:
-            rows = [{k: v for k, v in r.items() if not _missing(v)} for r in old.to_dict("records")]
-            seconds = dict(prov.get("stage_seconds") or {})
+        had = prov.get("sizes") or {}
+        keep = {st for st in STAGES if all(had.get(k) == want[k] for k in STAGE_SIZES[st])}
+        rows = [{k: v for k, v in r.items() if not _missing(v)}
+                for r in old.to_dict("records") if r["stage"] in keep]  # fmt: skip
+        seconds = {k: v for k, v in (prov.get("stage_seconds") or {}).items() if k in keep}
+        commits = {k: v for k, v in (prov.get("stage_git_sha") or {}).items() if k in keep}
+        commits |= {st: prov["git_sha"] for st in keep if st not in commits}
     done = {r["stage"] for r in rows}
     for stage in stages:
         if stage in done:
@@ -288,9 +305,11 @@ def record(model, tokenizer, name: str, *, sizes: Sizes = Sizes(), stages=tuple(
         t0 = time.perf_counter()
         rows += measure_stage(model, tokenizer, stage, sizes, arch=arch)
         seconds[stage] = round(time.perf_counter() - t0, 1)
+        commits[stage] = results.provenance("")["git_sha"]
         if progress:
             print(f"{name}: {stage} in {seconds[stage]:.0f} s", file=sys.stderr)
         info = {**(extra or {}), "sizes": want, "stage_seconds": seconds,
+                "stage_git_sha": commits,
                 "n_layers": arch.n_layers, "n_heads": arch.n_heads, "d_mlp": arch.d_mlp,
                 "threads": torch.get_num_threads(), "corpus": "demo"}  # fmt: skip
         path = results.save(name, rows, command=command, extra=info)
