@@ -86,7 +86,11 @@ STAGE_SIZES = {
 
 @dataclass(frozen=True)
 class Sizes:
-    """How much text each stage reads; the defaults are the chapters' full (book) sizes."""
+    """How much text each stage reads; the defaults are the chapters' full (book) sizes.
+
+    >>> Sizes().window, Sizes(eval_windows=4).eval_windows, Sizes().union_batches[-1]
+    (256, 4, 32)
+    """
 
     window: int = 256  # tokens per window (chapters 10, 20, 30)
     eval_windows: int = 2  # chapter 10: evaluated windows, from the start of the demo corpus
@@ -277,6 +281,17 @@ def record(model, tokenizer, name: str, *, sizes: Sizes = Sizes(), stages=tuple(
     path. A file already there keeps each finished stage whose sizes (:data:`STAGE_SIZES`)
     are unchanged (resume) and measures the others again. ``extra`` (model name, dtype) joins
     the provenance, with the sizes, each stage's seconds and the commit each stage ran at.
+
+    >>> import os, tempfile
+    >>> from unittest import mock
+    >>> from dejavu_lab.models import load_model
+    >>> model, tok, _ = load_model("demo")
+    >>> with mock.patch.dict(os.environ, {results.ENV_DIR: tempfile.mkdtemp()}):
+    ...     path = record(model, tok, "obs", sizes=Sizes(window=32, head_windows=1),
+    ...                   stages=("heads",), command="example", progress=False)
+    ...     frame, prov = results.load(path)
+    >>> frame["name"].tolist()[0], prov["sizes"]["head_windows"], sorted(prov["stage_seconds"])
+    ('rho_entropy_norm', 1, ['heads'])
     """
     arch = get_arch(model)
     bad = [st for st in stages if st not in STAGES]

@@ -67,10 +67,11 @@ QUANTITIES: dict[str, tuple[str, str, callable]] = {
     "share_sink": ("30", "share of sink heads", _pct),
     "share_uniform_mixing": ("30", "share of uniform-mixing heads", _pct),
     "share_heavy_hitter": ("30", "share of heavy-hitter heads", _pct),
-    "union_top10_mlp": ("35", "MLP union sparsity at the largest batch, top 10%", _pct1),
+    "union_batch": ("35", "largest batch B (sequences)", "{:.0f}".format),
+    "union_top10_mlp": ("35", "MLP union sparsity at B, each token's top 10%", _pct1),
     "union_top10_mlp_uniform": ("35", "… uniform random sets of that density", _pct1),
-    "union_mass90_mlp": ("35", "MLP union sparsity at the largest batch, 90% mass", _pct1),
-    "union_mass90_heads": ("35", "head union sparsity at the largest batch, 90% mass", _pct1),
+    "union_mass90_mlp": ("35", "MLP union sparsity at B, 90% of the mass", _pct1),
+    "union_mass90_heads": ("35", "head union sparsity at B, 90% of the mass", _pct1),
 }
 
 
