@@ -170,6 +170,11 @@ def beside(chapter: str, live: dict, *, sizes: Sizes, model: str = "demo model",
 
 
 def _more(a: float, b: float, tol: float, more: str, less: str, same: str) -> str:
+    """``more`` if a exceeds b by more than ``tol``, ``less`` if it falls short, else ``same``.
+
+    >>> _more(0.7, 0.5, 0.02, "more X than", "less X than", "about as much X as")
+    'more X than'
+    """
     return same if abs(a - b) <= tol else (more if a > b else less)
 
 
@@ -193,25 +198,45 @@ def verdict(chapter: str, demo: dict, recording: str = RECORDING, *,
         x = d[n]
         return float(x[0] if isinstance(x, tuple) else x)
 
+    def pct(d: dict, n: str) -> str:  # "≥" where the curve never crossed the rise
+        x = d[n]
+        return ("≥ " if isinstance(x, tuple) and not x[1] else "") + f"{v(d, n):.0%}"
+
     ch = _chapter(chapter)
     if ch == "10":
         mo, ms = v(rec, "mlp_rise10_oracle"), v(rec, "mlp_rise10_static")
         ho, do = v(rec, "heads_rise10_oracle"), v(demo, "mlp_rise10_oracle")
         dh = v(demo, "heads_rise10_oracle")
-        mlp = _more(mo, do, 0.02, "more", "less", "about as much")
-        heads = _more(ho, dh, 0.02, "more", "fewer", "about as many")
+        mlp = _more(
+            mo,
+            do,
+            0.02,
+            "more contextual MLP sparsity than",
+            "less contextual MLP sparsity than",
+            "about as much contextual MLP sparsity as",
+        )
+        heads = _more(ho, dh, 0.02, "larger", "smaller", "about the same")
         gap = "holds" if mo > ms + 0.05 else "does not hold"
-        return (f"At +10% perplexity {big} tolerates {mlp} contextual MLP sparsity than the "
-                f"demo model ({mo:.0%} against {do:.0%}) and {heads} heads removed "
-                f"({ho:.0%} against {dh:.0%}). Contextual against static "
-                f"({mo:.0%} against {ms:.0%}): the paper's gap {gap} at this size.")  # fmt: skip
+        return (f"At +10% perplexity {big} tolerates {mlp} the demo model "
+                f"({pct(rec, 'mlp_rise10_oracle')} against {pct(demo, 'mlp_rise10_oracle')}); "
+                f"the share of heads it can drop is {heads} ({pct(rec, 'heads_rise10_oracle')} "
+                f"against {pct(demo, 'heads_rise10_oracle')}). Contextual against static "
+                f"({pct(rec, 'mlp_rise10_oracle')} against {pct(rec, 'mlp_rise10_static')} of "
+                f"MLP neurons): the paper's gap {gap} at this size.")  # fmt: skip
     if ch == "20":
         c, dc = v(rec, "cos_consecutive"), v(demo, "cos_consecutive")
         r, dr = v(rec, "norm_ratio_mlp"), v(demo, "norm_ratio_mlp")
-        closer = _more(c, dc, 0.002, "closer to", "further from", "as far from")
+        closer = _more(
+            c,
+            dc,
+            0.002,
+            "closer to the paper's 0.99 than",
+            "further from the paper's 0.99 than",
+            "as close to the paper's 0.99 as",
+        )
         above = "above" if c > 0.95 else "below"
         return (f"Consecutive layers of {big} agree to a median cosine of {c:.3f} ({above} the "
-                f"paper's 0.95), {closer} the paper's 0.99 than the demo model ({dc:.3f}); its "
+                f"paper's 0.95), {closer} the demo model's ({dc:.3f}); its "
                 f"residual is {r:.1f}× the MLP's update against {dr:.1f}× on the demo model.")  # fmt: skip
     if ch == "30":
         r, dr = v(rec, "rho_entropy_norm"), v(demo, "rho_entropy_norm")
@@ -223,9 +248,9 @@ def verdict(chapter: str, demo: dict, recording: str = RECORDING, *,
                 f"{big}'s heads, {v(demo, 'share_sink'):.0%} of the demo model's.")  # fmt: skip
     u, uu = v(rec, "union_top10_mlp"), v(rec, "union_top10_mlp_uniform")
     du, b = v(demo, "union_top10_mlp"), int(v(rec, "union_batch"))
-    more = _more(u, du, 0.005, "more", "less", "as much")
-    ratio = f"{u / uu:.1f}×" if uu > 0 else "far more than"
+    more = _more(u, du, 0.005, "more than", "less than", "about as much as")
+    ratio = f"{u / uu:.1f}× what" if uu > 0 else "far more than"
     return (f"With each token's top 10% of MLP neurons, a batch of {b} sequences leaves "
-            f"{u:.1%} of {big}'s MLP unused ({ratio} what uniform random sets would), {more} "
-            f"than on the demo model ({du:.1%}); at 90% of the mass the union leaves "
+            f"{u:.1%} of {big}'s MLP unused ({ratio} uniform random sets would), {more} "
+            f"on the demo model ({du:.1%}); at 90% of the mass the union leaves "
             f"{v(rec, 'union_mass90_mlp'):.1%}.")  # fmt: skip
