@@ -120,10 +120,13 @@ def origin(prov: dict, chapter: str) -> str:
     """Caption clause for a recording: model, dtype, the chapter's text sizes, CPU, commit, age.
 
     >>> origin(load_recording()[1], "20_slowly_changing_embeddings")
-    'Qwen2.5-Coder-1.5B-Instruct, bfloat16, Lee news corpus (4 × 256-token windows), ... CPU ...'
+    'Qwen2.5-Coder-1.5B-Instruct, bfloat16, Lee news corpus (4 × 256-token windows), ... CPU, 1 thread, ...'
     """
     threads = prov.get("threads", 1)
-    age = staleness.note(prov, paths=PATHS, what="the measuring code")
+    by_stage = prov.get("stage_git_sha") or {}
+    shas = list(dict.fromkeys(by_stage.get(s, prov["git_sha"]) for s in _stages(chapter)))
+    age = staleness.note({"git_sha": shas[0], "repeats": [{"git_sha": x} for x in shas[1:]]},
+                         paths=PATHS, what="the measuring code")  # fmt: skip
     return (f"{title(str(prov.get('model')))}, {prov.get('model_dtype')}, Lee news corpus "
             f"({_sizes_text(chapter, prov['sizes'])}), {prov.get('cpu')} CPU, {threads} "
             f"thread{'s' * (threads != 1)}, {str(prov.get('date', ''))[:10]}, {age}")  # fmt: skip
