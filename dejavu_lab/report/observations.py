@@ -12,7 +12,8 @@ puts them side by side:
   columns is always like for like;
 - :func:`verdict` — one or two sentences computed from those numbers (which model is sparser,
   whether the paper's sign or threshold holds on each);
-- :func:`origin` — a caption clause: which model, dtype, text sizes, CPU, commit and age.
+- :func:`origin` — a caption clause: which model, dtype, text sizes, CPU, commit and age;
+  :func:`note` — the table's caption, one line per column.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ __all__ = [
     "RECORDING",
     "beside",
     "load_recording",
+    "note",
     "origin",
     "verdict",
 ]
@@ -130,6 +132,25 @@ def origin(prov: dict, chapter: str) -> str:
     return (f"{title(str(prov.get('model')))}, {prov.get('model_dtype')}, Lee news corpus "
             f"({_sizes_text(chapter, prov['sizes'])}), {prov.get('cpu')} CPU, {threads} "
             f"thread{'s' * (threads != 1)}, {str(prov.get('date', ''))[:10]}, {age}")  # fmt: skip
+
+
+def note(chapter: str, live_caption: str, *, sizes: Sizes, recording: str = RECORDING,
+         demo_recording: str = DEMO_RECORDING) -> str:  # fmt: skip
+    """The caption of :func:`beside`'s table (Markdown): where each column comes from.
+
+    >>> text = note("20_slowly_changing_embeddings", "Model: demo.", sizes=Sizes())
+    >>> text.startswith("*Live column:* Model: demo. *Recorded:* Qwen2.5-Coder-1.5B-Instruct")
+    True
+    >>> "same sizes" in note("20_slowly_changing_embeddings", "", sizes=Sizes(window=48))
+    True
+    """
+    _, prov = load_recording(recording)
+    text = f"*Live column:* {live_caption} *Recorded:* {origin(prov, chapter)}."
+    if not _same_sizes(chapter, asdict(sizes), prov["sizes"]):
+        _, dprov = load_recording(demo_recording)
+        text += (" *Third column:* the live run read other sizes (quick mode), so the demo "
+                 f"model recorded at the same sizes stands beside it: {origin(dprov, chapter)}.")  # fmt: skip
+    return text
 
 
 def _same_sizes(chapter: str, live: dict, recorded: dict) -> bool:
