@@ -10,6 +10,8 @@ reduce them on the spot, so a long text never holds every layer at once.
 - :mod:`.union`      — Appendix C.1: union sparsity across batch sizes.
 - :mod:`.quant_quality` — perplexity on 4-bit weights, dense and under sparsity, beside fp
   (imported on its own: ``dejavu_lab.measure.quant_quality``).
+- :mod:`.observations` — the numbers above, for any model, recorded with provenance
+  (imported on its own: ``dejavu_lab.measure.observations``).
 """
 
 from .embeddings import layer_cosine, residual_norms
