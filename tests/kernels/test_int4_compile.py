@@ -33,7 +33,7 @@ def sig(dt):
 for mode, bb, unpack, br, bd, dt in [(0, 1, 0, 64, 256, "fp16"), (1, 1, 0, 32, 256, "bf16"),
                                      (1, 16, 0, 32, 128, "fp16"), (2, 1, 1, 16, 256, "fp16")]:
     c = dict(MODE=mode, THR_SCALAR=True, HAS_BIAS=True, REDUCE=1, GROUP=128, NPE=8,
-             UNPACK=unpack, BLOCK_B=bb, BLOCK_R=br, BLOCK_D=bd, UPCAST=False, CHUNK=8)
+             UNPACK=unpack, BLOCK_B=bb, BLOCK_R=br, BLOCK_D=bd, UPCAST=False, CHUNK=8, RPI=1)
     triton.compile(ASTSource(k, sig(dt), constexprs=c), target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": 4, "num_stages": 2})
 print("compiled")
