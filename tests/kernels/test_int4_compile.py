@@ -4,7 +4,8 @@ the Python, not Triton's compiler, so this catches what only the compiled path r
 A subprocess (``TRITON_INTERPRET=0``: the kernels must be JIT functions) hands four
 representative specialisations to ``triton.compile`` for an sm_90 target, through the ``ptxas``
 that Triton's CUDA backend ships: batch 1 dense and threshold (the [rows, words, nibbles]
-tile), a union batch on tensor cores, the kept-row path with per-output word loads.
+tile), a union batch on tensor cores, the kept-row path with per-output word loads; and the
+rows-layout kernel (every row, listed rows, CATS's gate-then-up) at batch 1 and on tensor cores.
 """
 
 import os
@@ -36,6 +37,19 @@ for mode, bb, unpack, br, bd, dt in [(0, 1, 0, 64, 256, "fp16"), (1, 1, 0, 32, 2
              UNPACK=unpack, BLOCK_B=bb, BLOCK_R=br, BLOCK_D=bd, UPCAST=False, CHUNK=8, RPI=1)
     triton.compile(ASTSource(k, sig(dt), constexprs=c), target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": 4, "num_stages": 2})
+
+from dejavu_lab.kernels.int4.up import int4_up_kernel as up
+
+ptr = {"x_ptr": "fp16", "p_ptr": "i32", "s_ptr": "fp16", "m_ptr": "fp16", "idx_ptr": "i32",
+       "thr_ptr": "fp32", "b_ptr": "fp16", "out_ptr": "fp16"}
+s = {a: "*" + t for a, t in ptr.items()}
+for a in ("B", "K", "D", "UP", "stride_xb", "stride_p", "stride_s", "stride_ob"):
+    s[a] = "i32"
+for mode, bb in [(0, 1), (1, 1), (2, 1), (2, 16)]:
+    c = dict(MODE=mode, RPI=1, GATED=mode == 2, ACT="silu", HAS_BIAS=mode == 0, GROUP=128,
+             BLOCK_B=bb, BLOCK_N=32, BLOCK_K=256, UPCAST=False)
+    triton.compile(ASTSource(up, {a: s[a] for a in up.arg_names if a in s}, constexprs=c),
+                   target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
 print("compiled")
 """
 
@@ -47,7 +61,7 @@ def _ptxas() -> bool:
 
 
 @pytest.mark.skipif(not _ptxas(), reason="this Triton ships no ptxas (a non-CUDA build)")
-def test_the_kernel_compiles_for_sm90():
+def test_the_kernels_compile_for_sm90():
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)  # fmt: skip

@@ -99,9 +99,11 @@ def _rows_dot(p_ptr, s_ptr, m_ptr, rows, use, x_ptr, offs_b, mask_b, D, stride_p
                 w3 = tl.reshape(q, (BLOCK_N, NG, SUB)) * s[:, :, None] + m[:, :, None]
                 w = tl.reshape(w3, (BLOCK_N, BLOCK_K))
             acc = dot_acc(w.to(xt.dtype), tl.trans(xt), acc, UPCAST)
-    if BLOCK_B == 1:
-        return tl.sum(acc, axis=1)[:, None]
-    return acc
+    if BLOCK_B == 1:  # one return: the compiler types every return of a function alike
+        out = tl.sum(acc, axis=1)[:, None]
+    else:
+        out = acc
+    return out
 
 
 @triton.jit
