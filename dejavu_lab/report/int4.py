@@ -17,6 +17,7 @@ the fewest bytes, chosen from the recordings shown.
 
 from __future__ import annotations
 
+import json
 import math
 
 import pandas as pd
@@ -30,12 +31,14 @@ from ..step_bytes import step_bytes
 __all__ = [
     "PAPER",
     "budget_markdown",
+    "budget_sentence",
     "budget_table",
     "bytes_figure",
     "bytes_sentence",
     "bytes_table",
     "compound_sentence",
     "fitting_group",
+    "gguf_types",
     "live_perplexity",
     "load_quality",
     "quality_caption",
@@ -64,6 +67,13 @@ FORMATS = {
 # as "the errors multiply, no more": the recordings evaluate 2,048 tokens, and two runs of the
 # same configuration on other windows move perplexity by a few percent
 INDEPENDENT_PCT = 5.0
+
+
+def _label(fmt: str, groups: str = "") -> str:
+    """A format in words; a mixed-group RTN names its groups (the demo's 'group 128/64')."""
+    if fmt.startswith("rtn-") and "/" in str(groups):
+        return f"int4 RTN, group {groups}"
+    return FORMATS.get(fmt, fmt)
 
 
 def _arch(model: str):
@@ -185,6 +195,18 @@ def load_quality(names=("quant_quality_demo", "quant_quality_qwen2.5-0.5b")):
     return pd.concat(frames, ignore_index=True), provs
 
 
+def gguf_types(frame: pd.DataFrame, file: str = "quant_quality_qwen2.5-0.5b") -> str:
+    """The GGUF block types (and tensor counts) of a recording's ``"gguf"`` format, in words.
+
+    >>> gguf_types(load_quality()[0])
+    'Q4_K (12 tensors), Q5_0 (132), Q6_K (12) and Q8_0 (12)'
+    """
+    text = frame.loc[(frame["file"] == file) & (frame["format"] == "gguf"), "gguf_types"].iloc[0]
+    counts = [f"{t} ({n})" for t, n in json.loads(text).items()]
+    counts[0] = counts[0].replace(")", " tensors)")
+    return counts[0] if len(counts) == 1 else ", ".join(counts[:-1]) + " and " + counts[-1]
+
+
 def quality_caption(prov: dict) -> str:
     """A quality figure's caption from a recording's provenance: model, text, hardware, commit.
 
@@ -208,7 +230,7 @@ def quality_table(frame: pd.DataFrame) -> pd.DataFrame:
 
     >>> t = quality_table(load_quality()[0])
     >>> t.loc[("SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised to fp32)", "rtn-g128",
-    ...        "teal (uniform)", 0.5)].round(1).tolist()
+    ...        "teal (uniform)", 0.5)].drop("groups").astype(float).round(1).tolist()
     [104.2, 162.3, 84.4, 61.3, 14.3, 0.1]
     """
     rows = []
@@ -225,7 +247,7 @@ def quality_table(frame: pd.DataFrame) -> pd.DataFrame:
                          "rise over own dense %": 100 * own,
                          "same on fp %": 100 * fp_rise,
                          "interaction %": 100 * ((1 + own) / (1 + fp_rise) - 1),
-                         "layer bytes vs fp16": r.bytes_vs_fp16})  # fmt: skip
+                         "layer bytes vs fp16": r.bytes_vs_fp16, "groups": r.groups})  # fmt: skip
     return pd.DataFrame(rows).set_index(["model", "format", "variant", "sparsity"])
 
 
@@ -251,7 +273,7 @@ def quality_figure(table: pd.DataFrame, model: str):
         color = COLORS.get(variant.split(" ")[0], "#444444")
         fig.add_trace(go.Scatter(
             x=g["layer bytes vs fp16"], y=g["perplexity"], mode="lines+markers",
-            name=f"{variant}, {FORMATS.get(fmt, fmt)}", legendgroup=variant,
+            name=f"{variant}, {_label(fmt, g['groups'].iloc[0])}", legendgroup=variant,
             marker=dict(symbol=symbols.get(fmt, "circle"), size=9, color=color),
             line=dict(color=color, dash="solid" if fmt == "fp" else "dot"),
             text=[f"{s:.0%} sparse" for s in g["sparsity"]],
@@ -285,7 +307,8 @@ def compound_sentence(table: pd.DataFrame, model: str, fmt: str, variant: str = 
     else:
         verdict = "the sparse rise is smaller on the 4-bit weights"
     pct = " / ".join(f"{s:.0%}" for s in t.index)
-    return (f"On {model.split(' (')[0]}, {FORMATS.get(fmt, fmt)} costs {dense:+.1f}% dense; "
+    label = _label(fmt, mine["groups"].iloc[0])
+    return (f"On {model.split(' (')[0]}, {label} costs {dense:+.1f}% dense; "
             f"{variant} adds {' / '.join(f'{v:+.1f}%' for v in t['rise over own dense %'])} over "
             f"that ({pct} sparse), against "
             f"{' / '.join(f'{v:+.1f}%' for v in t['same on fp %'])} on fp: interaction "
@@ -381,10 +404,11 @@ def budget_table(quality: pd.DataFrame, budgets=(2, 10, 25, 50, 100), *,
             )  # the engine's int4 is RTN g128
             rows.append({"model": model, "budget %": budget, "format": best["format"],
                          "variant": best["variant"], "sparsity": best["sparsity"],
+                         "groups": best["groups"],
                          "rise over fp dense %": best["rise over fp dense %"],
                          "layer bytes vs fp16": best["layer bytes vs fp16"],
                          f"{shape} GB/token": b / 1e9,
-                         f"{shape} vs fp16 dense": dense16 / b,
+                         f"{shape} of fp16 dense": b / dense16,
                          f"{shape} ms/token at {tbps} TB/s": b / (tbps * 1e12) * 1e3,
                          f"{shape} measured ms/token": measured})  # fmt: skip
     return pd.DataFrame(rows).set_index(["model", "budget %"])
@@ -394,7 +418,7 @@ def budget_markdown(box: pd.DataFrame, shape: str = "llama-3-8b") -> str:
     """The budget table as a Markdown list, one line per model and budget, for the chapter's box.
 
     >>> print(budget_markdown(budget_table(quality_table(load_quality()[0]))).splitlines()[1])
-    - **≤ 2%**: int4 RTN, group 32, dense (+0.0%, 0.31 of fp16's layer bytes); at llama-3-8b size 5.5 GB per token, 2.8× fewer than fp16 dense.
+    - **≤ 2%**: int4 RTN, group 32, dense (+0.0%, 0.31 of fp16's layer bytes); 5.5 GB per token at llama-3-8b size, 0.36 of fp16 dense's.
     """
     lines = []
     for model, t in box.groupby(level="model", sort=False):
@@ -406,10 +430,35 @@ def budget_markdown(box: pd.DataFrame, shape: str = "llama-3-8b") -> str:
             how = "dense" if r["variant"] == "dense" else f"{r['variant']} at {r['sparsity']:.0%}"
             ms = r.get(f"{shape} measured ms/token", math.nan)
             timing = f", measured {ms:.2f} ms per token" if ms == ms else ""
-            lines.append(f"- **≤ {budget}%**: {FORMATS.get(r['format'], r['format'])}, {how} "
+            gb, frac = r[f"{shape} GB/token"], r[f"{shape} of fp16 dense"]
+            lines.append(f"- **≤ {budget}%**: {_label(r['format'], r['groups'])}, {how} "
                          f"({r['rise over fp dense %']:+.1f}%, {r['layer bytes vs fp16']:.2f} of "
-                         f"fp16's layer bytes); at {shape} size {r[f'{shape} GB/token']:.1f} GB "
-                         f"per token, {r[f'{shape} vs fp16 dense']:.1f}× fewer than fp16 dense"
-                         f"{timing}.")  # fmt: skip
+                         f"fp16's layer bytes); {gb:.1f} GB per token at {shape} size, "
+                         f"{frac:.2f} of fp16 dense's{timing}.")  # fmt: skip
         lines.append("")
     return "\n".join(lines).strip()
+
+
+def budget_sentence(box: pd.DataFrame) -> str:
+    """What the budget box (:func:`budget_table`) decided, per model: the pick at the smallest
+    budget and the budget at which activation sparsity first enters.
+
+    >>> budget_sentence(budget_table(quality_table(load_quality()[0])))
+    'On SmolLM2-135M-Instruct the smallest budget (≤ 2%) takes int4 RTN, group 32, dense, and sparsity first enters at ≤ 50%; on Qwen2.5 Coder 0.5B Instruct AWQ ... at ≤ 50%.'
+    """
+    parts = []
+    for model, t in box.groupby(level="model", sort=False):
+        t = t.droplevel("model")
+        fits = t[t["format"] != "none fits"]
+        if not len(fits):
+            parts.append(f"on {model.split(' (')[0]} no recorded combination fits any budget")
+            continue
+        first, r = fits.index[0], fits.iloc[0]
+        text = (f"on {model.split(' (')[0]} the smallest budget (≤ {first}%) takes "
+                f"{_label(r['format'], r['groups'])}, {r['variant']}")  # fmt: skip
+        sparse = fits[fits["variant"] != "dense"]
+        text += (f", and sparsity first enters at ≤ {sparse.index[0]}%" if len(sparse)
+                 else ", and no budget shown takes sparsity")  # fmt: skip
+        parts.append(text)
+    text = "; ".join(parts) + "."
+    return text[0].upper() + text[1:]
