@@ -133,29 +133,33 @@ def bytes_figure(table: pd.DataFrame):
     bytes no activation sparsity skips (the unembedding and the KV cache) dotted.
 
     >>> fig = bytes_figure(bytes_table())
-    >>> [t.name for t in fig.data][:3]
-    ['fp16', 'int4 (group 128)', 'lm_head + KV cache (not skipped)']
+    >>> [t.name for t in fig.data][:3], fig.layout.annotations[1].text
+    (['fp16', 'int4', 'lm_head + KV cache (not skipped)'], 'smollm2-135m (int4: group 64)')
     """
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
     models = list(dict.fromkeys(table["model"]))
-    fig = make_subplots(rows=1, cols=len(models), subplot_titles=models)
+    groups = {m: int(table.loc[table["model"] == m, "group"].max()) for m in models}
+    titles = [f"{m} (int4: group {groups[m]})" for m in models]
+    fig = make_subplots(rows=1, cols=len(models), subplot_titles=titles)
     colors = ["#444444", "#d62728", "#1f77b4"]
     for col, model in enumerate(models, start=1):
         t = table[table["model"] == model]
         for i, (fmt, f) in enumerate(t.groupby("format", sort=False)):
-            fig.add_trace(go.Scatter(x=f["kept"], y=f["total MB"], name=fmt, mode="lines+markers",
-                                     line=dict(color=colors[i % 3]), legendgroup=fmt,
+            name = fmt.split(" (")[0]  # "int4": each panel's title names its group
+            fig.add_trace(go.Scatter(x=f["kept"], y=f["total MB"], name=name, mode="lines+markers",
+                                     line=dict(color=colors[i % 3]), legendgroup=name,
                                      showlegend=col == 1), row=1, col=col)  # fmt: skip
         floor = t["KV cache MB"] + t["lm_head MB"]
         fig.add_trace(go.Scatter(x=t["kept"], y=floor, name="lm_head + KV cache (not skipped)",
                                  mode="lines", line=dict(color="grey", dash="dot"),
                                  legendgroup="floor", showlegend=col == 1), row=1, col=col)  # fmt: skip
         fig.update_yaxes(rangemode="tozero", row=1, col=col)
-    fig.update_xaxes(title_text="kept fraction of TEAL's inputs", autorange="reversed")
+    fig.update_xaxes(title_text="kept fraction", autorange="reversed")
     fig.update_yaxes(title_text="MB per token", row=1, col=1)
-    fig.update_layout(title="Bytes one decode step reads (batch 1, context 512)")
+    fig.update_layout(title="Bytes one decode step reads (batch 1, context 512)",
+                      legend=dict(orientation="h", y=-0.25, x=0))  # fmt: skip
     return fig
 
 
@@ -282,7 +286,7 @@ def quality_figure(table: pd.DataFrame, model: str):
     fig.add_hline(y=fp, line_dash="dash", line_color="grey", annotation_text="fp dense")
     fig.update_layout(title=f"Perplexity against bytes read: {model.split(' (')[0]}",
                       xaxis_title="decoder-layer bytes per token (dense fp16 = 1)",
-                      yaxis_title="perplexity", yaxis_type="log")  # fmt: skip
+                      yaxis_title="perplexity", yaxis_rangemode="tozero")  # fmt: skip
     return fig
 
 

@@ -28,6 +28,7 @@ __all__ = [
     "kernel_table",
     "load_speed",
     "missing_sentence",
+    "recorded_ceiling",
     "speed_caption",
     "speed_figure",
     "speed_sentence",
@@ -236,3 +237,17 @@ def speed_sentence(kernels: pd.DataFrame, engine: pd.DataFrame) -> str:
                 "the speed half of the claim is untested here.")  # fmt: skip
     text = "; ".join(parts) + "."
     return text[0].upper() + text[1:]
+
+
+def recorded_ceiling(provs: dict | None = None, fallback: str = "engine_e2e") -> tuple[float, str]:
+    """(copy ceiling in TB/s, the file it comes from): the first of ``provs`` (the speed runs
+    drawn) that measured one, else the recorded end-to-end run's (``results/<fallback>.json``).
+
+    >>> tbps, name = recorded_ceiling({})
+    >>> name, 3.0 < tbps < 5.0  # the H200's device-to-device copy rate
+    ('engine_e2e', True)
+    """
+    for name, prov in (provs or {}).items():
+        if prov.get("copy_tbps"):
+            return float(prov["copy_tbps"]), name
+    return float(results.load(fallback)[1]["copy_tbps"]), fallback
