@@ -158,8 +158,7 @@ def bytes_figure(table: pd.DataFrame):
         fig.update_yaxes(rangemode="tozero", row=1, col=col)
     fig.update_xaxes(title_text="kept fraction", autorange="reversed")
     fig.update_yaxes(title_text="MB per token", row=1, col=1)
-    fig.update_layout(title="Bytes one decode step reads (batch 1, context 512)",
-                      legend=dict(orientation="h", y=-0.25, x=0))  # fmt: skip
+    fig.update_layout(title="Bytes one decode step reads (batch 1, context 512)")
     return fig
 
 
