@@ -62,7 +62,7 @@ bench: $(STAMP)
 	for f in kernels/bench_*.py; do $(BIN)/python $$f || exit 1; done
 
 # On a GPU box: the kernel tests compiled for the GPU, then the chapters that measure live
-# (60, 70, 75) executed as notebooks; a table, and the log in results/gpu_check.log.
+# (60, 65, 70, 75) executed as notebooks; a table, and the log in results/gpu_check.log.
 gpu-check: $(STAMP)
 	$(BIN)/python kernels/gpu_check.py
 

@@ -6,7 +6,7 @@
 1. The kernel tests on the GPU: ``pytest tests/kernels tests/test_engine_fused.py`` with
    ``DEJAVU_TEST_DEVICE=cuda TRITON_INTERPRET=0`` (``tests/kernels/helpers.py`` puts every test
    tensor on that device, so the Triton kernels compile for it instead of being interpreted).
-2. The chapters that measure live when a GPU is present (60, 70, 75), each read with jupytext
+2. The chapters that measure live when a GPU is present (60, 65, 70, 75), each read with jupytext
    and executed with nbclient in a fresh kernel, from the chapter's folder with the repository
    on ``PYTHONPATH`` (the package from this source tree, as the book build runs it). Every
    cell runs even after an error, so the count of error cells is complete.
@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CHAPTERS = ("notebooks/60_sparse_kernels.md", "notebooks/70_end_to_end.md",
-            "notebooks/75_batches.md")  # fmt: skip
+CHAPTERS = ("notebooks/60_sparse_kernels.md", "notebooks/65_int4_weights.md",
+            "notebooks/70_end_to_end.md", "notebooks/75_batches.md")  # fmt: skip
 TESTS = ("tests/kernels", "tests/test_engine_fused.py")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")  # IPython colours its tracebacks; the log is plain text
 
@@ -128,7 +128,7 @@ def log_path() -> Path:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("chapters", nargs="*", default=list(CHAPTERS),
-                    help="notebooks to execute (default: the live chapters 60, 70, 75)")  # fmt: skip
+                    help="notebooks to execute (default: the live chapters 60, 65, 70, 75)")  # fmt: skip
     ap.add_argument("--no-tests", action="store_true", help="skip the kernel tests")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per cell")
     ap.add_argument("--save", type=Path, default=None, help="write the executed .ipynb here")

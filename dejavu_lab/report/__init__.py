@@ -16,6 +16,9 @@ measure (or what ``kernels/*.py`` recorded in ``results/``) and draw it.
 - :mod:`~dejavu_lab.report.methods` — GPU time per token of every method in the engine
   (chapter 42);
 - :mod:`~dejavu_lab.report.kernels` — the sparse kernels' bandwidth and speedups (chapter 60);
+- :mod:`~dejavu_lab.report.int4` and :mod:`~dejavu_lab.report.int4_speed` — sparsity on 4-bit
+  weights: bytes, perplexity, the budget box, and the int4 kernels' and engine's speed
+  (chapter 65);
 - :mod:`~dejavu_lab.report.engine` — end-to-end decoding latency and where a token's time goes
   (chapter 70);
 - :mod:`~dejavu_lab.report.profile` — the decode step's GPU time per kernel inside its CUDA

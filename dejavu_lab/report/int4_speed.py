@@ -1,0 +1,253 @@
+"""Speed of 4-bit weights on a GPU: the int4 GEMVs and the int4 engine (the 4-bit chapter).
+
+:func:`load_speed` measures a short run live on a GPU box, else reads the H200 recordings
+``kernels/bench_int4.py`` and ``kernels/bench_engine_int4.py`` write (:data:`FILES`), else
+says which are missing and how to record them (:func:`missing_sentence`, :data:`COMMANDS`).
+:func:`kernel_table` and :func:`engine_table` shape their rows; the quality and bytes side of
+the chapter is :mod:`dejavu_lab.report.int4`.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from .. import results
+from ..errors import ResultsError
+from . import source
+
+__all__ = [
+    "COMMANDS",
+    "FILES",
+    "LIVE_ARGS",
+    "engine_table",
+    "kernel_table",
+    "load_speed",
+    "missing_sentence",
+    "recorded_ceiling",
+    "speed_caption",
+    "speed_figure",
+    "speed_sentence",
+]
+
+#: the H200 recordings the chapter draws, by kind (``results/<name>.json``)
+FILES = {
+    "kernels": ("int4_gemv_g128", "int4_gemv_g32_64"),
+    "engine": ("engine_int4_8b", "engine_int4_13b", "engine_int4_70b"),
+}
+#: the command that records each file on a GPU box (from the repository root)
+COMMANDS = {
+    "int4_gemv_g128": "python kernels/bench_int4.py --group 128 --batch 1,16 --name int4_gemv_g128",
+    "int4_gemv_g32_64": "python kernels/bench_int4.py --group 32,64 --name int4_gemv_g32_64",
+    "engine_int4_8b": "python kernels/bench_engine_int4.py --models llama-3-8b --name engine_int4_8b",
+    "engine_int4_13b": "python kernels/bench_engine_int4.py --models llama-2-13b "
+    "--name engine_int4_13b",
+    "engine_int4_70b": "python kernels/bench_engine_int4.py --models '' --int4-only llama-3-70b "
+    "--name engine_int4_70b",
+}
+# a live run on a GPU box: one shape, group 128, batch 1, TEAL at 50% (a minute or two)
+LIVE_ARGS = {
+    "kernels": ["kernels/bench_int4.py", "--group", "128", "--shapes", "llama3-8b up",
+                "--no-sweep", "--no-peer"],
+    "engine": ["kernels/bench_engine_int4.py", "--models", "llama-3-8b", "--sparsity", "0.5",
+               "--methods", "teal", "--new-tokens", "64"],
+}  # fmt: skip
+
+
+def load_speed(kind: str, live: bool | None = None):
+    """(time rows, provenance per file, measured live, recordings missing) of ``kind``
+    (``"kernels"`` or ``"engine"``): a short live run on a GPU box (``live=None`` and CUDA
+    here: :data:`LIVE_ARGS`, written to ``results/int4_<kind>_live.json``), else the recordings
+    of :data:`FILES` that exist. With none, the rows are empty and ``missing`` names them all.
+
+    >>> frame, provs, live, missing = load_speed("engine", live=False)
+    >>> live, len(frame) == 0 or "ms_per_token" in frame, set(missing) <= set(FILES["engine"])
+    (False, True, True)
+    """
+    if kind not in FILES:
+        raise ValueError(f"kind must be one of {sorted(FILES)}, got {kind!r}.")
+    live = torch.cuda.is_available() if live is None else live
+    names, missing = list(FILES[kind]), []
+    if live:
+        root = Path(__file__).resolve().parents[2]
+        name = f"int4_{kind}_live"
+        script, *args = LIVE_ARGS[kind]
+        subprocess.run([sys.executable, str(root / script), *args, "--name", name], check=True)
+        names = [name]
+    frames, provs = [], {}
+    for name in names:
+        try:
+            df, prov = results.load(name)
+        except ResultsError:
+            missing.append(name)
+            continue
+        keep = (df["kind"] == "time") if kind == "kernels" else (df["kind"] == "e2e")
+        if "error" in df:
+            keep &= df["error"].isna()
+        frames.append(df[keep].assign(file=name))
+        provs[name] = prov
+    frame = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+    return frame, provs, live, missing
+
+
+def speed_caption(provs: dict, live: bool, frame: pd.DataFrame | None = None) -> str:
+    """The caption of a speed table or figure: where each file's numbers come from.
+
+    >>> speed_caption({"int4_kernels_live": {"gpu": "NVIDIA H200", "date": "2026-12-05"}}, True)
+    'Measured live on NVIDIA H200 (2026-12-05).'
+    """
+    if live:
+        return source.caption(next(iter(provs.values())), live=True)
+    parts = []
+    for name, prov in provs.items():
+        rows = frame[frame["file"] == name] if frame is not None and "file" in frame else None
+        parts.append(f"results/{name}.json: {source.origin(prov, live=False, frame=rows)}")
+    why = "LIVE = False" if torch.cuda.is_available() else "No GPU here"
+    return "<br>".join(parts) + f"<br>{why}: drawn from the recordings."
+
+
+def missing_sentence(kind: str, missing) -> str:
+    """One plain sentence saying which recordings are not there yet, or '' when none is missing.
+
+    >>> missing_sentence("engine", ["engine_int4_70b"])
+    'There is no H200 recording of the 4-bit engine at results/engine_int4_70b.json yet; on a GPU box, run the command below to record it.'
+    """
+    if not missing:
+        return ""
+    what = {"kernels": "the int4 GEMV kernels", "engine": "the 4-bit engine"}[kind]
+    files = source.listing([f"results/{m}.json" for m in missing])
+    them = "them" if len(missing) > 1 else "it"
+    s = "s" if len(missing) > 1 else ""
+    return (
+        f"There is no H200 recording of {what} at {files} yet; on a GPU box, run the "
+        f"command{s} below to record {them}."
+    )
+
+
+def kernel_table(frame: pd.DataFrame) -> pd.DataFrame:
+    """Per shape, group and batch: µs per call of cuBLAS fp16, our int4 GEMV and our int4
+    threshold GEMV at each kept fraction, their TB/s against the copy ceiling, and the ratios
+    that matter (int4 over cuBLAS; threshold over int4 dense, and its fraction of the ideal).
+
+    >>> kernel_table(load_speed("kernels", live=False)[0]).shape[1] >= 0  # empty without a run
+    True
+    """
+    if not len(frame):
+        return pd.DataFrame()
+    f = frame.assign(label=frame["provider"] + frame["kept"].map(
+        lambda k: "" if k == 1.0 else f" {k:.0%}"))  # fmt: skip
+    keys = ["shape", "group", "batch"]
+    us = f.pivot_table(index=keys, columns="label", values="us").add_suffix(" (µs)")
+    ceil = f.pivot_table(index=keys, columns="label", values="frac_copy").add_suffix(" of ceiling")
+    out = us.join(ceil)
+    if {"int4 (µs)", "cublas (µs)"} <= set(out.columns):
+        out["int4 vs cuBLAS"] = out["cublas (µs)"] / out["int4 (µs)"]
+    for k in sorted(set(f.loc[f["provider"] == "int4_thr", "kept"]), reverse=True):
+        col = f"int4_thr {k:.0%} (µs)"
+        if {"int4 (µs)", col} <= set(out.columns):
+            out[f"int4_thr {k:.0%} vs int4 dense"] = out["int4 (µs)"] / out[col]
+            out[f"int4_thr {k:.0%} of ideal"] = out["int4 (µs)"] * k / out[col]
+    return out
+
+
+def engine_table(frame: pd.DataFrame) -> pd.DataFrame:
+    """Per model, weights, engine and sparsity: ms per token, bytes per token, TB/s against
+    the copy ceiling, and the speedups over fp16 dense and over int4 dense.
+
+    >>> engine_table(load_speed("engine", live=False)[0]).shape[1] >= 0  # empty without a run
+    True
+    """
+    if not len(frame):
+        return pd.DataFrame()
+    cols = {"ms_per_token": "ms/token", "bytes_per_token": "GB/token", "tbps": "TB/s",
+            "of_ceiling": "of ceiling", "vs_fp16_dense": "vs fp16 dense",
+            "vs_int4_dense": "vs int4 dense"}  # fmt: skip
+    out = frame.set_index(["model", "weights", "engine", "sparsity"])
+    out = out[[c for c in cols if c in out]].rename(columns=cols)
+    out["GB/token"] = out["GB/token"] / 1e9
+    return out
+
+
+def speed_figure(table: pd.DataFrame, kind: str):
+    """Bars of the kernel table (µs per call) or the engine table (ms per token).
+
+    >>> speed_figure(pd.DataFrame(), "engine") is None  # nothing recorded, nothing drawn
+    True
+    """
+    import plotly.express as px
+
+    if not len(table):
+        return None
+    if kind == "engine":
+        t = table.reset_index()
+        t["run"] = t["weights"] + " " + t["engine"] + t["sparsity"].map(
+            lambda s: f" {s:.0%}" if s else "")  # fmt: skip
+        return px.bar(t, x="run", y="ms/token", color="weights", facet_col="model",
+                      title="ms per decoded token (batch 1, CUDA-graph replay)")  # fmt: skip
+    us = table[[c for c in table.columns if c.endswith("(µs)")]].rename_axis(columns="kernel")
+    t = us.stack().rename("µs").reset_index()
+    t["kernel"] = t["kernel"].str.removesuffix(" (µs)")
+    t["case"] = t["shape"] + ", g" + t["group"].astype(str) + ", B" + t["batch"].astype(str)
+    return px.bar(t, x="case", y="µs", color="kernel", barmode="group",
+                  title="µs per GEMV call (CUDA-graph replay, cold weights)")  # fmt: skip
+
+
+def speed_sentence(kernels: pd.DataFrame, engine: pd.DataFrame) -> str:
+    """What the kernel table (:func:`kernel_table`) and the engine table (:func:`engine_table`)
+    drawn show, in a sentence or two; or that neither has been recorded.
+
+    >>> speed_sentence(pd.DataFrame(), pd.DataFrame())
+    'Neither the int4 kernels nor the 4-bit engine has been timed on a GPU yet, so the speed half of the claim is untested here.'
+    """
+    parts = []
+    if len(kernels) and "int4 vs cuBLAS" in kernels:
+        k = (
+            kernels.xs(1, level="batch")
+            if 1 in kernels.index.get_level_values("batch")
+            else kernels
+        )
+        r = k["int4 vs cuBLAS"]
+        parts.append(f"Batch 1, our int4 GEMV runs {r.min():.2f}–{r.max():.2f}× faster than "
+                     "cuBLAS fp16 over the shapes and groups timed")  # fmt: skip
+        if "int4_thr 50% vs int4 dense" in k:
+            t = k["int4_thr 50% vs int4 dense"]
+            parts[-1] += (f", and its threshold GEMV at 50% kept {t.min():.2f}–{t.max():.2f}× "
+                          "faster than the dense int4 one")  # fmt: skip
+    if len(engine):
+        e = engine.reset_index()
+        for model, m in e.groupby("model", sort=False):
+            four = m[(m["weights"] == "int4") & (m["engine"] == "dense")]
+            teal = m[(m["weights"] == "int4") & (m["engine"] == "teal")].sort_values("sparsity")
+            if not len(four):
+                continue
+            text = f"at {model} int4 dense takes {four['ms/token'].iloc[0]:.2f} ms per token"
+            if "vs fp16 dense" in m and four["vs fp16 dense"].notna().iloc[0]:
+                text += f" ({four['vs fp16 dense'].iloc[0]:.2f}× fp16 dense's speed)"
+            if len(teal):
+                last = teal.iloc[-1]
+                text += (f", int4 + TEAL at {last['sparsity']:.0%} {last['ms/token']:.2f} ms "
+                         f"({last['vs int4 dense']:.2f}× over int4 dense)")  # fmt: skip
+            parts.append(text)
+    if not parts:
+        return ("Neither the int4 kernels nor the 4-bit engine has been timed on a GPU yet, so "
+                "the speed half of the claim is untested here.")  # fmt: skip
+    text = "; ".join(parts) + "."
+    return text[0].upper() + text[1:]
+
+
+def recorded_ceiling(provs: dict | None = None, fallback: str = "engine_e2e") -> tuple[float, str]:
+    """(copy ceiling in TB/s, the file it comes from): the first of ``provs`` (the speed runs
+    drawn) that measured one, else the recorded end-to-end run's (``results/<fallback>.json``).
+
+    >>> tbps, name = recorded_ceiling({})
+    >>> name, 3.0 < tbps < 5.0  # the H200's device-to-device copy rate
+    ('engine_e2e', True)
+    """
+    for name, prov in (provs or {}).items():
+        if prov.get("copy_tbps"):
+            return float(prov["copy_tbps"]), name
+    return float(results.load(fallback)[1]["copy_tbps"]), fallback
