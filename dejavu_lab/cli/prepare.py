@@ -32,7 +32,7 @@ def from_calibration(args, spec: Method, model, calib: torch.Tensor, kw: dict, a
     >>> kw = {"sparsity": 0.5}
     >>> info = from_calibration(args, method("larosa"), m, torch.randint(0, 128, (1, 16)), kw)
     >>> type(kw["thresholds"]).__name__, kw["allocation"], info["calibration_file"][:12]
-    ('Moments', 'search', 'calibration/')
+    ('Moments', 'uniform', 'calibration/')
     """
     progress = not args.no_progress
     allocation = getattr(args, "allocation", None) or spec.allocation
