@@ -7,10 +7,9 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are decorated
 
-import dataclasses  # noqa: E402
-
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from _engine_int4 import GROUP, decode_logits, dequantised, ids_of, model, relerr  # noqa: E402
 
 from dejavu_lab.engine import (  # noqa: E402
     Decoder,
@@ -20,42 +19,17 @@ from dejavu_lab.engine import (  # noqa: E402
     decoder_weights,
     keep_all,
 )
-from dejavu_lab.engine.int4 import MATRICES, quantize_weights, random_int4_weights  # noqa: E402
+from dejavu_lab.engine.int4 import quantize_weights, random_int4_weights  # noqa: E402
 from dejavu_lab.kernels.int4.kernel import int4_gemv_kernel  # noqa: E402
 from dejavu_lab.models import random_model  # noqa: E402
 
-GROUP = 64  # divides every input width of the tiny models (64, 192, 256)
+FIXTURES = (model,)  # pytest finds fixtures by name in this module
 
 
-def relerr(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
-
-
-def ids_of(n, seed=0):
-    return torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(seed))
-
-
-def decode_logits(dec, ids, n_prompt):
-    out = [dec.prefill(ids[:, :n_prompt])]
-    out += [dec.step(int(t)) for t in ids[0, n_prompt:]]
-    return torch.cat(out)
-
-
-def dequantised(w4):
-    """The same decoder weights with each int4 matrix replaced by its fp16 dequantisation."""
-    layers = [
-        dataclasses.replace(lw, **{n: getattr(lw, n).dequantize() for n in MATRICES})
-        for lw in w4.layers
-    ]
-    return dataclasses.replace(w4, layers=layers)
-
-
-@pytest.fixture(scope="module", params=["tiny-llama", "tiny-opt"])
-def case(request):
-    m = random_model(request.param, dtype=torch.float16, seed=3).model
-    w4 = quantize_weights(decoder_weights(m, layout="columns"), GROUP)
-    return m, w4, dequantised(w4)
+@pytest.fixture(scope="module")
+def case(model):
+    w4 = quantize_weights(decoder_weights(model, layout="columns"), GROUP)
+    return model, w4, dequantised(w4)
 
 
 def test_the_int4_kernel_runs_in_the_interpreter():

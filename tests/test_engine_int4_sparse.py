@@ -8,10 +8,9 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are decorated
 
-import dataclasses  # noqa: E402
-
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from _engine_int4 import GROUP, decode_logits, dequantised, ids_of, model, relerr  # noqa: E402
 
 from dejavu_lab.engine import (  # noqa: E402
     BatchDecoder,
@@ -26,35 +25,7 @@ from dejavu_lab.engine.int4 import quantize_weights  # noqa: E402
 from dejavu_lab.models import random_model  # noqa: E402
 from dejavu_lab.quant import Int4Rows  # noqa: E402
 
-GROUP = 64  # divides every input width of the tiny models (64, 192, 256)
-INT4 = ("w_qkv", "w_qkv_t", "w_o_t", "w_in", "w_in_t", "w_down_t")  # whichever a layout holds
-
-
-def relerr(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
-
-
-def ids_of(n, seed=0):
-    return torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(seed))
-
-
-def decode_logits(dec, ids, n_prompt):
-    out = [dec.prefill(ids[:, :n_prompt])]
-    out += [dec.step(int(t)) for t in ids[0, n_prompt:]]
-    return torch.cat(out)
-
-
-def dequantised(w4):
-    """The same decoder weights with each int4 matrix replaced by its dequantisation, in the
-    same layout (an Int4Rows gives ``W``, an Int4Weight ``Wᵀ``)."""
-    layers = [
-        dataclasses.replace(
-            lw, **{n: getattr(lw, n).dequantize() for n in INT4 if getattr(lw, n) is not None}
-        )  # fmt: skip
-        for lw in w4.layers
-    ]
-    return dataclasses.replace(w4, layers=layers)
+FIXTURES = (model,)  # pytest finds fixtures by name in this module
 
 
 def random_sets(dec, seed):
@@ -72,11 +43,6 @@ def with_sets(dec, sets):
     for i, (mlp, heads) in enumerate(sets):
         dec.set_indices(i, mlp=mlp, heads=heads)
     return dec
-
-
-@pytest.fixture(scope="module", params=["tiny-llama", "tiny-opt"])
-def model(request):
-    return random_model(request.param, dtype=torch.float16, seed=3).model
 
 
 @pytest.mark.parametrize("method", ["dejavu", "cats"])

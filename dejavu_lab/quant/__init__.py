@@ -1,5 +1,7 @@
 """4-bit weights: the group-wise int4 format the sparse kernels read, and its conversions.
 
+- :mod:`~dejavu_lab.quant.packed` — what both layouts share (:class:`PackedInt4`: packed codes,
+  group-wise scales and mins, their checks);
 - :mod:`~dejavu_lab.quant.int4` — the format (:class:`Int4Weight`) and round-to-nearest
   quantisation from fp16/bf16/fp32 weights;
 - :mod:`~dejavu_lab.quant.int4_rows` — the same format one row per output (:class:`Int4Rows`),

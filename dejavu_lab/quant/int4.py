@@ -37,11 +37,9 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import QuantError
+from .packed import GROUPS, SCALE_DTYPES, PackedInt4
 
 __all__ = ["GROUPS", "Int4Weight", "QuantError", "pack", "quantize", "unpack"]
-
-GROUPS = (32, 64, 128)  # GGUF's blocks are 32 wide; 128 is the common GPTQ/AWQ group
-_SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def pack(q: torch.Tensor) -> torch.Tensor:
@@ -67,62 +65,18 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class Int4Weight:
-    """A weight ``w_t`` (``[in, out]``) in group-wise int4; see the module docstring.
+class Int4Weight(PackedInt4):
+    """A weight ``w_t`` (``[in, out]``) in group-wise int4; see the module docstring (the checks
+    and the layout-free properties are :class:`~dejavu_lab.quant.packed.PackedInt4`'s).
 
     >>> w = Int4Weight(pack(torch.full((32, 2), 3)), torch.ones(1, 2), torch.zeros(1, 2), 32)
     >>> w.shape, w.row_bytes, w.group_bytes, w.dequantize()[0].tolist()
     ((32, 2), 1, 16, [3.0, 3.0])
     """
 
-    packed: torch.Tensor  # uint8 [in, out // 2]
-    scales: torch.Tensor  # [in // group, out]
-    mins: torch.Tensor  # [in // group, out], same dtype as scales
-    group: int
-
-    def __post_init__(self):
-        p, s, m, g = self.packed, self.scales, self.mins, self.group
-        if not all(isinstance(t, torch.Tensor) for t in (p, s, m)):
-            raise QuantError("packed, scales and mins must be torch tensors.")
-        if g not in GROUPS:
-            raise QuantError(f"group={g!r} is not supported; pick one of {GROUPS}.")
-        if p.dtype != torch.uint8 or p.dim() != 2:
-            raise QuantError(f"packed must be a 2-D uint8 tensor, got {p.dtype} {tuple(p.shape)}.")
-        n_in, n_out = p.shape[0], 2 * p.shape[1]
-        if n_in % g:
-            raise QuantError(f"{n_in} input rows do not split into groups of {g}.")
-        want = (n_in // g, n_out)
-        for name, t in (("scales", s), ("mins", m)):
-            if tuple(t.shape) != want:
-                raise QuantError(f"{name} has shape {tuple(t.shape)}; expected {want}.")
-            if t.dtype not in _SCALE_DTYPES:
-                raise QuantError(f"{name} has dtype {t.dtype}; use float16, bfloat16 or float32.")
-        if s.dtype != m.dtype or not (p.device == s.device == m.device):
-            raise QuantError("scales and mins must share one dtype and sit on packed's device.")
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        """``(in, out)``, the shape of the weight it stands for."""
-        return self.packed.shape[0], 2 * self.packed.shape[1]
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The dtype of the scales (and of the activations a kernel pairs with them)."""
-        return self.scales.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.packed.device
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of codes, scales and mins together."""
-        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales, self.mins))
-
-    @property
-    def row_bytes(self) -> int:
-        """Code bytes of one input channel (what skipping it saves)."""
-        return self.packed.shape[1]
+    # packed: uint8 [in, out // 2]; scales, mins: [in // group, out]; group: inputs per scale
+    GROUP_AXIS = 0
+    GROUPED = "input rows"
 
     @property
     def group_bytes(self) -> int:
@@ -145,12 +99,6 @@ class Int4Weight:
         m = self.mins.float().repeat_interleave(g, 0)
         w = self.codes().float() * s + m
         return w.to(dtype or self.dtype)
-
-    def to(self, device) -> Int4Weight:
-        """The same weight on ``device``."""
-        return Int4Weight(
-            self.packed.to(device), self.scales.to(device), self.mins.to(device), self.group
-        )
 
 
 def quantize(w_t: torch.Tensor, group: int = 128, dtype: torch.dtype | None = None) -> Int4Weight:
@@ -179,8 +127,8 @@ def quantize(w_t: torch.Tensor, group: int = 128, dtype: torch.dtype | None = No
         raise QuantError(
             f"{n_out} outputs cannot pack two per byte; pad the weight to an even count."
         )
-    dtype = dtype or (w_t.dtype if w_t.dtype in _SCALE_DTYPES else torch.float32)
-    if dtype not in _SCALE_DTYPES:
+    dtype = dtype or (w_t.dtype if w_t.dtype in SCALE_DTYPES else torch.float32)
+    if dtype not in SCALE_DTYPES:
         raise QuantError(f"dtype={dtype} for scales; use float16, bfloat16 or float32.")
     # row-major whatever w_t's strides (a transposed view): the kernels read contiguous codes
     w = w_t.float().contiguous().reshape(n_in // group, group, n_out)

@@ -34,69 +34,26 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import QuantError
-from .int4 import GROUPS, Int4Weight, pack, quantize, unpack
+from .int4 import Int4Weight, pack, quantize, unpack
+from .packed import PackedInt4
 
 __all__ = ["Int4Rows", "quantize_rows", "rows_layout"]
 
 
 @dataclass(frozen=True)
-class Int4Rows:
+class Int4Rows(PackedInt4):
     """A weight ``W`` (``[out, in]``, an ``nn.Linear.weight``) in group-wise int4, one row per
-    output; see the module docstring.
+    output; see the module docstring (the checks and the layout-free properties are
+    :class:`~dejavu_lab.quant.packed.PackedInt4`'s).
 
     >>> r = Int4Rows(pack(torch.full((2, 32), 3)), torch.ones(2, 1), torch.zeros(2, 1), 32)
     >>> r.shape, r.row_bytes, r.dequantize()[0, :2].tolist()
     ((2, 32), 16, [3.0, 3.0])
     """
 
-    packed: torch.Tensor  # uint8 [out, in // 2]
-    scales: torch.Tensor  # [out, in // group]
-    mins: torch.Tensor  # [out, in // group], same dtype as scales
-    group: int
-
-    def __post_init__(self):
-        p, s, m, g = self.packed, self.scales, self.mins, self.group
-        if not all(isinstance(t, torch.Tensor) for t in (p, s, m)):
-            raise QuantError("packed, scales and mins must be torch tensors.")
-        if g not in GROUPS:
-            raise QuantError(f"group={g!r} is not supported; pick one of {GROUPS}.")
-        if p.dtype != torch.uint8 or p.dim() != 2:
-            raise QuantError(f"packed must be a 2-D uint8 tensor, got {p.dtype} {tuple(p.shape)}.")
-        n_out, n_in = p.shape[0], 2 * p.shape[1]
-        if n_in % g:
-            raise QuantError(f"{n_in} inputs per row do not split into groups of {g}.")
-        want = (n_out, n_in // g)
-        for name, t in (("scales", s), ("mins", m)):
-            if tuple(t.shape) != want:
-                raise QuantError(f"{name} has shape {tuple(t.shape)}; expected {want}.")
-        if s.dtype != m.dtype or s.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-            raise QuantError("scales and mins must share one dtype: float16, bfloat16 or float32.")
-        if not (p.device == s.device == m.device):
-            raise QuantError("scales and mins must sit on packed's device.")
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        """``(out, in)``, the shape of the weight it stands for."""
-        return self.packed.shape[0], 2 * self.packed.shape[1]
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The dtype of the scales (and of the activations a kernel pairs with them)."""
-        return self.scales.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.packed.device
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of codes, scales and mins together."""
-        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales, self.mins))
-
-    @property
-    def row_bytes(self) -> int:
-        """Code bytes of one output row (what skipping it saves, with its scales and mins)."""
-        return self.packed.shape[1]
+    # packed: uint8 [out, in // 2]; scales, mins: [out, in // group]; group: inputs per scale
+    GROUP_AXIS = 1
+    GROUPED = "inputs per row"
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``W`` as floats (``[out, in]``), computed in fp32 and cast to ``dtype``.
@@ -118,12 +75,6 @@ class Int4Rows:
         """
         q = unpack(self.packed).T.contiguous()
         return Int4Weight(pack(q), self.scales.T.contiguous(), self.mins.T.contiguous(), self.group)
-
-    def to(self, device) -> Int4Rows:
-        """The same weight on ``device``."""
-        return Int4Rows(
-            self.packed.to(device), self.scales.to(device), self.mins.to(device), self.group
-        )
 
 
 def rows_layout(w: Int4Weight) -> Int4Rows:

@@ -1,5 +1,6 @@
 """Helpers shared by the kernel tests (tests/kernels/): where tensors live, fresh seeds, error
-checks, and the MLP problem that the fused and the CATS MLP tests both run.
+checks, the MLP problem that the fused and the CATS MLP tests both run, and the int4 weights,
+outputs and refusals of the two int4 kernel tests (columns and rows layouts).
 
 Import this module before ``dejavu_lab.kernels`` (it sets ``TRITON_INTERPRET=1`` unless set, so
 the Triton kernels run through the CPU interpreter). ``DEJAVU_TEST_DEVICE=cuda`` puts every
@@ -14,6 +15,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are decorat
 
 import pytest
 import torch
+
+from dejavu_lab.quant import quantize, quantize_rows
 
 DEVICE = os.environ.get("DEJAVU_TEST_DEVICE", "cpu")  # where every test tensor is created
 DTYPES = [torch.float16, torch.bfloat16]
@@ -56,9 +59,38 @@ def assert_close(out, ref, dtype, seed):
     assert err < TOL[dtype], f"relative error {err:.2e}; seed={seed}"
 
 
+def poisoned(batch, n, dtype):
+    """[batch, n] of NaN: an output element a kernel leaves unwritten fails assert_close."""
+    return torch.full((batch, n), float("nan"), dtype=dtype)
+
+
+def assert_refused_in_one_sentence(calls):
+    """Each ``(call, exception type, pattern)``: ``call()`` raises that type, its message
+    matching the pattern and one sentence (ends with a period, none inside)."""
+    for call, exc, match in calls:
+        with pytest.raises(exc, match=match) as info:
+            call()
+        msg = str(info.value)
+        assert msg.endswith(".") and msg.count(". ") == 0, msg
+
+
 def pick(n, frac):
     """round(frac * n) distinct indices in random (unsorted) order, int32."""
     return torch.randperm(n)[: round(frac * n)].to(torch.int32)
+
+
+def odd_index(n, k):
+    """k distinct indices below n in random (unsorted) order, int32: across groups and tiles."""
+    return torch.randperm(n)[:k].to(torch.int32)
+
+
+def int4_weight(dtype, d_in, d_out, group, layout="columns"):
+    """A random weight of ``d_in`` inputs and ``d_out`` outputs (entries of size ``d_in**-0.25``)
+    in int4 with ``dtype`` scales: an Int4Weight of ``w_t`` [d_in, d_out] (``layout="columns"``)
+    or an Int4Rows of ``W`` [d_out, d_in] (``"rows"``)."""
+    if layout == "columns":
+        return quantize(torch.randn(d_in, d_out) / d_in**0.25, group=group, dtype=dtype)
+    return quantize_rows(torch.randn(d_out, d_in) / d_in**0.25, group=group, dtype=dtype)
 
 
 # The MLP problem that test_mlp.py (the fused sparse MLP) and test_cats_mlp.py (the CATS MLP)

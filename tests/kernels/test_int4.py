@@ -11,7 +11,17 @@ compiled kernel:
 
 import pytest
 import torch
-from helpers import DEVICE, DTYPES, assert_close, on_device, seed
+from helpers import (
+    DEVICE,
+    DTYPES,
+    assert_close,
+    assert_refused_in_one_sentence,
+    int4_weight,
+    odd_index,
+    on_device,
+    poisoned,
+    seed,
+)
 
 from dejavu_lab.kernels.int4 import (
     int4_gemv,
@@ -22,19 +32,15 @@ from dejavu_lab.kernels.int4 import (
     int4_threshold_gemv_ref,
 )
 from dejavu_lab.kernels.int4.kernel import int4_gemv_kernel
-from dejavu_lab.quant import GROUPS, quantize
+from dejavu_lab.quant import GROUPS
 
 FIXTURES = (on_device, seed)  # pytest finds fixtures by name in this module
 D_IN, D_OUT = 256, 80  # 80 outputs: not a multiple of the column tiles (masked tails)
 SMALL = {"BLOCK_R": 32, "BLOCK_D": 32, "num_warps": 4, "programs": 9}  # 3 column tiles x 3 splits
 
 
-def weight(dtype, group=64, d_in=D_IN, d_out=D_OUT):
-    return quantize(torch.randn(d_in, d_out) / d_in**0.25, group=group, dtype=dtype)
-
-
-def poisoned(batch, dtype, d_out=D_OUT):
-    return torch.full((batch, d_out), float("nan"), dtype=dtype)
+def weight(dtype, group=64, d_out=D_OUT):
+    return int4_weight(dtype, D_IN, d_out, group)
 
 
 def threshold_keeping(x, kept):
@@ -58,7 +64,7 @@ def test_dense_equals_the_dequantised_product(dtype, batch, group, seed):
     w = weight(dtype, group)
     x = torch.randn(batch, D_IN, dtype=dtype)
     b = torch.randn(D_OUT, dtype=dtype)
-    out = poisoned(batch, dtype)
+    out = poisoned(batch, D_OUT, dtype)
     assert int4_gemv(x, w, bias=b, out=out, config=SMALL) is out
     assert_close(out, int4_gemv_ref(x, w, bias=b), dtype, seed)
     # the reference is the dense fp16/bf16 layer on the dequantised weight, to rounding
@@ -84,7 +90,7 @@ VARIANTS = {  # every config computes the same function
 def test_variants(dtype, batch, variant, seed):
     w = weight(dtype, 32)
     x = torch.randn(batch, D_IN, dtype=dtype)
-    out = poisoned(batch, dtype)
+    out = poisoned(batch, D_OUT, dtype)
     int4_gemv(x, w, out=out, config=VARIANTS[variant])
     assert_close(out, int4_gemv_ref(x, w), dtype, seed)
     thr = threshold_keeping(x, 0.4)
@@ -97,7 +103,7 @@ def test_output_counts_that_are_not_multiples_of_eight(d_out, seed):
     w = weight(torch.float16, 32, d_out=d_out)
     x = torch.randn(2, D_IN, dtype=torch.float16)
     for unpack in (0, 1):
-        out = poisoned(2, torch.float16, d_out)
+        out = poisoned(2, d_out, torch.float16)
         int4_gemv(x, w, out=out, config={**SMALL, "unpack": unpack})
         assert_close(out, int4_gemv_ref(x, w), torch.float16, seed)
 
@@ -110,7 +116,7 @@ def test_threshold(dtype, batch, kept, seed):
     x = torch.randn(batch, D_IN, dtype=dtype)
     thr = threshold_keeping(x, kept)
     b = torch.randn(D_OUT, dtype=dtype)
-    out = poisoned(batch, dtype)
+    out = poisoned(batch, D_OUT, dtype)
     int4_threshold_gemv(x, w, thr, bias=b, out=out, config=SMALL)
     ref = int4_threshold_gemv_ref(x, w, thr, bias=b)
     assert_close(out, ref, dtype, seed)
@@ -126,7 +132,7 @@ def test_wina_per_channel_thresholds(dtype, batch, seed):
     x = torch.randn(batch, D_IN, dtype=dtype)
     norms = w.dequantize(torch.float32).norm(dim=1)  # ||W[:, i]||: row i of w_t
     thr = (0.5 / norms).float().contiguous()
-    out = poisoned(batch, dtype)
+    out = poisoned(batch, D_OUT, dtype)
     int4_threshold_gemv(x, w, thr, out=out, config=SMALL)
     assert_close(out, int4_threshold_gemv_ref(x, w, thr), dtype, seed)
 
@@ -162,10 +168,10 @@ def test_union_batch_reads_a_row_when_any_token_keeps_it(seed):
 @pytest.mark.parametrize("group", [32, 128])
 def test_kept_rows(dtype, batch, group, seed):
     w = weight(dtype, group)
-    idx = torch.randperm(D_IN)[:77].to(torch.int32)  # unsorted, across groups
+    idx = odd_index(D_IN, 77)
     h = torch.randn(batch, 77, dtype=dtype)
     b = torch.randn(D_OUT, dtype=dtype)
-    out = poisoned(batch, dtype)
+    out = poisoned(batch, D_OUT, dtype)
     int4_rows_gemv(h, w, idx, bias=b, out=out, config=SMALL)
     ref = int4_rows_gemv_ref(h, w, idx, bias=b)
     assert_close(out, ref, dtype, seed)
@@ -215,11 +221,7 @@ def _bad_calls():
 
 
 def test_bad_inputs_are_refused_in_one_sentence():
-    for call, exc, match in _bad_calls():
-        with pytest.raises(exc, match=match) as info:
-            call()
-        msg = str(info.value)
-        assert msg.endswith(".") and msg.count(". ") == 0, msg
+    assert_refused_in_one_sentence(_bad_calls())
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="needs a second device kind")

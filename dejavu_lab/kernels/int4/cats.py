@@ -27,7 +27,8 @@ from .._common import (
     use_triton,
 )
 from .._neurons import FUSED_ACTIVATIONS, act_ref
-from .up import check_rows, default_config, launch
+from .dense import check_int4
+from .up import default_config, launch
 
 __all__ = ["int4_cats_up", "int4_cats_up_ref"]
 
@@ -73,7 +74,7 @@ def int4_cats_up(x: torch.Tensor, w: Int4Rows, thr: torch.Tensor, *, activation:
     """
     check_float("x", x)
     dtype, device = x.dtype, x.device
-    check_rows("w", w, dtype, device)
+    check_int4("w", w, Int4Rows, "quantize_rows(W)", dtype, device)
     rows, d = w.shape
     if not isinstance(thr, torch.Tensor):
         raise TypeError(f"thr must be a torch.Tensor, got {type(thr).__name__}.")

@@ -2,8 +2,8 @@
 
 The bytes floor of a 4-bit layer is its codes (half a byte per weight) plus one scale and one
 min per ``group`` weights: at ``group=128`` in fp16, 0.53 bytes per weight against fp16's 2
-(3.8x fewer). :func:`int4_gemv` runs :mod:`.kernel` with every row kept; the checks here are
-shared by the threshold and kept-row wrappers.
+(3.8x fewer). :func:`int4_gemv` runs :mod:`.kernel` with every row kept; :func:`check_int4`
+is shared by every int4 wrapper, of either layout.
 """
 
 from __future__ import annotations
@@ -17,28 +17,33 @@ from .kernel import default_config, launch
 __all__ = ["check_int4", "int4_gemv", "int4_gemv_ref"]
 
 
-def check_int4(name: str, w, dtype: torch.dtype, device: torch.device) -> None:
-    """``w`` must be an :class:`~dejavu_lab.quant.Int4Weight` whose scales share x's dtype and
-    whose tensors sit on x's device, codes row-major.
+def check_int4(name: str, w, layout: type, builder: str, dtype: torch.dtype,
+               device: torch.device) -> None:  # fmt: skip
+    """``w`` must be an int4 weight of class ``layout`` (:class:`~dejavu_lab.quant.Int4Weight`
+    or :class:`~dejavu_lab.quant.Int4Rows`; ``builder``, e.g. ``"quantize(w_t)"``, says how to
+    build one) whose scales share x's dtype and whose tensors sit on x's device, contiguous.
 
-    >>> check_int4("w", torch.zeros(32, 8, dtype=torch.float16), torch.float16, torch.device("cpu"))
+    >>> from dejavu_lab.quant import Int4Rows
+    >>> check_int4("w", torch.zeros(8, 32, dtype=torch.float16), Int4Rows, "quantize_rows(W)",
+    ...            torch.float16, torch.device("cpu"))
     Traceback (most recent call last):
     ...
-    TypeError: w must be an Int4Weight (dejavu_lab.quant.quantize(w_t)), got Tensor.
+    TypeError: w must be an Int4Rows (dejavu_lab.quant.quantize_rows(W)), got Tensor.
     """
-    if not isinstance(w, Int4Weight):
+    if not isinstance(w, layout):
         raise TypeError(
-            f"{name} must be an Int4Weight (dejavu_lab.quant.quantize(w_t)), got {type(w).__name__}."
+            f"{name} must be an {layout.__name__} (dejavu_lab.quant.{builder}), "
+            f"got {type(w).__name__}."
         )
     if w.dtype != dtype:
         raise TypeError(
             f"{name} has {w.dtype} scales but the input is {dtype}; quantise with dtype={dtype}."
         )
     check_device(device, **{f"{name}.packed": w.packed})
-    if w.packed.stride(1) != 1 or w.packed.stride(0) != w.packed.shape[1]:
-        raise ValueError(f"{name}.packed must be contiguous; rebuild it with .contiguous().")
-    if not (w.scales.is_contiguous() and w.mins.is_contiguous()):
-        raise ValueError(f"{name}.scales and {name}.mins must be contiguous.")
+    if not all(t.is_contiguous() for t in (w.packed, w.scales, w.mins)):
+        raise ValueError(
+            f"{name}'s packed, scales and mins must be contiguous; rebuild them with .contiguous()."
+        )
 
 
 def int4_gemv_ref(x: torch.Tensor, w: Int4Weight, *, bias: torch.Tensor | None = None):
@@ -76,7 +81,7 @@ def int4_gemv(x: torch.Tensor, w: Int4Weight, *, bias: torch.Tensor | None = Non
     """
     check_float("x", x)
     dtype, device = x.dtype, x.device
-    check_int4("w", w, dtype, device)
+    check_int4("w", w, Int4Weight, "quantize(w_t)", dtype, device)
     d_in, d_out = w.shape
     check_device(device, bias=bias)
     check_vector("bias", bias, d_out, dtype)

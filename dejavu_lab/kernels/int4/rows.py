@@ -67,7 +67,7 @@ def int4_rows_gemv(h: torch.Tensor, w: Int4Weight, idx: torch.Tensor, *,
     """
     check_float("h", h)
     dtype, device = h.dtype, h.device
-    check_int4("w", w, dtype, device)
+    check_int4("w", w, Int4Weight, "quantize(w_t)", dtype, device)
     n_rows, d_out = w.shape
     g = rows_per_index
     if not isinstance(g, int) or g < 1 or n_rows % g:

@@ -69,7 +69,7 @@ def int4_threshold_gemv(x: torch.Tensor, w: Int4Weight, thr: torch.Tensor | floa
     """
     check_float("x", x)
     dtype, device = x.dtype, x.device
-    check_int4("w", w, dtype, device)
+    check_int4("w", w, Int4Weight, "quantize(w_t)", dtype, device)
     d_in, d_out = w.shape
     scalar = isinstance(thr, (int, float)) and not isinstance(thr, bool)
     if scalar:

@@ -45,9 +45,9 @@ from .._common import (
     use_triton,
 )
 from .._neurons import FUSED_ACTIVATIONS, act, act_ref, expand_rows
+from .dense import check_int4
 
-__all__ = ["check_rows", "default_config", "int4_kept_up", "int4_kept_up_ref", "int4_up_kernel",
-           "launch"]  # fmt: skip
+__all__ = ["default_config", "int4_kept_up", "int4_kept_up_ref", "int4_up_kernel", "launch"]
 
 
 @triton.jit
@@ -184,28 +184,6 @@ def default_config(batch: int) -> dict:
     return {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
 
 
-def check_rows(name: str, w, dtype: torch.dtype, device: torch.device) -> None:
-    """``w`` must be an :class:`~dejavu_lab.quant.Int4Rows` whose scales share x's dtype and whose
-    tensors sit on x's device, contiguous.
-
-    >>> check_rows("w", torch.zeros(8, 32, dtype=torch.float16), torch.float16, torch.device("cpu"))
-    Traceback (most recent call last):
-    ...
-    TypeError: w must be an Int4Rows (dejavu_lab.quant.quantize_rows(W)), got Tensor.
-    """
-    if not isinstance(w, Int4Rows):
-        raise TypeError(
-            f"{name} must be an Int4Rows (dejavu_lab.quant.quantize_rows(W)), got {type(w).__name__}."
-        )
-    if w.dtype != dtype:
-        raise TypeError(
-            f"{name} has {w.dtype} scales but the input is {dtype}; quantise with dtype={dtype}."
-        )
-    check_device(device, **{f"{name}.packed": w.packed})
-    if not all(t.is_contiguous() for t in (w.packed, w.scales, w.mins)):
-        raise ValueError(f"{name}'s packed, scales and mins must be contiguous.")
-
-
 def launch(xb: torch.Tensor, w: Int4Rows, res2: torch.Tensor, cfg: dict, *, mode: str,
            idx: torch.Tensor | None = None, thr: torch.Tensor | None = None,
            rows_per_index: int = 1, gated: bool = False, activation: str = "none",
@@ -291,7 +269,7 @@ def int4_kept_up(x: torch.Tensor, w: Int4Rows, idx: torch.Tensor | None = None, 
     """
     check_float("x", x)
     dtype, device = x.dtype, x.device
-    check_rows("w", w, dtype, device)
+    check_int4("w", w, Int4Rows, "quantize_rows(W)", dtype, device)
     n_rows, d = w.shape
     if activation not in FUSED_ACTIVATIONS:
         raise ValueError(f"activation {activation!r} is not one of {FUSED_ACTIVATIONS}.")
