@@ -31,7 +31,8 @@ from dejavu_lab.kernels.int4 import (
     int4_threshold_gemv,
     int4_threshold_gemv_ref,
 )
-from dejavu_lab.kernels.int4.kernel import int4_gemv_kernel
+from dejavu_lab.kernels.int4.kernel import default_config, int4_gemv_kernel
+from dejavu_lab.kernels.int4.tile import int4_tile_kernel
 from dejavu_lab.quant import GROUPS
 
 FIXTURES = (on_device, seed)  # pytest finds fixtures by name in this module
@@ -55,6 +56,15 @@ def threshold_keeping(x, kept):
 @pytest.mark.skipif(DEVICE != "cpu", reason="on a GPU the compiled kernel runs")
 def test_kernel_runs_in_the_interpreter():
     assert type(int4_gemv_kernel).__name__ == "InterpretedFunction"
+    assert type(int4_tile_kernel).__name__ == "InterpretedFunction"
+
+
+def test_one_token_runs_the_tile_and_batches_the_loop():
+    assert default_config(1, D_IN, 4096)["mode"] == "tile"
+    assert default_config(1, D_IN, 4096, op="int4_threshold_gemv")["mode"] == "tile"
+    assert default_config(1, D_IN, 84).get("mode") != "tile"  # codes not in int32 words
+    assert default_config(4, D_IN, 4096).get("mode") != "tile"
+    assert default_config(1, D_IN, 4096, op="int4_rows_gemv").get("mode") != "tile"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -71,16 +81,20 @@ def test_dense_equals_the_dequantised_product(dtype, batch, group, seed):
     assert_close(out, (x @ w.dequantize() + b).to(dtype), dtype, seed)
 
 
+LOOP = {**SMALL, "mode": "loop"}  # one token on the loop kernel (batches always run it)
 VARIANTS = {  # every config computes the same function
     "default": {},
     "small": SMALL,
-    "rows-inside-a-group": {**SMALL, "BLOCK_R": 16},
-    "groups-inside-a-step": {**SMALL, "BLOCK_R": 128},
-    "gather-unpack": {**SMALL, "unpack": 1},
-    "groups-inside-a-gather-step": {**SMALL, "BLOCK_R": 128, "unpack": 1},
-    "one-split": {**SMALL, "split": 1},
-    "many-splits-atomic": {**SMALL, "split": 8, "reduce": "atomic"},
-    "wide-columns": {"BLOCK_R": 64, "BLOCK_D": 128, "num_warps": 2, "programs": 4},
+    "tile-narrow": {"mode": "tile", "BLOCK_R": 16, "BLOCK_D": 16, "num_warps": 1},
+    "tile-a-whole-group": {"mode": "tile", "BLOCK_R": 32, "BLOCK_D": 128, "num_warps": 4},
+    "loop": LOOP,
+    "rows-inside-a-group": {**LOOP, "BLOCK_R": 16},
+    "groups-inside-a-step": {**LOOP, "BLOCK_R": 128},
+    "gather-unpack": {**LOOP, "unpack": 1},
+    "groups-inside-a-gather-step": {**LOOP, "BLOCK_R": 128, "unpack": 1},
+    "one-split": {**LOOP, "split": 1},
+    "many-splits-atomic": {**LOOP, "split": 8, "reduce": "atomic"},
+    "wide-columns": {"mode": "loop", "BLOCK_R": 64, "BLOCK_D": 128, "num_warps": 2, "programs": 4},
 }
 
 
@@ -217,6 +231,7 @@ def _bad_calls():
         (lambda: int4_rows_gemv(x[:, :2], w16, torch.tensor([0, 999])), ValueError, "must lie in"),
         (lambda: int4_rows_gemv(x[:, :3], w16, torch.tensor([0, 1])), ValueError, r"expected \[2\]"),
         (lambda: int4_gemv(x, w16, config={"BLOCK_R": 48}), ValueError, "powers of two"),
+        (lambda: int4_gemv(x[0], w16, config={"BLOCK_R": 24}), ValueError, "dividing the group"),
     ]  # fmt: skip
 
 

@@ -5,7 +5,8 @@ A subprocess (``TRITON_INTERPRET=0``: the kernels must be JIT functions) hands f
 representative specialisations to ``triton.compile`` for an sm_90 target, through the ``ptxas``
 that Triton's CUDA backend ships: batch 1 dense and threshold (the [rows, words, nibbles]
 tile), a union batch on tensor cores, the kept-row path with per-output word loads; and the
-rows-layout kernel (every row, listed rows, CATS's gate-then-up) at batch 1 and on tensor cores.
+rows-layout kernel (every row, listed rows, CATS's gate-then-up) at batch 1 and on tensor cores;
+and the one-token tile kernel, dense and threshold.
 """
 
 import os
@@ -50,6 +51,14 @@ for mode, bb in [(0, 1), (1, 1), (2, 1), (2, 16)]:
              BLOCK_B=bb, BLOCK_N=32, BLOCK_K=256, UPCAST=False)
     triton.compile(ASTSource(up, {a: s[a] for a in up.arg_names if a in s}, constexprs=c),
                    target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
+from dejavu_lab.kernels.int4.tile import int4_tile_kernel as tile
+
+s = {"x_ptr": "*fp16", "p_ptr": "*i32", "s_ptr": "*fp16", "m_ptr": "*fp16", "thr_ptr": "*fp32",
+     "thr_value": "fp32", "ws_ptr": "*fp32", "D": "i32", "stride_p": "i32"}
+for mode, scalar, even in [(0, True, True), (1, True, False), (1, False, True)]:
+    c = dict(MODE=mode, THR_SCALAR=scalar, EVEN_D=even, GROUP=128, BLOCK_R=32, BLOCK_D=256)
+    triton.compile(ASTSource(tile, {a: s[a] for a in tile.arg_names if a in s}, constexprs=c),
+                   target=GPUTarget("cuda", 90, 32), options={"num_warps": 2, "num_stages": 1})
 print("compiled")
 """
 

@@ -13,6 +13,7 @@ import torch
 from ...quant import Int4Weight
 from .._common import as_batch, check_device, check_float, check_vector, output, use_triton
 from .kernel import default_config, launch
+from .tile import launch_tile
 
 __all__ = ["check_int4", "int4_gemv", "int4_gemv_ref"]
 
@@ -66,7 +67,9 @@ def int4_gemv(x: torch.Tensor, w: Int4Weight, *, bias: torch.Tensor | None = Non
 
     x: [d_in] or [B, d_in] (B <= 32, fp16/bf16); w: an Int4Weight of ``w_t`` [d_in, d_out]
     (``nn.Linear.weight.T``) quantised with x's dtype; bias: [d_out]. Returns [d_out] or
-    [B, d_out]. The sum over row splits is serial by default (bitwise repeatable); no host sync
+    [B, d_out]. One token runs :mod:`.tile` (fp32 atomics, order-dependent in the last bits;
+    ``config={"mode": "loop"}`` gives the serial, bitwise-repeatable split sums that batches
+    use); no host sync
     and a launch shape fixed by the shapes, so the call sits in a CUDA graph (make the first call
     of a shape outside capture: it allocates small per-device buffers). ``config`` overrides
     the tiles (:func:`~dejavu_lab.kernels.int4.kernel.default_config`).
@@ -91,6 +94,9 @@ def int4_gemv(x: torch.Tensor, w: Int4Weight, *, bias: torch.Tensor | None = Non
         res2.copy_(int4_gemv_ref(xb, w, bias=bias))
         return res
     cfg = default_config(xb.shape[0], *w.shape, group=w.group, op="int4_gemv", device=device)
-    launch(xb, w, res2, {**cfg, **(config or {})}, mode="dense",
-           bias=bias)  # fmt: skip
+    cfg = {**cfg, **(config or {})}
+    if cfg.get("mode") == "tile" and xb.shape[0] == 1 and d_out % 8 == 0:
+        launch_tile(xb, w, res2, cfg, mode="dense", bias=bias)
+    else:
+        launch(xb, w, res2, cfg, mode="dense", bias=bias)
     return res

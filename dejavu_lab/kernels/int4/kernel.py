@@ -41,6 +41,7 @@ from .. import _workspace, tuning
 from .._common import batch_block, dot_acc, next_pow2, sm_count, upcast_dot
 from .._reduce import chunk as chunk_of
 from .._reduce import split_reduce
+from .tile import TILE
 
 __all__ = ["default_config", "int4_gemv_kernel", "launch", "nibbles_per_word"]
 
@@ -217,6 +218,7 @@ def int4_gemv_kernel(
 
 
 MODES = {"dense": 0, "threshold": 1, "rows": 2}
+TILE_OPS = ("int4_gemv", "int4_threshold_gemv")  # batch 1 runs these on :mod:`.tile`
 REDUCE = {"direct": 0, "serial": 1, "atomic": 2}
 # the heuristic configs (not yet tuned on a GPU: ``kernels/bench_int4.py --sweep`` times the
 # candidates and records them); batch 1: FMA tiles of 128-byte code rows, a few programs per
@@ -233,18 +235,25 @@ OP_CONFIG = {"int4_threshold_gemv": {"BLOCK_R": 32}, "int4_rows_gemv": {"BLOCK_R
 
 def default_config(batch: int, d_in: int = 0, d_out: int = 0, *, group: int = 128,
                    op: str = "int4_gemv", device: torch.device | None = None) -> dict:  # fmt: skip
-    """The launch configuration for ``batch`` tokens (a copy: callers may change it): the one
+    """The launch configuration for ``batch`` tokens (a copy: callers may change it): at batch 1
+    of the dense and threshold GEMVs the tile of :mod:`.tile` (``mode="tile"``; ``"loop"``
+    asks for this module's kernel); otherwise the one
     ``kernels/bench_int4.py --tune`` recorded for this GPU, op (``int4_gemv``,
     ``int4_threshold_gemv``), group and nearest shape (:mod:`~dejavu_lab.kernels.tuning`,
     table ``tuned/tuning_int4_gemv.json``), else the heuristic.
 
-    >>> default_config(1)["BLOCK_D"], default_config(16)["BLOCK_D"]
-    (256, 128)
+    >>> default_config(1, 4096, 14336)["mode"], default_config(16)["BLOCK_D"]
+    ('tile', 128)
     """
+    tile = batch == 1 and op in TILE_OPS and d_out % 8 == 0
     if device is not None and d_in and d_out:
         tuned = tuning.lookup(f"{op}_g{group}", d_in, d_out, None, batch, device)
-        if tuned is not None:
+        # batch 1: the loop configs the table holds lost to the tile at every shape and kept
+        # fraction timed (:mod:`.tile`), so only a tuned tile replaces the tile's defaults
+        if tuned is not None and (not tile or tuned.get("mode") == "tile"):
             return tuned
+    if tile:
+        return dict(TILE)
     return {**(CONFIG_B1 if batch == 1 else CONFIG_BATCH), **OP_CONFIG.get(op, {})}
 
 

@@ -29,6 +29,7 @@ from .._common import (
 )
 from .dense import check_int4, int4_gemv_ref
 from .kernel import default_config, launch
+from .tile import launch_tile
 
 __all__ = ["int4_threshold_gemv", "int4_threshold_gemv_ref"]
 
@@ -57,7 +58,8 @@ def int4_threshold_gemv(x: torch.Tensor, w: Int4Weight, thr: torch.Tensor | floa
     with x's dtype; thr: a float (TEAL: one threshold per site, passed to the kernel as a
     number, so a captured graph keeps the value it was captured with; ``-1`` keeps every entry,
     ``inf`` none) or fp32 [d_in] (WINA: ``t / ||W[:, i]||``); bias: [d_out]. Returns [d_out]
-    or [B, d_out]. Serial split sums (bitwise repeatable), no host sync.
+    or [B, d_out]. One token runs :mod:`.tile` (fp32 atomics; ``config={"mode": "loop"}``
+    for serial, bitwise-repeatable split sums, as batches get), no host sync.
 
     >>> from dejavu_lab.quant import quantize
     >>> _ = torch.manual_seed(0)
@@ -88,6 +90,9 @@ def int4_threshold_gemv(x: torch.Tensor, w: Int4Weight, thr: torch.Tensor | floa
     cfg = default_config(
         xb.shape[0], *w.shape, group=w.group, op="int4_threshold_gemv", device=device
     )
-    launch(xb, w, res2, {**cfg, **(config or {})}, mode="threshold",
-           thr=thr, bias=bias)  # fmt: skip
+    cfg = {**cfg, **(config or {})}
+    if cfg.get("mode") == "tile" and xb.shape[0] == 1 and d_out % 8 == 0:
+        launch_tile(xb, w, res2, cfg, mode="threshold", thr=thr, bias=bias)
+    else:
+        launch(xb, w, res2, cfg, mode="threshold", thr=thr, bias=bias)
     return res
