@@ -51,20 +51,19 @@ def _cfg(r, d, w, pps, **kw):
     return {"BLOCK_R": r, "BLOCK_D": d, "num_warps": w, "programs_per_sm": pps, **kw}
 
 
+def _tile(r, d, w):
+    return {"mode": "tile", "BLOCK_R": r, "BLOCK_D": d, "num_warps": w}
+
+
 CANDIDATES = {  # swept per shape and group; each computes the same function (checked first)
     1: [
-        default_config(1),
-        default_config(1, op="int4_threshold_gemv"),
-        _cfg(32, 256, 4, 4),
-        _cfg(64, 256, 4, 8),
-        _cfg(128, 256, 8, 4),
-        _cfg(64, 512, 8, 4),
-        _cfg(64, 128, 4, 8),
-        _cfg(64, 256, 4, 4, unpack=1),
-        _cfg(128, 128, 4, 4, unpack=1),
-        _cfg(64, 256, 4, 16),
-        _cfg(64, 256, 4, 4, split=1 << 20),  # one step per program (TEAL's grid), serial sums
-        _cfg(64, 256, 4, 4, split=1 << 20, reduce="atomic"),  # the same, fp32 atomics
+        default_config(1, 4096, 14336),  # the tile (kernels/int4/tile.py)
+        _tile(32, 128, 2),
+        _tile(64, 256, 4),
+        _tile(32, 512, 4),
+        _cfg(32, 256, 4, 4, mode="loop"),  # the loop kernel's best before the tile
+        _cfg(64, 256, 4, 8, mode="loop"),
+        _cfg(64, 128, 4, 8, mode="loop"),
     ],
     16: [
         default_config(16),
