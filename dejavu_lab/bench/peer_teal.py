@@ -27,8 +27,8 @@ thresholds taken there keep less in decode steps (a 6-layer d = 1024 random mode
 50%: 0.36 kept at layer 0's ``o_in``, 0.45 over its layers; our engine's
 :func:`~dejavu_lab.engine.calibrate_thresholds` takes the prefill's). Each row records what
 TEAL's kernels then keep over 8 eager decode steps (``kept_mean``, ``kept_min``, ``kept_max``
-over the sites), counted on the inputs and thresholds the kernels receive (the same model at
-50%: 0.48-0.51 at every site).
+over the sites), counted on the inputs and thresholds the kernels receive (the same shape,
+prompt 256, 50%: 0.48-0.51 at every site).
 
 The sampled token is the greedy choice, as in our engine (``generate.py`` samples top-200 at
 temperature 0.8). On torch ≥ 2.4 the token a CUDA-graph replay returns is cloned before it is
