@@ -41,6 +41,17 @@ lm_head, all layers, each captured in a CUDA graph). A correctness check on smal
 first (engine vs HF logits, sparse with everything kept vs dense, graph vs eager). Results:
 ``results/engine_e2e.json`` (``--name``), with provenance; a table is printed at the end.
 
+With ``--peer-teal DIR`` (a checkout of https://github.com/FasterDecoding/TEAL, never copied
+into this repository), TEAL's own decoder is timed in the same run at each Llama-shaped model,
+prompt and sparsity (0: its dense gpt-fast step; each ``--sparsity``): its gpt-fast fork built
+at the same shape with random fp16 weights, its sparse GEMV kernels with one threshold per site
+set from 16 dense decode steps so each site keeps the asked fraction (the fraction its kernels
+then keep is recorded), its decode step compiled as its ``generate.py`` compiles it
+(``torch.compile(mode="reduce-overhead")``), median of ``--peer-repeats`` runs
+(:mod:`dejavu_lab.bench.peer_teal`). Its rows (``kind: "peer"``, ``engine: "teal_peer"``) land
+in the same results file, TEAL's commit in the provenance (``teal_commit``), and a table of
+ours vs TEAL is printed at the end. TEAL's kernel wrapper needs ``msgspec``.
+
 The models, variants, checks and timing loops live in :mod:`dejavu_lab.bench.engine` (batch 1)
 and :mod:`dejavu_lab.bench.engine_batch` (``--batch``); the clocks and the copy ceiling in
 :mod:`dejavu_lab.bench.timing` (``triton.testing.do_bench``'s median of a 2 GiB device copy).
@@ -51,6 +62,8 @@ and :mod:`dejavu_lab.bench.engine_batch` (``--batch``); the clocks and the copy 
     python kernels/bench_engine.py --models llama-3-8b --prompts 512 --baselines '' \
         --methods dense,teal,larosa,rsparse --sparsity 0.4,0.5 --name engine_planned
     python kernels/bench_engine.py --models opt-30b --prompts 512 --hf-new-tokens 16
+    python kernels/bench_engine.py --models llama-3-8b,llama-2-13b --prompts 512 --baselines '' \
+        --methods dense,teal --sparsity 0.4,0.5 --peer-teal ../TEAL --name engine_peer_teal
     python kernels/bench_engine.py --models facebook/opt-6.7b --prompts 512   # a real checkpoint
     python kernels/bench_engine.py --quick                    # CPU plumbing check, tiny shapes
     python kernels/bench_engine.py --batch 1,4,8,16,32 --models llama-3-8b,opt-30b \
@@ -71,6 +84,7 @@ import torch
 from dejavu_lab import results
 from dejavu_lab.bench import engine as engine_bench
 from dejavu_lab.bench import engine_batch as batch_bench
+from dejavu_lab.bench import peer_teal, teal_import
 from dejavu_lab.bench.engine import build
 from dejavu_lab.bench.timing import copy_ceiling, cuda, relerr
 from dejavu_lab.engine import (
@@ -81,6 +95,8 @@ from dejavu_lab.engine import (
     decoder_weights,
     dense_ops,
 )
+from dejavu_lab.errors import InputError
+from dejavu_lab.models import PRESETS
 
 MODELS = ["opt-30b", "llama-2-13b", "llama-3-8b", "opt-13b", "opt-6.7b"]  # most important first
 
@@ -244,9 +260,15 @@ def main(argv=None):
         help="TEAL/WINA: finish the gate/up sums in their own launch "
         "(Decoder.fuse_hidden = False; by default the down GEMV does it as it loads them)",
     )
+    ap.add_argument("--peer-teal", default=None, metavar="DIR",
+                    help="a TEAL checkout: also time TEAL's own decoder at each Llama shape, "
+                    "dense and at each --sparsity (dejavu_lab/bench/peer_teal.py)")  # fmt: skip
+    ap.add_argument("--peer-repeats", type=int, default=3, help="--peer-teal: timed runs (median)")
     ap.add_argument("--quick", action="store_true", help="CPU plumbing check at tiny shapes")
     args = ap.parse_args(argv)
     Decoder.fuse_hidden = not args.no_fuse_hidden
+    if args.peer_teal and (args.batch or args.tp > 1):
+        sys.exit("--peer-teal times TEAL's decoder at batch 1 on one GPU; drop --batch and --tp.")
     if args.tp > 1:  # one process per GPU: torchrun runs the tensor-parallel benchmark
         return _run_tp(args)
     command = "python kernels/bench_engine.py " + " ".join(
@@ -287,7 +309,14 @@ def main(argv=None):
         hf_prompts = prompts
         budget = budget or (0.5, 0.5)  # both families
     check_tokens = (8, 3) if args.quick else engine_bench.CHECK
+    extra = {}
+    if args.peer_teal:  # a bad folder or a missing dependency fails here, before any timing
+        try:
+            extra["teal_commit"] = teal_import.teal_commit(args.peer_teal)
+        except InputError as exc:
+            sys.exit(f"--peer-teal: {exc}")
     ceiling = copy_ceiling()
+    extra["copy_tbps"] = ceiling
     rows: list[dict] = []
     print(f"copy ceiling: {ceiling:.2f} TB/s")
     if not args.no_check:
@@ -310,12 +339,23 @@ def main(argv=None):
             rows.append({"kind": "e2e", "model": preset, "error": repr(exc)[:300]})
             gc.collect()
             torch.cuda.empty_cache() if cuda() else None
+        if args.peer_teal and getattr(PRESETS.get(preset), "family", None) == "llama":
+            try:  # TEAL dense (its gpt-fast step) and at each sparsity, after ours is freed
+                peer_teal.bench_teal(args.peer_teal, preset, prompts, new, [0.0, *sparsities],
+                                     device, repeats=args.peer_repeats, rows=rows)  # fmt: skip
+            except Exception as exc:
+                print(f"{preset} teal_peer failed: {exc!r}")
+                rows.append({"kind": "peer", "model": preset, "error": repr(exc)[:300]})
+        elif args.peer_teal:
+            print(f"{preset}: TEAL's decoder runs Llama-shaped presets only; not timed")
         print(f"{preset}: {time.perf_counter() - t0:.0f} s")
         if not args.repeat:  # a killed run keeps the models it finished
-            results.save(args.name, rows, command=command, extra={"copy_tbps": ceiling})
+            results.save(args.name, rows, command=command, extra=extra)
     engine_bench.print_table(rows, ceiling)
+    if args.peer_teal:
+        peer_teal.print_peer_table(rows)
     save = results.add_repeat if args.repeat else results.save
-    path = save(args.name, rows, command=command, extra={"copy_tbps": ceiling})
+    path = save(args.name, rows, command=command, extra=extra)
     print(f"wrote {path}")
 
 
