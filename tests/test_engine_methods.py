@@ -168,11 +168,30 @@ def test_calibrated_thresholds_drop_their_share():
         dec.prefill(ids)
         dec._taps = None
         for key, t in thr.items():
-            score = seen[key]
+            score = seen[key][-4:]  # the last eighth of the 32 positions, as calibrated
             if method == "wina":  # WINA's thresholds are per column: |x_i| > t / ||W[:, i]||
                 assert t.unique().numel() > 1
             kept = (score > t).float().mean().item()
             assert kept == pytest.approx(0.6, abs=0.02), (method, key)
+
+
+def test_thresholds_keep_their_share_at_the_positions_that_follow():
+    """Decode steps come after the prompt: W_O's input shrinks with the position (attention
+    averages more values), so thresholds from the whole prefill keep too little there."""
+    lm = random_model("tiny-llama", dtype=torch.float32, seed=0)
+    ids = ids_of(320, seed=0)
+    thr = calibrate_thresholds(lm.model, ids[:, :256], 0.5)
+    seen = {}
+    dec = Decoder(lm.model, max_seq_len=321)
+    dec._taps = lambda i, site, x: seen.setdefault((i, site), x.float().abs())
+    dec.prefill(ids)
+    for (i, site), t in thr.items():
+        after = seen[(i, site)][256:]  # the 64 positions a decode would run next
+        whole = float(torch.quantile(seen[(i, site)][:256].flatten(), 0.5))
+        kept = (after > t).float().mean().item()
+        assert kept == pytest.approx(0.5, abs=0.08), (i, site)
+        if site == "o_in":  # the whole prefill's threshold: well below the asked share
+            assert (after > whole).float().mean().item() < kept - 0.05, i
 
 
 def test_dense_ops_through_our_kernels_equal_torch():
