@@ -40,7 +40,12 @@ def test_lowrank_add_matches_the_reference(dtype, d_in, r, d_out, dropped, into,
     want = (before + lowrank_ref(x, thr, v_t, u_t).view(out.shape)).to(out.dtype)
     got = lowrank_add(x, thr, v_t, u_t, out)
     assert got is out  # in place
-    assert_close(got.float() - before, want.float() - before, dtype, seed)
+    if into == "sums":
+        assert_close(got - before, want - before, dtype, seed)
+    else:  # rounded once into fp16/bf16: a sum at a rounding edge may land one ulp of the
+        # output away, a large share of the small term, so compare the sums (the term is
+        # tenths of the base: a missing or doubled term fails by far)
+        assert_close(got.float(), want.float(), dtype, seed)
 
 
 def test_shapes_that_do_not_chain_are_one_sentence():
