@@ -264,15 +264,17 @@ def default_config(batch: int, d_in: int, d_out: int, kept: float | None = None,
     (128, 'serial', True)
     """
     device = device or torch.device("cpu")
-    tuned = tuning.lookup("threshold_gemv", d_in, d_out, kept, batch, device)
-    if tuned is not None and (batch > 1 or tuned.get("mode") == "tile"
-                              or (kept is not None and kept <= 0.2)):  # fmt: skip
-        return tuned
     if batch == 1 and (kept is None or kept > 0.2):
-        # one masked tile per program (:mod:`~dejavu_lab.kernels.threshold.tile`): the faster kernel at every
-        # engine site and at 20-60% kept on the H200; the older batch-1 tables tuned the
-        # compacting kernel, which keeps the lead at 10% kept
+        # one masked tile per program (:mod:`~dejavu_lab.kernels.threshold.tile`): the faster
+        # kernel at every engine site and at 20-60% kept on the H200. Its fixed config, not the
+        # tuned tables: their 1-warp tiles won the isolated sweep by a few percent but lost in
+        # the decode step (TEAL 50%, H200: 2.652 against 2.580 ms at Llama-3-8B, 4.110
+        # against 3.991 ms at Llama-2-13B, ``kernels/profile_engine.py`` with and without
+        # ``DEJAVU_LAB_TUNING=off``)
         return dict(tile.TILE_B1)
+    tuned = tuning.lookup("threshold_gemv", d_in, d_out, kept, batch, device)
+    if tuned is not None:  # union batches, and few rows kept (the compacting kernel's lead)
+        return tuned
     return compact_config(batch, device)
 
 
