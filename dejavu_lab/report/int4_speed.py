@@ -196,6 +196,17 @@ def speed_figure(table: pd.DataFrame, kind: str):
                   title="µs per GEMV call (CUDA-graph replay, cold weights)")  # fmt: skip
 
 
+def _speed(lo: float, hi: float | None = None) -> str:
+    """A speed ratio (or range) as words: "1.20–1.30× faster than", "0.95× the speed of".
+
+    >>> _speed(1.2, 1.3), _speed(0.96), _speed(0.9, 1.1)
+    ('1.20–1.30× faster than', '0.96× the speed of', '0.90–1.10× the speed of')
+    """
+    hi = lo if hi is None else hi
+    span = f"{lo:.2f}×" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}–{hi:.2f}×"
+    return f"{span} faster than" if lo > 1 else f"{span} the speed of"
+
+
 def speed_sentence(kernels: pd.DataFrame, engine: pd.DataFrame) -> str:
     """What the kernel table (:func:`kernel_table`) and the engine table (:func:`engine_table`)
     drawn show, in a sentence or two; or that neither has been recorded.
@@ -215,8 +226,9 @@ def speed_sentence(kernels: pd.DataFrame, engine: pd.DataFrame) -> str:
                      "cuBLAS fp16 over the shapes and groups timed")  # fmt: skip
         if "int4_thr 50% vs int4 dense" in k:
             t = k["int4_thr 50% vs int4 dense"]
-            parts[-1] += (f", and its threshold GEMV at 50% kept {t.min():.2f}–{t.max():.2f}× "
-                          "faster than the dense int4 one")  # fmt: skip
+            parts[-1] += f", and its threshold GEMV at 50% kept {_speed(t.min(), t.max())} " + (
+                "the dense int4 one"
+            )
     if len(engine):
         e = engine.reset_index()
         for model, m in e.groupby("model", sort=False):
@@ -230,7 +242,7 @@ def speed_sentence(kernels: pd.DataFrame, engine: pd.DataFrame) -> str:
             if len(teal):
                 last = teal.iloc[-1]
                 text += (f", int4 + TEAL at {last['sparsity']:.0%} {last['ms/token']:.2f} ms "
-                         f"({last['vs int4 dense']:.2f}× over int4 dense)")  # fmt: skip
+                         f"({_speed(last['vs int4 dense'])} int4 dense)")  # fmt: skip
             parts.append(text)
     if not parts:
         return ("Neither the int4 kernels nor the 4-bit engine has been timed on a GPU yet, so "
