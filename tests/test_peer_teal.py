@@ -16,6 +16,7 @@ import torch
 from dejavu_lab.bench import peer_teal, teal_import
 from dejavu_lab.errors import InputError
 from dejavu_lab.models import Shape
+from dejavu_lab.report import peer as report_peer
 
 MIRROR = Path("/work/.mirror/FasterDecoding+TEAL/repo")  # a bare clone, where one is kept
 # every output width a multiple of TEAL's first tile config (BLOCK_N = 128): d 128, 4 heads of
@@ -142,3 +143,8 @@ def test_the_script_records_teal_beside_ours(teal, teal_dir, tmp_path, monkeypat
         ("tiny-llama", 0.0, None), ("tiny-llama", 0.5, None)]  # fmt: skip
     assert saved["provenance"]["teal_commit"] == teal.commit
     assert "ours vs TEAL's own decoder" in capsys.readouterr().out
+    # the book's table of the recording (chapter 70): our dense row beside TEAL's, Llama only
+    table = report_peer.peer_table(report_peer.load("quick")[0])
+    assert set(table["model"]) == {"tiny-llama"}
+    dense = table[table["sparsity"] == 0.0].iloc[0]
+    assert dense["TEAL / ours"] == dense["TEAL's decoder (ms)"] / dense["ours (ms)"] > 0

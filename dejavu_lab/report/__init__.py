@@ -21,6 +21,8 @@ measure (or what ``kernels/*.py`` recorded in ``results/``) and draw it.
   (chapter 65);
 - :mod:`~dejavu_lab.report.engine` — end-to-end decoding latency and where a token's time goes
   (chapter 70);
+- :mod:`~dejavu_lab.report.peer` — our decoder beside TEAL's own, from a recording of the
+  engine benchmark's ``--peer-teal`` run (chapter 70);
 - :mod:`~dejavu_lab.report.profile` — the decode step's GPU time per kernel inside its CUDA
   graph (chapter 70);
 - :mod:`~dejavu_lab.report.batch` — batched decoding: throughput, unions and quality
