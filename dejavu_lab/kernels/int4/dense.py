@@ -13,7 +13,6 @@ import torch
 from ...quant import Int4Weight
 from .._common import as_batch, check_device, check_float, check_vector, output, use_triton
 from .kernel import default_config, launch
-from .tile import launch_tile
 
 __all__ = ["check_int4", "int4_gemv", "int4_gemv_ref"]
 
@@ -94,9 +93,5 @@ def int4_gemv(x: torch.Tensor, w: Int4Weight, *, bias: torch.Tensor | None = Non
         res2.copy_(int4_gemv_ref(xb, w, bias=bias))
         return res
     cfg = default_config(xb.shape[0], *w.shape, group=w.group, op="int4_gemv", device=device)
-    cfg = {**cfg, **(config or {})}
-    if cfg.get("mode") == "tile" and xb.shape[0] == 1 and d_out % 8 == 0:
-        launch_tile(xb, w, res2, cfg, mode="dense", bias=bias)
-    else:
-        launch(xb, w, res2, cfg, mode="dense", bias=bias)
+    launch(xb, w, res2, {**cfg, **(config or {})}, mode="dense", bias=bias)
     return res

@@ -41,7 +41,7 @@ from .. import _workspace, tuning
 from .._common import batch_block, dot_acc, next_pow2, sm_count, upcast_dot
 from .._reduce import chunk as chunk_of
 from .._reduce import split_reduce
-from .tile import TILE
+from .tile import TILE, launch_tile
 
 __all__ = ["default_config", "int4_gemv_kernel", "launch", "nibbles_per_word"]
 
@@ -269,7 +269,9 @@ def nibbles_per_word(d_out: int) -> int:
 def launch(xb: torch.Tensor, w, res2: torch.Tensor, cfg: dict, *, mode: str, thr=None,
            idx: torch.Tensor | None = None, bias: torch.Tensor | None = None,
            rows_per_index: int = 1) -> None:  # fmt: skip
-    """Run :func:`int4_gemv_kernel` on checked inputs: ``xb`` [B, K] (``mode="rows"``: [B, n]),
+    """Run :func:`int4_gemv_kernel` on checked inputs (``cfg["mode"] == "tile"`` with one token
+    of a dense or threshold GEMV: :func:`~.tile.launch_tile` instead): ``xb`` [B, K]
+    (``mode="rows"``: [B, n]),
     ``w`` an Int4Weight on xb's device and dtype, ``res2`` the [B, D] output; ``thr`` a float or
     fp32 [K] (threshold); ``idx`` int32 [n] (rows: blocks of
     ``rows_per_index`` rows). ``cfg``: ``BLOCK_R``, ``BLOCK_D``,
@@ -283,6 +285,9 @@ def launch(xb: torch.Tensor, w, res2: torch.Tensor, cfg: dict, *, mode: str, thr
     >>> out.tolist()
     [[0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]]
     """
+    if cfg.get("mode") == "tile" and mode != "rows" and xb.shape[0] == 1 and w.shape[1] % 8 == 0:
+        launch_tile(xb, w, res2, cfg, mode=mode, thr=thr, bias=bias)  # one token: :mod:`.tile`
+        return
     batch = xb.shape[0]
     d_out = w.shape[1]
     n = idx.numel() * rows_per_index if mode == "rows" else w.shape[0]

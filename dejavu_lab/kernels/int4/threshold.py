@@ -29,7 +29,6 @@ from .._common import (
 )
 from .dense import check_int4, int4_gemv_ref
 from .kernel import default_config, launch
-from .tile import launch_tile
 
 __all__ = ["int4_threshold_gemv", "int4_threshold_gemv_ref"]
 
@@ -90,9 +89,5 @@ def int4_threshold_gemv(x: torch.Tensor, w: Int4Weight, thr: torch.Tensor | floa
     cfg = default_config(
         xb.shape[0], *w.shape, group=w.group, op="int4_threshold_gemv", device=device
     )
-    cfg = {**cfg, **(config or {})}
-    if cfg.get("mode") == "tile" and xb.shape[0] == 1 and d_out % 8 == 0:
-        launch_tile(xb, w, res2, cfg, mode="threshold", thr=thr, bias=bias)
-    else:
-        launch(xb, w, res2, cfg, mode="threshold", thr=thr, bias=bias)
+    launch(xb, w, res2, {**cfg, **(config or {})}, mode="threshold", thr=thr, bias=bias)
     return res
