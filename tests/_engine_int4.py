@@ -19,11 +19,6 @@ from dejavu_lab.quant import Int4Rows, Int4Weight
 GROUP = 64  # divides every input width of the tiny models (64, 192, 256)
 
 
-def relerr(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
-
-
 def ids_of(n, seed=0):
     return torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(seed))
 

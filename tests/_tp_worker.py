@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dejavu_lab.bench.timing import relerr
 from dejavu_lab.engine import (
     Decoder,
     EngineError,
@@ -38,11 +39,6 @@ def log(*what) -> None:
         file=sys.stderr,
         flush=True,
     )
-
-
-def relerr(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def logits_of(dec, ids) -> torch.Tensor:

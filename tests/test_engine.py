@@ -9,6 +9,7 @@ import torch
 from transformers import Qwen3Config
 
 from dejavu_lab.arch import get_arch
+from dejavu_lab.bench.timing import relerr
 from dejavu_lab.collect import fingerprint
 from dejavu_lab.engine import Decoder, EngineError, SparseConfig, predictor_bytes, step_bytes
 from dejavu_lab.models import PRESETS, random_model
@@ -20,11 +21,6 @@ TINY = ["tiny-opt", "tiny-opt-postln", "tiny-llama"]
 @pytest.fixture(autouse=True)
 def reference_kernels(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-
-
-def relerr(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
 
 
 def decode_logits(dec, ids, n_prompt):

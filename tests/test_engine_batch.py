@@ -16,6 +16,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are decorat
 import pytest
 import torch
 
+from dejavu_lab.bench.timing import relerr
 from dejavu_lab.collect import fingerprint
 from dejavu_lab.engine import (
     BatchDecoder,
@@ -51,11 +52,6 @@ def model(preset, dtype=torch.float32, seed=0, **kw):
     if preset == "tiny-llama-mha":
         preset, kw = "tiny-llama", {"num_key_value_heads": 4, **kw}
     return random_model(preset, dtype=dtype, seed=seed, device=DEVICE, **kw).model
-
-
-def relerr(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
 
 
 def rand_ids(lengths, seed=0):

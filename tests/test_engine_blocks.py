@@ -14,6 +14,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from dejavu_lab.bench.timing import relerr
 from dejavu_lab.engine import KeptSets, SparseConfig, decoder_weights, dense_ops  # noqa: E402
 from dejavu_lab.engine.attention import DenseAttention, StepState, ThresholdAttention  # noqa: E402
 from dejavu_lab.engine.batch_blocks import BatchAttention  # noqa: E402
@@ -27,11 +28,6 @@ TINY = ["tiny-opt", "tiny-llama"]
 S, T = 6, 16  # tokens fed; cache positions
 kernels = pytest.mark.skipif(not use_triton(torch.device("cpu")),
                              reason="the Triton kernels need TRITON_INTERPRET=1 on CPU")  # fmt: skip
-
-
-def relerr(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
 
 
 def model(preset, dtype=torch.float32, seed=0):

@@ -9,6 +9,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are decorat
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from dejavu_lab.bench.timing import relerr
 from dejavu_lab.engine import BatchDecoder, Decoder, SparseConfig, calibrate_thresholds  # noqa: E402
 from dejavu_lab.kernels._common import use_triton  # noqa: E402
 from dejavu_lab.models import random_model  # noqa: E402
@@ -17,11 +18,6 @@ DEVICE = os.environ.get("DEJAVU_TEST_DEVICE", "cpu")
 pytestmark = pytest.mark.skipif(
     not use_triton(torch.device(DEVICE)), reason="the fused step runs the Triton kernels"
 )
-
-
-def relerr(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
 
 
 def model_of(preset, seed):

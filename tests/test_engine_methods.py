@@ -15,6 +15,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from dejavu_lab.bench.timing import relerr
 from dejavu_lab.engine import (  # noqa: E402
     Decoder,
     EngineError,
@@ -34,11 +35,6 @@ ACT = {"relu": torch.relu, "silu": F.silu, "gelu": F.gelu}
 @pytest.fixture(autouse=True)
 def reference_kernels(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-
-
-def relerr(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
 
 
 def ids_of(n, seed=0):

@@ -15,6 +15,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are decorat
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from dejavu_lab.bench.timing import relerr
 from dejavu_lab.engine import (  # noqa: E402
     Decoder,
     EngineError,
@@ -36,11 +37,6 @@ N_PROMPT, N = 8, 14
 @pytest.fixture(autouse=True)
 def reference_kernels(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-
-
-def relerr(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
 
 
 def ids_of(n, seed=0):

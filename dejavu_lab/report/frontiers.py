@@ -31,7 +31,7 @@ from .. import results, staleness
 from ..errors import ResultsError
 from ..vocab import METHODS
 from .gated import crossings
-from .plots import COLORS, wrap_caption
+from .plots import COLORS, legend_and_caption_below
 from .source import listing
 
 __all__ = [
@@ -68,7 +68,7 @@ CORPUS_NAMES = {"demo": "Lee news corpus", "wikitext-2": "WikiText-2", "c4": "C4
 # provenance fields a frontier recording must carry for the chapter's caption
 NEEDED = ("model", "dtype", "tokens", "window", "calibration_tokens", "cpu", "git_sha")
 CLOSE = 0.01  # a runner-up this close (in perplexity ratio) is called out: the pick is a toss-up
-_SPARE = ("#17becf", "#8c564b", "#e377c2", "#bcbd22", "#393b79", "#637939", "#843c39")
+_SPARE = ("#e377c2", "#bcbd22", "#393b79", "#637939", "#843c39")
 
 
 def _size(prov: dict) -> float:
@@ -460,13 +460,4 @@ def frontiers_figure(frame: pd.DataFrame, caption: str, *, ymax: float = 10.0,
     fig.update_yaxes(title_text=f"perplexity / dense (log, clipped at ×{ymax:g})", row=1, col=1)
     fig.update_xaxes(autorange="reversed", title_text="fraction of dense weight bytes read")
     fig.add_hline(y=1.0, line_dash="dot", line_color="gray")
-    # pixels: the panels, then below them the x title, the legend, the caption's lines
-    text = wrap_caption(caption, 120)  # as the demo frontier's caption
-    plot, axis, legend = 300, 60, 30 * (1 + len(variants) // 6)
-    below = axis + legend + 13 * (text.count("<br>") + 1) + 10
-    fig.update_layout(height=60 + plot + below, margin=dict(t=60, b=below, l=60, r=20),
-                      legend=dict(orientation="h", yanchor="top", y=-axis / plot, x=0))  # fmt: skip
-    fig.add_annotation(text=text, xref="paper", yref="paper", x=0, y=-(axis + legend) / plot,
-                       yanchor="top", showarrow=False, font=dict(size=9), xanchor="left",
-                       align="left")  # fmt: skip
-    return fig
+    return legend_and_caption_below(fig, caption, len(variants) + bool(targets))

@@ -35,7 +35,7 @@ from ..sparsify.core import sparsified
 from ..sparsify.frontier import at_bytes, frontier
 from ..sparsify.kept import Kept
 from ..step_bytes import layer_elements, site_elements
-from .plots import COLORS
+from .plots import COLORS, legend_and_caption_below
 
 __all__ = [
     "TARGETS",
@@ -228,12 +228,8 @@ def frontier_figure(
     fig.update_xaxes(title_text="fraction of dense weight bytes read (fewer →)",
                      autorange="reversed", row=1, col=2)  # fmt: skip
     fig.add_hline(y=1.0, line_dash="dot", line_color="gray")
-    fig.update_layout(
-        height=500, margin=dict(t=60, b=140, l=60, r=20), legend=dict(orientation="h", y=-0.2, x=0)
-    )
-    fig.add_annotation(text=_wrap(caption), xref="paper", yref="paper", x=0, y=-0.42,
-                       showarrow=False, font=dict(size=9), xanchor="left", align="left")  # fmt: skip
-    return fig
+    entries = full.variant.nunique() + bool(targets)
+    return legend_and_caption_below(fig, caption, entries)
 
 
 # ---------------------------------------------------------------------------------------------

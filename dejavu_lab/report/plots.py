@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import textwrap
 
-__all__ = ["COLORS", "caption_axes", "caption_figure", "wrap_caption"]
+__all__ = ["COLORS", "caption_axes", "caption_figure", "legend_and_caption_below", "wrap_caption"]
 
 #: method -> its colour in every chapter ("predicted" is the explorer's name for DejaVu's sets)
 COLORS = {
@@ -23,6 +23,8 @@ COLORS = {
     "cats": "#9467bd",
     "teal": "#1f77b4",
     "wina": "#ff7f0e",
+    "larosa": "#17becf",
+    "rsparse": "#8c564b",
 }
 
 CAPTION_CHARS = 90  # characters per caption line that fit the book's text column at 10 pt
@@ -63,6 +65,28 @@ def caption_figure(fig, caption: str, height: int = 420):
         align="left",
         font=dict(size=10),
     )
+    return fig
+
+
+def legend_and_caption_below(fig, caption: str, entries: int, plot: int = 300, per_row: int = 5):
+    """Lay out a figure of ``plot`` pixels of panels with, below them, the x-axis titles, a
+    horizontal legend of ``entries`` items (``per_row`` to a row, as many as fit the book's
+    column) and the wrapped caption, each in its own band so none overlaps another; returns
+    the figure.
+
+    >>> import plotly.graph_objects as go
+    >>> fig = legend_and_caption_below(go.Figure(go.Bar(y=[3, 1])), "Model: tiny-opt.", 9)
+    >>> fig.layout.height, fig.layout.margin.b, round(fig.layout.annotations[0].y, 2)
+    (495, 135, -0.37)
+    """
+    text = wrap_caption(caption, 120)
+    axis, legend = 60, 26 * (1 + (entries - 1) // per_row)
+    below = axis + legend + 13 * (text.count("<br>") + 1) + 10
+    fig.update_layout(height=60 + plot + below, margin=dict(t=60, b=below, l=60, r=20),
+                      legend=dict(orientation="h", yanchor="top", y=-axis / plot, x=0))  # fmt: skip
+    fig.add_annotation(text=text, xref="paper", yref="paper", x=0, y=-(axis + legend) / plot,
+                       yanchor="top", showarrow=False, font=dict(size=9), xanchor="left",
+                       align="left")  # fmt: skip
     return fig
 
 

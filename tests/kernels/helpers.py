@@ -16,6 +16,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are decorat
 import pytest
 import torch
 
+from dejavu_lab.bench.timing import relerr
 from dejavu_lab.quant import quantize, quantize_rows
 
 DEVICE = os.environ.get("DEJAVU_TEST_DEVICE", "cpu")  # where every test tensor is created
@@ -39,12 +40,6 @@ def seed():
     s = random.randrange(2**31)
     torch.manual_seed(s)
     return s
-
-
-def relerr(out, ref):
-    """Relative Frobenius error in float64."""
-    out, ref = out.double(), ref.double()
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-12)).item()
 
 
 def assert_close(out, ref, dtype, seed):
