@@ -6,7 +6,7 @@ in one long run that resumes after a kill and records its table with provenance.
     dejavu-lab frontier --model demo --methods teal wina:uniform cats oracle \\
         --sparsity 0.25 0.4 0.5 0.6 0.7 --eval-tokens 4096 --record frontier_demo --json
 
-The text is chapter 40's cut (:func:`dejavu_lab.sparsify.frontier.study_windows`): the corpus's
+The text is chapter 40's cut (:func:`dejavu_lab.sparsify.windows.study_windows`): the corpus's
 first ``--train-tokens`` are training text, calibration reads their first
 ``--calibration-tokens`` (or another ``--calibration`` text, minus what it shares with the
 evaluated windows), and perplexity is measured on ``--eval-tokens`` right after them. Each

@@ -321,7 +321,7 @@ def compound_sentence(table: pd.DataFrame, model: str, fmt: str, variant: str = 
 def live_perplexity(model, tokenizer, formats=("fp", "rtn-g32", "rtn-g64"), *,
                     eval_windows: int = 2, window: int = 512) -> pd.DataFrame:  # fmt: skip
     """Dense perplexity of ``model`` on each weight format, measured now on the quality study's
-    first held-out windows (:func:`~dejavu_lab.sparsify.frontier.study_windows`), and its rise
+    first held-out windows (:func:`~dejavu_lab.sparsify.windows.study_windows`), and its rise
     over the first format's.
 
     >>> from dejavu_lab.models import load_model

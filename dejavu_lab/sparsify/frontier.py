@@ -3,11 +3,8 @@
 Methods sparsify different matrices (neurons and heads; every linear input; the MLP behind a
 dense gate), so a sparsity of 50% buys different savings; this study puts them on one axis,
 the decoder-layer weight bytes a decoding step reads (:mod:`dejavu_lab.step_bytes`).
-The text follows chapter 40: the corpus's first ``train_tokens`` (8192) tokens are training
-text — calibration reads its first ``calibration_tokens``, DejaVu's predictors train on all of
-it — and perplexity is measured on the ``eval_windows`` windows right after it. Calibration
-may read another text instead; its windows that share text with the evaluated ones are left
-out (:func:`study_windows`).
+The text follows chapter 40 (:mod:`~dejavu_lab.sparsify.windows`): calibration on the corpus's
+first tokens, perplexity on the windows right after them.
 
 :func:`frontier` returns one row per (variant, sparsity); it is :func:`prepare` once per
 variant (a calibration, static sets or predictors, each cached) and :func:`evaluate_point` per
@@ -15,27 +12,28 @@ sparsity, the steps ``dejavu-lab frontier`` runs one at a time so that a killed 
 (:mod:`dejavu_lab.sparsify.frontier_state`). :func:`at_bytes` reads each curve at given byte
 fractions, the form of our quality targets. The variants are every non-dense row of
 :data:`dejavu_lab.vocab.METHODS`, with both allocations for the methods that have TEAL's
-greedy one (:data:`VARIANTS`), named on the command line as :func:`parse_variant` reads them.
+greedy one, and TEAL, WINA and LaRoSA with their budgets spread over the layers by each
+layer's measured sensitivity (``"… layers)"``, :mod:`~dejavu_lab.sparsify.layers`)
+(:data:`VARIANTS`), named on the command line as :func:`parse_variant` reads them.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import torch
 
 from ..arch import get_arch
-from ..corpus import CorpusError, load_text, token_windows
 from ..vocab import CORPORA, METHODS, SITES, method
-from .calibration import calibrate, greedy_allocates
+from .calibration import calibrate, greedy_allocates, text_hash
 from .evaluate import sparse_eval
+from .layers import allocate, cached_sensitivity
 from .topk import DEFAULT_DESIGN, DESIGNS
+from .windows import CALIBRATION_TOKENS, TRAIN_TOKENS, overlapping, study_windows
 
 __all__ = [
     "CALIBRATION_TOKENS",
@@ -56,13 +54,6 @@ __all__ = [
 ]
 
 SPARSITIES = (0.25, 0.4, 0.5, 0.6, 0.7)  # the gated-MLP chapter's range, 25-70%
-TRAIN_TOKENS = 8192  # chapter 40's training text: the corpus's first tokens
-# the thresholds calibrate on all of it (the CLI's default too). On the demo model, TEAL
-# (greedy) at 50% (0.49 of the bytes) calibrated on the first 2048 tokens gave +36% perplexity
-# on the 1024 held-out tokens, on all 8192 +31%, on 24k (beyond the held-out text too) +37%:
-# the spread of the thresholds' estimate, not a trend
-CALIBRATION_TOKENS = TRAIN_TOKENS
-SHINGLE = 16  # tokens in a row two texts must share to count as overlapping (study_windows)
 
 
 def allocations(name: str) -> tuple[str, ...]:
@@ -97,7 +88,15 @@ def _variants() -> dict[str, dict]:
     return out
 
 
-_RUN_KEYS = ("method", "allocation", "sites", "dense_layers", "mlp_sparsity", "head_sparsity")
+_RUN_KEYS = ("method", "allocation", "sites", "dense_layers", "mlp_sparsity", "head_sparsity",
+             "layers")  # fmt: skip
+
+
+def _layered(name: str, spec: dict) -> tuple[str, dict]:
+    """The variant with its budget spread over the layers by their measured sensitivity."""
+    return (f"{name[:-1]}, layers)" if name.endswith(")") else f"{name} (layers)",
+            {**spec, "layers": "sensitivity"})  # fmt: skip
+
 
 # name -> spec: sparse_eval's method plus, for the threshold methods, the allocation over a
 # layer's sites (and optionally which sites, and dense layers). A spec may also carry
@@ -105,6 +104,8 @@ _RUN_KEYS = ("method", "allocation", "sites", "dense_layers", "mlp_sparsity", "h
 # one or two variants per method (its allocations), what 'all' and 'training-free' run
 METHOD_VARIANTS: dict[str, dict] = _variants()
 VARIANTS: dict[str, dict] = {**METHOD_VARIANTS, **DESIGNS}  # and the top-k methods' designs
+# per-layer budgets from each layer's sensitivity (:mod:`~dejavu_lab.sparsify.layers`)
+VARIANTS.update(_layered(n, VARIANTS[n]) for n in ("teal (greedy)", "wina (greedy)", "larosa"))
 # methods that need no trained predictor (but static sets or a calibration)
 TRAINING_FREE = tuple(m.name for m in METHODS.values() if m.needs in ("static sets", "calibration"))
 
@@ -126,6 +127,8 @@ def parse_variant(text: str) -> tuple[str, dict]:
     text = text.strip()
     if text in VARIANTS:
         return text, dict(VARIANTS[text])
+    if text.endswith("+layers"):  # e.g. teal+layers: per-layer budgets by sensitivity
+        return _layered(*parse_variant(text[: -len("+layers")]))
     name, _, allocation = text.partition(":")
     m = method(name)  # KeyError naming the methods
     if m.family == "dense":
@@ -147,84 +150,24 @@ def parse_variant(text: str) -> tuple[str, dict]:
     return variant, dict(VARIANTS[variant])
 
 
-def _text(source: str) -> str:
-    """A corpus by name (:func:`~dejavu_lab.corpus.load_text`) or a UTF-8 text file."""
-    if source in CORPORA:
-        return load_text(source)
-    try:
-        return Path(source).expanduser().read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise CorpusError(f"{source} is not UTF-8 text; pass a UTF-8 text file.") from None
-
-
-def overlapping(windows: torch.Tensor, other: torch.Tensor, k: int = SHINGLE) -> torch.Tensor:
-    """Which of ``windows`` [n, w] share a run of ``k`` tokens with any window of ``other``:
-    bool [n]. Two tokenisations of the same passage agree away from its ends, so a shared
-    ``k``-token run finds a copied passage wherever it starts.
-
-    >>> a = torch.arange(40).view(4, 10)
-    >>> overlapping(a, torch.arange(13, 30).view(1, 17), k=4).tolist()
-    [False, True, True, False]
+def prepare(model, tokenizer, spec: dict, calib: torch.Tensor, *, arch=None, progress=False,
+            **kw) -> dict:  # fmt: skip
+    """:func:`prepare_method` and, for a variant with ``"layers"``, its layers' sensitivity
+    (``ready["layers"]``, :func:`~dejavu_lab.sparsify.layers.cached_sensitivity` on the first
+    calibration window), from which :func:`evaluate_point` spreads each budget over the layers.
     """
-    k = max(1, min(k, windows.shape[1], other.shape[1]))
-    seen = {tuple(r[i : i + k]) for r in other.tolist() for i in range(len(r) - k + 1)}
-    return torch.tensor(
-        [any(tuple(r[i : i + k]) in seen for i in range(len(r) - k + 1)) for r in windows.tolist()],
-        dtype=torch.bool,
-    )
+    arch = arch or get_arch(model)
+    ready = prepare_method(model, tokenizer, spec, calib, arch=arch, progress=progress, **kw)
+    if spec.get("layers"):
+        base = {k: v for k, v in spec.items() if k != "layers"}
+        ready["layers"] = cached_sensitivity(
+            model, calib[:1], lambda b: _kwargs(base, b, ready, model),
+            {"spec": base, "calibration": text_hash(calib)}, arch=arch, progress=progress,
+        )  # fmt: skip
+    return ready
 
 
-def study_windows(
-    tokenizer,
-    corpus: str = "demo",
-    window: int = 512,
-    eval_windows: int = 2,
-    train_tokens: int = TRAIN_TOKENS,
-    calibration_tokens: int = CALIBRATION_TOKENS,
-    calibration: str | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(calibration windows, held-out windows) of the study, as chapter 40 cuts the corpus.
-
-    ``corpus`` and ``calibration``: corpus names or text files. Without ``calibration`` (or
-    with the corpus itself) calibration reads the first ``calibration_tokens`` of the corpus's
-    ``train_tokens`` training tokens; with another text, its first windows that share no
-    :data:`SHINGLE`-token run with the held-out windows (:func:`overlapping`).
-
-    >>> from dejavu_lab.models import load_model
-    >>> calib, held_out = study_windows(load_model("demo").tokenizer)
-    >>> tuple(calib.shape), tuple(held_out.shape)  # windows 0-15 and 16-17 of 512 tokens
-    ((16, 512), (2, 512))
-    """
-    skip = math.ceil(train_tokens / window)
-    n_calib = max(1, math.ceil(calibration_tokens / window))
-    same = calibration is None or calibration == corpus
-    if same and n_calib > skip:
-        raise ValueError(
-            f"calibration_tokens ({calibration_tokens}) must not exceed train_tokens "
-            f"({train_tokens}): the evaluated text starts after them; calibrate on fewer tokens "
-            "or on another text."
-        )
-    w = token_windows(tokenizer, _text(corpus), window, skip + eval_windows)
-    if w.shape[0] <= skip:
-        raise CorpusError(
-            f"{corpus} has no {window}-token window after its first {train_tokens} tokens "
-            "(the training text); pass a longer text, fewer training tokens or a smaller window."
-        )
-    held_out = w[skip:]
-    if same:
-        return w[:n_calib], held_out
-    c = token_windows(tokenizer, _text(calibration), window)
-    keep = c[~overlapping(c, held_out)]
-    if keep.shape[0] < n_calib:
-        raise CorpusError(
-            f"{calibration} has {keep.shape[0]} {window}-token windows outside the evaluated "
-            f"text ({c.shape[0] - keep.shape[0]} overlap it), fewer than the {n_calib} "
-            "calibration needs; calibrate on fewer tokens or on a longer text."
-        )
-    return keep[:n_calib], held_out
-
-
-def prepare(
+def prepare_method(
     model,
     tokenizer,
     spec: dict,
@@ -368,6 +311,8 @@ def _kwargs(spec: dict, s: float, ready: dict, model) -> dict:
     """sparse_eval's keywords for ``spec`` at ``s``, from what :func:`prepare` built."""
     m = METHODS.get(spec["method"])  # None for a name outside the table: refused below
     kw = {"method": spec["method"], "dense_layers": tuple(spec.get("dense_layers", ()))}
+    if spec.get("layers") and not isinstance(s, (list, tuple)):
+        s = allocate(ready["layers"], s)  # one budget per layer, by sensitivity
     if m is not None and m.family == "topk":  # a plan of fixed counts (dejavu_lab.sparsify.topk)
         from . import larosa, rsparse
 
