@@ -9,8 +9,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are decorat
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from _engine_int4 import GROUP, decode_logits, dequantised, ids_of, model, relerr  # noqa: E402
+from _engine_int4 import GROUP, decode_logits, dequantised, ids_of, model  # noqa: E402
 
+from dejavu_lab.bench.timing import relerr  # noqa: E402
 from dejavu_lab.engine import (  # noqa: E402
     Decoder,
     EngineError,
