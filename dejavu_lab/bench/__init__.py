@@ -8,6 +8,7 @@ their reusable halves live here, one module each:
 - :mod:`~dejavu_lab.bench.kernels` — the sparse MLP and attention kernels timed against dense;
 - :mod:`~dejavu_lab.bench.engine` — the decoder's variants (dense, DejaVu, TEAL, WINA, CATS) at
   random-weight shapes, their correctness checks and per-token timings (batch 1);
+  :mod:`~dejavu_lab.bench.engine_variants` — those models, variants and the decoder of each;
 - :mod:`~dejavu_lab.bench.engine_batch` — the same for the batch decoder;
 - :mod:`~dejavu_lab.bench.teal_import` — TEAL's own decoder and kernels, imported from a
   checkout the user points to; :mod:`~dejavu_lab.bench.peer_teal` — that decoder at our shapes

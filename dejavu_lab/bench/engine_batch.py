@@ -37,7 +37,7 @@ import torch
 
 from ..engine import BatchDecoder, Decoder, SparseConfig, decoder_weights
 from ..engine.batch_quality import union_means
-from .engine import build
+from .engine_variants import build
 from .timing import cuda, graph_ms, relerr, timed
 
 __all__ = [

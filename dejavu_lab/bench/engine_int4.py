@@ -28,7 +28,7 @@ import torch
 from ..engine import Decoder, SparseConfig, calibrate_thresholds, decoder_weights, keep_all
 from ..engine.int4 import quantize_weights, random_int4_weights
 from ..step_bytes import step_bytes
-from .engine import build
+from .engine_variants import build
 from .timing import cuda, relerr, timed
 
 __all__ = ["bench_int4", "int4_step_bytes", "ms_per_token", "random_sets"]

@@ -23,7 +23,7 @@ MAX_BINS = 65536
 
 
 def predictor_config(cfg) -> None:
-    """Check a :class:`dejavu_lab.predictors.PredictorConfig` (raises ``PredictorError``).
+    """Check a :class:`~dejavu_lab.predictors.model.PredictorConfig` (raises ``PredictorError``).
 
     >>> from dejavu_lab.predictors import PredictorConfig
     >>> PredictorConfig(mlp_rank=0)

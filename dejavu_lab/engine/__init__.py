@@ -1,11 +1,11 @@
 """A static-KV-cache decoder built from Hugging Face weights, dense or contextually sparse (§5.1).
 
 One module per idea; the imports run one way (``config -> weights -> site_thresholds, sets,
-attention, kept_heads, mlp, plans, lowrank, fused_step -> decoder -> thresholds``; ``sets -> batch_sets``,
-``attention -> batch_blocks``, ``decoder -> batch``; ``weights -> tp_weights``, ``decoder,
-tp_weights -> tp``). The bytes a step reads come from :mod:`dejavu_lab.step_bytes`; its tables
-and figures live in :mod:`dejavu_lab.report` (the engine imports no pandas or plotly, so it runs
-on a bare GPU image):
+attention, kept_heads, mlp, plans, lowrank, fused_step, decode_loop -> decoder -> thresholds``;
+``sets -> batch_sets``, ``attention -> batch_blocks``, ``decoder -> batch``; ``weights ->
+tp_weights``, ``decoder, tp_weights -> tp``). The bytes a step reads come from
+:mod:`dejavu_lab.step_bytes`; its tables and figures live in :mod:`dejavu_lab.report` (the
+engine imports no pandas or plotly, so it runs on a bare GPU image):
 
 - :mod:`~dejavu_lab.engine.config`  — :class:`SparseConfig` (what a step keeps), :func:`dense_ops`
   and :class:`EngineError`;
@@ -25,7 +25,7 @@ on a bare GPU image):
 - :mod:`~dejavu_lab.engine.fused_step` — the one-token step with each block finished in its
   residual add + norm;
 - :mod:`~dejavu_lab.engine.decoder` — :class:`Decoder`: the cache, prefill, the decode step,
-  CUDA graphs, generate;
+  CUDA graphs, generate (the calls a caller drives: :mod:`~dejavu_lab.engine.decode_loop`);
 - :mod:`~dejavu_lab.engine.batch`   — :class:`BatchDecoder`: 1-32 sequences in lockstep, each with
   its own cache slot and heads, the MLP's union of their sets (:mod:`~dejavu_lab.engine.
   batch_sets`, :mod:`~dejavu_lab.engine.batch_blocks`);

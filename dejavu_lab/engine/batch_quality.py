@@ -78,7 +78,7 @@ def quality_rows(
 
     ``model``: a Hugging Face model (copied to ``dtype``: the sparse kernels take fp16/bf16; the
     shared prefill and the ``"dense"`` run use the model's own dtype);
-    ``predictors``: lookahead :class:`~dejavu_lab.predictors.Predictors` of that model;
+    ``predictors``: lookahead :class:`~dejavu_lab.predictors.model.Predictors` of that model;
     ``windows``: [B, W] held-out token ids, B <= 32 (one sequence each); ``prompt``: tokens
     prefilled (default W // 2); ``union_budgets``: one batched run per budget (None: the whole
     union; a fraction of the MLP: the cap). One row (dict) per (window, run): ``run`` ("dense",

@@ -3,9 +3,12 @@
 Built from a Hugging Face OPT or Llama-family model's weights (:mod:`dejavu_lab.engine.weights`
 lays them out once: fused QKV, ``W_O`` and ``W2`` transposed). The decoder owns what every
 method shares: the embedding, the norms (:func:`dejavu_lab.kernels.row_norm`), the residual
-stream, the KV cache, ``lm_head``, the dense prefill, the decode step and its CUDA graph. Each
-layer's attention and MLP are block objects chosen once at construction (gpt-fast's
-Transformer / Attention / FeedForward split, the sparse variants as siblings):
+stream, the KV cache, ``lm_head``, the dense prefill, the decode step and its CUDA graph (the
+calls that run them, from :meth:`~dejavu_lab.engine.decode_loop.DecodeLoop.prefill` to
+:meth:`~dejavu_lab.engine.decode_loop.DecodeLoop.generate`, are its base class
+:class:`~dejavu_lab.engine.decode_loop.DecodeLoop`). Each layer's attention and MLP are block
+objects chosen once at construction (gpt-fast's Transformer / Attention / FeedForward split, the
+sparse variants as siblings):
 
 - dense: :class:`~dejavu_lab.engine.attention.DenseAttention`,
   :class:`~dejavu_lab.engine.mlp.DenseMLP` (cuBLAS, or our kernels at 100% kept);
@@ -41,20 +44,21 @@ import torch.nn.functional as F
 
 from ..checks import engine as check_engine
 from ..kernels import row_norm, use_triton
-from .attention import StepState, every_head, rotate
+from .attention import StepState, every_head
 from .config import PLANNED, EngineError, SparseConfig, default_ops
 from .config import dense_ops as resolve_ops
+from .decode_loop import DecodeLoop
 from .fused_step import fused_layers
 from .greedy import argmax_rows
 from .int4 import check_int4_layout, is_int4, quantize_weights
 from .int4_sparse import int4_blocks
 from .kept_heads import KeptHeads
 from .lowrank import LowRank, LowRankAttention, LowRankMLP
-from .mlp import KeptMLP, gate_act, mlp_block
+from .mlp import KeptMLP, mlp_block
 from .plans import check_factors, fold_rotations, plan_parts
 from .sets import KeptSets
 from .site_thresholds import keep_sites, layer_thresholds
-from .weights import DecoderWeights, check_layout, decoder_weights, layout_for, linear_t
+from .weights import DecoderWeights, check_layout, decoder_weights, layout_for
 
 __all__ = ["Decoder"]
 
@@ -64,7 +68,7 @@ def _norm(x: torch.Tensor, p: tuple, kind: str) -> torch.Tensor:
     return row_norm(x, w, b if kind == "layer" else None, eps=eps, kind=kind)
 
 
-class Decoder:
+class Decoder(DecodeLoop):
     """Greedy batch-1 decoding of one sequence of up to ``max_seq_len`` tokens.
 
     ``model`` is a HF model or the :class:`DecoderWeights` of one (to share them between
@@ -366,149 +370,6 @@ class Decoder:
         """Every block of a one-token step on x [1, d], each finished in its residual add +
         norm (:func:`~dejavu_lab.engine.fused_step.fused_layers`)."""
         return fused_layers(x, self.w, self.attn, self.mlp, fuse_hidden=self.fuse_hidden)
-
-    @torch.no_grad()
-    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
-        """Dense forward over the prompt ids [1, S] (or [S]); fills the cache; logits [1, V]."""
-        ids = check_engine.prompt(ids, vocab=self.w.embed.shape[0])  # a batch is not flattened
-        ids = ids.reshape(-1).to(self.w.device)
-        S = ids.numel()
-        if S < 1 or S >= self.max_seq_len:
-            raise EngineError(
-                f"the prompt has {S} tokens but the cache holds {self.max_seq_len}; build the "
-                "Decoder with a larger max_seq_len (prompt + new tokens)."
-            )
-        H, Hkv, dh = self.H, self.Hkv, self.dh
-        pos = self.ar_t[:S]
-        x = self._embed(ids, pos)
-        tap = self._taps or (lambda i, site, t: None)
-
-        def attn(i, xn):
-            lw = self.w.layers[i]
-            tap(i, "attn_in", xn)
-            qkv = lw.qkv(xn).view(S, H + 2 * Hkv, dh)
-            q, k, v = qkv[:, :H], qkv[:, H : H + Hkv], qkv[:, H + Hkv :]
-            if self.cos is not None:
-                c, s = self.cos[:S, None], self.sin[:S, None]
-                q, k = rotate(q, c, s), rotate(k, c, s)
-            self.kv[i, 0, :, :S] = k.transpose(0, 1)
-            self.kv[i, 1, :, :S] = v.transpose(0, 1)
-            o = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                is_causal=True, enable_gqa=H != Hkv,
-            )[0].transpose(0, 1).reshape(S, H * dh)  # fmt: skip
-            tap(i, "o_in", o)
-            return linear_t(o, lw.w_o_t, lw.b_o)
-
-        def mlp(i, xn):
-            lw, n = self.w.layers[i], self.arch.d_mlp
-            tap(i, "mlp_in", xn)
-            a = lw.mlp_in(xn)
-            g = gate_act(a, self.w.activation, self.arch.gated, n)  # what CATS thresholds
-            h = g * a[:, n:] if self.arch.gated else g
-            tap(i, "gate", g)
-            tap(i, "down_in", h)
-            return linear_t(h, lw.w_down_t, lw.b_down)
-
-        for i in range(self.arch.n_layers):
-            x = self._block(i, x, lambda xn, i=i: attn(i, xn), lambda xn, i=i: mlp(i, xn))
-        logits = self._head(x[-1:])
-        self.pos, self.base = S, S
-        self.pos_t.fill_(S)
-        self.base_t.fill_(S)
-        nxt = logits.argmax(-1)
-        self.tok_t.copy_(nxt)
-        self.tokens[:S] = ids
-        self.tokens[S : S + 1] = nxt
-        if self.window and self.st.hwin is None:  # the deferred window's attention inputs
-            self.st.hwin = torch.zeros(self.arch.n_layers, self.window, self.arch.d_model,
-                                    dtype=self.w.dtype, device=self.w.device)  # fmt: skip
-        return logits
-
-    def _before_step(self) -> None:
-        if self.pos >= self.max_seq_len:
-            raise EngineError(f"the cache is full ({self.max_seq_len} tokens); build a larger one.")
-        if self.window and self.pos - self.base >= self.window:
-            self._flush()
-
-    @torch.no_grad()
-    def step(self, token=None) -> torch.Tensor:
-        """Decode one token (default: the greedy choice of the last step); logits [1, V]."""
-        if self.pos == 0:
-            raise EngineError("call prefill(prompt_ids) before step().")
-        self._before_step()
-        if token is not None:
-            self.tok_t.fill_(check_engine.size(token, "token", maximum=self.w.embed.shape[0] - 1))
-        self.pos_t.fill_(self.pos)
-        logits = self._replay() if self.graph is not None else self._step_body()
-        self._advance()
-        return logits
-
-    def _replay(self) -> torch.Tensor:
-        self.graph.replay()
-        return self._graph_logits
-
-    @torch.no_grad()
-    def capture(self) -> None:
-        """Record the decode step in a CUDA graph (after :meth:`prefill`); replays are positionless."""
-        if not (self.w.device.type == "cuda" and torch.cuda.is_available()):
-            raise EngineError("CUDA graph capture needs the model on a GPU; on CPU call step().")
-        if self.pos == 0:
-            raise EngineError("call prefill(prompt_ids) before capture().")
-        self._side = self._side or torch.cuda.Stream()
-        saved = (self.tok_t.clone(), self.pos_t.clone())
-        warm = torch.cuda.Stream()
-        warm.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(warm):  # compile the Triton kernels, create cuBLAS handles
-            for _ in range(2):
-                self.pos_t.copy_(saved[1])
-                self._step_body()
-        torch.cuda.current_stream().wait_stream(warm)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self._graph_logits = self._step_body()
-        self.tok_t.copy_(saved[0])
-        self.pos_t.copy_(saved[1])
-
-    def _steps_left(self) -> float:
-        """Decode steps the cache still has room for."""
-        return self.max_seq_len - self.pos
-
-    def _advance(self) -> None:
-        """Count one decoded step (the batched decoder counts steps, not positions)."""
-        self.pos += 1
-
-    @torch.no_grad()
-    def decode(self, n: int) -> None:
-        """``n`` decode steps with no host synchronisation (graph replays when captured)."""
-        n = check_engine.size(n, "n")  # whole steps, >= 0
-        if n > self._steps_left():
-            raise EngineError(
-                f"{n} more tokens would pass the cache's {self.max_seq_len}; build a larger one."
-            )
-        for _ in range(n):
-            self._before_step()
-            self.graph.replay() if self.graph is not None else self._step_body()
-            self._advance()
-
-    @torch.no_grad()
-    def generate(self, ids: torch.Tensor, max_new_tokens: int, *, graph: bool | None = None):
-        """Greedy continuation of ids [1, S]: [1, S + max_new_tokens] (like HF ``generate``)."""
-        ids = check_engine.prompt(ids, vocab=self.w.embed.shape[0])  # [1, S], ints in the vocab
-        max_new_tokens = check_engine.size(max_new_tokens, "max_new_tokens", minimum=1)
-        S = ids.reshape(-1).numel()
-        if S + max_new_tokens > self.max_seq_len:
-            raise EngineError(
-                f"prompt {S} + {max_new_tokens} new tokens exceed the cache's {self.max_seq_len}."
-            )
-        self.prefill(ids)
-        use_graph = self.w.device.type == "cuda" if graph is None else graph
-        if use_graph and self.graph is None:
-            self.capture()
-        elif not use_graph:
-            self.graph = None
-        self.decode(max_new_tokens - 1)
-        return self.tokens[: S + max_new_tokens][None].clone()
 
     # ----------------------------------------------------------------------------- profiling
 

@@ -21,7 +21,7 @@ Where it applies: one token, a pre-LN model, a GPU (or the CPU under ``TRITON_IN
 any method but DejaVu (whose blocks run their own kernels and lookahead predictors). Decoders
 that change the blocks (batched, tensor-parallel) turn it off; ``fuse_epilogues = False`` on a
 decoder runs the plain step, for timing the difference (``kernels/bench_engine.py --plain``);
-set it before :meth:`~dejavu_lab.engine.Decoder.capture` (a captured graph keeps the step it
+set it before :meth:`~dejavu_lab.engine.decode_loop.DecodeLoop.capture` (a captured graph keeps the step it
 recorded).
 
 >>> import torch

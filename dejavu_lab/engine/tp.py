@@ -24,7 +24,7 @@ layer and would give ranks unequal work (the slowest sets the step time). Fixed 
 (:func:`split_indices`).
 
 CUDA graphs: NCCL collectives can be captured (torch >= 2.1 keeps the watchdog off captured
-work), so :meth:`~dejavu_lab.engine.Decoder.capture` records the whole step with its
+work), so :meth:`~dejavu_lab.engine.decode_loop.DecodeLoop.capture` records the whole step with its
 collectives, as on one GPU; gloo's cannot: on CPU every step runs eagerly.
 
 Keep NVLink multicast off (:data:`NVLS_OFF`, set by :func:`init_tp` before NCCL starts): a

@@ -14,7 +14,8 @@ so adding a method is adding one file and its row in :data:`dejavu_lab.vocab.MET
 - :mod:`~dejavu_lab.sparsify.rsparse` — R-Sparse's large entries plus a low-rank term.
 
 The threshold methods take their thresholds from a calibration
-(:mod:`~dejavu_lab.sparsify.calibration`; TEAL's greedy allocation:
+(:mod:`~dejavu_lab.sparsify.calibration`, the :class:`Calibration` itself in
+:mod:`~dejavu_lab.sparsify.calibration_data`; TEAL's greedy allocation:
 :mod:`~dejavu_lab.sparsify.greedy`).
 
 Sparsity is always the fraction REMOVED (the paper's "85% MLP sparsity" keeps 15% of neurons),

@@ -147,7 +147,7 @@ def sparsified(
     the threshold methods the target share of zeroed inputs (TEAL/WINA: bytes-weighted over the
     four :data:`SITES` of a layer; CATS: MLP neurons). ``dense_layers``: layers left dense.
     ``static``: a :class:`~dejavu_lab.sparsify.static.StaticSets`; ``predictors``:
-    :class:`~dejavu_lab.predictors.Predictors`; ``thresholds``: a
+    :class:`~dejavu_lab.predictors.model.Predictors`; ``thresholds``: a
     :class:`~dejavu_lab.sparsify.calibration.Calibration` (thresholds for ``sparsity`` and
     ``allocation`` are taken from it) or ready
     :class:`~dejavu_lab.sparsify.calibration.Thresholds`. ``record``: a dict receiving the unit

@@ -266,8 +266,8 @@ def frontier(
     ``variants``: names of :data:`VARIANTS` (or as :func:`parse_variant` reads them) or a dict
     name -> spec (``method``, and optionally ``allocation``, ``sites``, ``dense_layers``,
     ``head_sparsity``). ``predictors``: DejaVu predictors for ``"dejavu"`` (default:
-    :func:`dejavu_lab.predictors.get_or_train` on the training text, cached). Calibrations are
-    cached (:func:`calibrate`).
+    :func:`dejavu_lab.predictors.get_or_train <dejavu_lab.predictors.cache.get_or_train>` on
+    the training text, cached). Calibrations are cached (:func:`calibrate`).
 
     >>> from dejavu_lab.models import load_model
     >>> model, tok, _ = load_model("demo")

@@ -162,7 +162,7 @@ def site_shares(
     if allocation == "search":
         if search is None:
             raise CalibrationError("allocation='search' needs the method's search (its plan).")
-        from .calibration import _interp_path
+        from .calibration_data import _interp_path
 
         path, out = search(), {}
         for i, si in enumerate(s):
