@@ -31,7 +31,7 @@ from .. import results, staleness
 from ..errors import ResultsError
 from ..vocab import METHODS
 from .gated import crossings
-from .plots import COLORS, legend_and_caption_below
+from .plots import COLORS, dash, legend_and_caption_below
 from .source import listing
 
 __all__ = [
@@ -438,7 +438,7 @@ def frontiers_figure(frame: pd.DataFrame, caption: str, *, ymax: float = 10.0,
                     legendgroup=v,
                     showlegend=v not in shown,
                     meta={"model": model, "variant": v},
-                    line=dict(color=colors[v], dash="dot" if "uniform" in v else "solid"),
+                    line=dict(color=colors[v], dash=dash(v)),
                     hovertemplate=f"{title(model)}<br>{v}: %{{x:.2f}} of the bytes<br>"
                     "perplexity × %{y:.3f}<extra></extra>",
                 ),

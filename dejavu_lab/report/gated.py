@@ -35,7 +35,7 @@ from ..sparsify.core import sparsified
 from ..sparsify.frontier import at_bytes, frontier
 from ..sparsify.kept import Kept
 from ..step_bytes import layer_elements, site_elements
-from .plots import COLORS, legend_and_caption_below
+from .plots import COLORS, dash, legend_and_caption_below
 
 __all__ = [
     "TARGETS",
@@ -61,10 +61,6 @@ def color(variant: str) -> str:
     True
     """
     return COLORS.get(variant.split(" ")[0], "#17becf")
-
-
-def _dash(variant: str) -> str:
-    return "dot" if "uniform" in variant else "solid"
 
 
 def _wrap(caption: str, width: int = 120) -> str:
@@ -202,7 +198,7 @@ def frontier_figure(
                     name=v,
                     legendgroup=v,
                     showlegend=col == 1,
-                    line=dict(color=color(v), dash=_dash(v)),
+                    line=dict(color=color(v), dash=dash(v)),
                     hovertemplate=f"{v}: %{{x:.2f}}<br>perplexity × %{{y:.3f}}<extra></extra>",
                 ),
                 row=1,

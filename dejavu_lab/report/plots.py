@@ -11,7 +11,14 @@ from __future__ import annotations
 
 import textwrap
 
-__all__ = ["COLORS", "caption_axes", "caption_figure", "legend_and_caption_below", "wrap_caption"]
+__all__ = [
+    "COLORS",
+    "caption_axes",
+    "caption_figure",
+    "dash",
+    "legend_and_caption_below",
+    "wrap_caption",
+]
 
 #: method -> its colour in every chapter ("predicted" is the explorer's name for DejaVu's sets)
 COLORS = {
@@ -26,6 +33,17 @@ COLORS = {
     "larosa": "#17becf",
     "rsparse": "#8c564b",
 }
+
+
+def dash(variant: str) -> str:
+    """A variant's line style beside its method's colour: dotted for a uniform allocation,
+    dashed for budgets per layer, solid otherwise.
+
+    >>> dash("teal (uniform)"), dash("teal (greedy, layers)"), dash("larosa")
+    ('dot', 'dash', 'solid')
+    """
+    return "dot" if "uniform" in variant else "dash" if "layers" in variant else "solid"
+
 
 CAPTION_CHARS = 90  # characters per caption line that fit the book's text column at 10 pt
 
