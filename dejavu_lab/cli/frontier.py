@@ -116,7 +116,8 @@ def add_parser(sub) -> None:
         default=None,
         help="methods as teal, teal:uniform, wina, cats, oracle, static, dejavu (any of the "
         "method table; default 'training-free': those needing no trained predictor, and the "
-        "oracle; 'all' adds dejavu)",
+        "oracle; 'all' adds dejavu); teal+layers, wina+layers, larosa+layers spread the budget "
+        "over the layers by each layer's measured sensitivity",
     )
     p.add_argument(
         "--sparsity",
