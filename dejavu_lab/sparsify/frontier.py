@@ -152,12 +152,25 @@ def parse_variant(text: str) -> tuple[str, dict]:
 
 def prepare(model, tokenizer, spec: dict, calib: torch.Tensor, *, arch=None, progress=False,
             **kw) -> dict:  # fmt: skip
-    """:func:`prepare_method` and, for a variant with ``"layers"``, its layers' sensitivity
+    """What the variant ``spec`` needs before it runs, built from the calibration windows
+    ``calib`` [n, window] as its row of :data:`~dejavu_lab.vocab.METHODS` says: ``{"cal": ...}``
+    (a :class:`~dejavu_lab.sparsify.calibration.Calibration`, cached, with TEAL's greedy path
+    for a greedy variant), ``{"static": ...}``, ``{"predictors": ...}`` (``predictors``, or
+    trained once on the corpus's training text, cached), ``{"moments": ...}`` for LaRoSA and
+    R-Sparse, or ``{}``; for a variant with ``"layers"`` also its layers' sensitivity
     (``ready["layers"]``, :func:`~dejavu_lab.sparsify.layers.cached_sensitivity` on the first
     calibration window), from which :func:`evaluate_point` spreads each budget over the layers.
+    Keywords: ``corpus``, ``window``, ``train_tokens``, ``predictors`` (for DejaVu).
+
+    >>> from dejavu_lab.models import random_model
+    >>> m = random_model("tiny-llama")
+    >>> calib = torch.randint(0, 128, (1, 16))
+    >>> sorted(prepare(m.model, None, {"method": "cats"}, calib)), prepare(m.model, None,
+    ...     {"method": "oracle"}, calib)
+    (['cal'], {})
     """
     arch = arch or get_arch(model)
-    ready = prepare_method(model, tokenizer, spec, calib, arch=arch, progress=progress, **kw)
+    ready = _prepare_method(model, tokenizer, spec, calib, arch=arch, progress=progress, **kw)
     if spec.get("layers"):
         base = {k: v for k, v in spec.items() if k != "layers"}
         ready["layers"] = cached_sensitivity(
@@ -167,7 +180,7 @@ def prepare(model, tokenizer, spec: dict, calib: torch.Tensor, *, arch=None, pro
     return ready
 
 
-def prepare_method(
+def _prepare_method(
     model,
     tokenizer,
     spec: dict,
@@ -180,19 +193,7 @@ def prepare_method(
     arch=None,
     progress: bool = False,
 ) -> dict:
-    """What the variant ``spec`` needs before it runs, built from the calibration windows
-    ``calib`` [n, window] as its row of :data:`~dejavu_lab.vocab.METHODS` says: ``{"cal": ...}``
-    (a :class:`~dejavu_lab.sparsify.calibration.Calibration`, cached, with TEAL's greedy path
-    for a greedy variant), ``{"static": ...}``, ``{"predictors": ...}`` (``predictors``, or
-    trained once on the corpus's training text, cached), or ``{}``.
-
-    >>> from dejavu_lab.models import random_model
-    >>> m = random_model("tiny-llama")
-    >>> calib = torch.randint(0, 128, (1, 16))
-    >>> sorted(prepare(m.model, None, {"method": "cats"}, calib)), prepare(m.model, None,
-    ...     {"method": "oracle"}, calib)
-    (['cal'], {})
-    """
+    """What the variant ``spec`` needs (:func:`prepare`) but the layers' sensitivity."""
     arch = arch or get_arch(model)
     m = method(spec["method"])
     if m.needs == "nothing":

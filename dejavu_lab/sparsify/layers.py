@@ -203,6 +203,20 @@ def cached_sensitivity(
     """:func:`sensitivity`, read from or written (atomically) to ``cache_dir()/layers``, keyed
     by the model's fingerprint, ``key`` (the method's spec), the text and the grid. A file
     that cannot be read is measured again and replaced.
+
+    >>> import os, tempfile
+    >>> from unittest import mock
+    >>> from dejavu_lab.models import random_model
+    >>> from dejavu_lab.sparsify import calibrate
+    >>> m = random_model("tiny-llama")
+    >>> ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(0))
+    >>> cal = calibrate(m.model, ids, cache=False, progress=False)
+    >>> kw = lambda b: {"method": "teal", "thresholds": cal.thresholds("teal", b)}
+    >>> with mock.patch.dict(os.environ, DEJAVU_LAB_CACHE=tempfile.mkdtemp()):  # not ~/.cache
+    ...     a = cached_sensitivity(m.model, ids, kw, {"method": "teal"}, grid=(0.5,))
+    ...     b = cached_sensitivity(m.model, ids, kw, {"method": "teal"}, grid=(0.5,))  # read back
+    >>> torch.equal(a, b), tuple(a.shape)
+    (True, (2, 1))
     """
     fp = fingerprint(model, arch)
     what = {"key": key, "text": text_hash(windows), "grid": [float(g) for g in grid]}
