@@ -247,14 +247,21 @@ def test_a_run_killed_after_its_first_point_resumes_where_it_stopped(capsys, tmp
 
 def test_the_demo_recording_holds_every_training_free_variant_with_its_provenance():
     """results/frontier_demo.json (chapter 42 reads it): every point its command asked for,
-    where and how it ran; the variants it holds are the method table's (a method added after
-    the recording joins it when the command is run again: the finished points are kept)."""
+    where and how it ran; the variants it holds are the method table's training-free ones and
+    those the command names besides (a method added after the recording joins it when the
+    command is run again: the finished points are kept)."""
+    import shlex
+
     from dejavu_lab import results
     from dejavu_lab.cli.frontier import _variants
 
     frame, prov = results.load("frontier_demo")
-    variants = dict(_variants("training-free"))
-    assert set(frame["variant"]) == {"dense", *prov["variants"]}
+    argv = shlex.split(prov["command"])
+    named = argv[argv.index("--methods") + 1 :]
+    named = named[: next((i for i, a in enumerate(named) if a.startswith("--")), len(named))]
+    assert "training-free" in named
+    variants = {k: v for text in named for k, v in _variants(text)}
+    assert set(frame["variant"]) == {"dense", *prov["variants"]} == {"dense", *variants}
     assert {v: variants[v] for v in prov["variants"]} == prov["variants"]
     assert (frame[frame.variant != "dense"].groupby("variant").size() == 5).all()
     assert prov["command"].startswith("dejavu-lab frontier --model demo")
