@@ -105,18 +105,16 @@ def test_layered_variant_reads_the_bytes_of_the_uniform_one(qwen, tmp_path, monk
     monkeypatch.setenv("DEJAVU_LAB_CACHE", str(tmp_path))
     m, _ = qwen
     calib, held = _ids(2, 48, seed=1), _ids(2, 32, seed=4)
-    rows = {}
+    rows, ready = {}, {}
     for text in ("teal", "teal+layers"):
         name, spec = parse_variant(text)
-        ready = prepare(m.model, None, spec, calib)
-        rows[name] = evaluate_point(m.model, held, name, spec, 0.5, ready)
+        ready[name] = prepare(m.model, None, spec, calib)
+        rows[name] = evaluate_point(m.model, held, name, spec, 0.5, ready[name])
     assert set(rows) == {"teal (greedy)", "teal (greedy, layers)"}
     a, b = rows["teal (greedy)"], rows["teal (greedy, layers)"]
     assert b["bytes_per_token_fraction"] == pytest.approx(a["bytes_per_token_fraction"], abs=0.05)
-    budgets = allocate(
-        prepare(m.model, None, parse_variant("teal+layers")[1], calib)["layers"], 0.5
-    )
-    thr = prepare(m.model, None, {"method": "teal", "allocation": "greedy"}, calib)["cal"]
+    budgets = allocate(ready["teal (greedy, layers)"]["layers"], 0.5)
+    thr = ready["teal (greedy)"]["cal"]
     direct = sparse_eval(m.model, held, method="teal", progress=False,
                          thresholds=thr.thresholds("teal", budgets, allocation="greedy"))  # fmt: skip
     assert b["perplexity"] == pytest.approx(direct.perplexity, rel=1e-6)  # the row runs them
