@@ -40,6 +40,7 @@ __all__ = [
     "fitting_group",
     "gguf_types",
     "live_perplexity",
+    "live_sentence",
     "load_quality",
     "quality_caption",
     "quality_figure",
@@ -349,6 +350,24 @@ def live_perplexity(model, tokenizer, formats=("fp", "rtn-g32", "rtn-g64"), *,
     out = pd.DataFrame(rows)
     out["rise over fp %"] = 100 * (out["perplexity"] / out["perplexity"].iloc[0] - 1)
     return out
+
+
+def live_sentence(table: pd.DataFrame | None) -> str:
+    """What :func:`live_perplexity`'s table shows about groups 32 and 64, or that the check did
+    not run (the demo model could not be loaded).
+
+    >>> live_sentence(pd.DataFrame({"format": ["fp", "rtn-g32", "rtn-g64"],
+    ...                             "rise over fp %": [0.0, 0.0, 1.234]}))
+    "Group 32 is the file's own format (+0.0% perplexity); group 64 costs +1.2% on these windows."
+    >>> live_sentence(None)
+    'The live check did not run here (no demo model on this machine); the recorded study below still holds.'
+    """
+    if table is None:
+        return ("The live check did not run here (no demo model on this machine); the recorded "
+                "study below still holds.")  # fmt: skip
+    rise = table.set_index("format")["rise over fp %"]
+    return (f"Group 32 is the file's own format ({rise['rtn-g32']:+.1f}% perplexity); group 64 "
+            f"costs {rise['rtn-g64']:+.1f}% on these windows.")  # fmt: skip
 
 
 def _bytes_at(arch, vocab: int, fmt: str, variant: str, sparsity: float, context: int) -> float:

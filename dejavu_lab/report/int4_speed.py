@@ -222,8 +222,8 @@ def speed_sentence(kernels: pd.DataFrame, engine: pd.DataFrame) -> str:
             else kernels
         )
         r = k["int4 vs cuBLAS"]
-        parts.append(f"Batch 1, our int4 GEMV runs {r.min():.2f}–{r.max():.2f}× faster than "
-                     "cuBLAS fp16 over the shapes and groups timed")  # fmt: skip
+        parts.append(f"Batch 1, our int4 GEMV runs {_speed(r.min(), r.max())} cuBLAS fp16 over "
+                     "the shapes and groups timed")  # fmt: skip
         if "int4_thr 50% vs int4 dense" in k:
             t = k["int4_thr 50% vs int4 dense"]
             parts[-1] += f", and its threshold GEMV at 50% kept {_speed(t.min(), t.max())} " + (

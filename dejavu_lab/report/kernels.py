@@ -262,7 +262,7 @@ def fit_sentence(fit: pd.DataFrame, d: int, batch: int = 1) -> str:
     "At batch 1 the up-projection's fixed cost is ~... µs and ...; the down-projection's fixed cost is ~... µs and ..."
     """
     f = fit[(fit.d == d) & (fit.batch == batch)]
-    parts = []
+    parts, why = [], False
     for op in ("up", "down"):
         g = f[f.op == op]
         if not len(g):
@@ -273,8 +273,10 @@ def fit_sentence(fit: pd.DataFrame, d: int, batch: int = 1) -> str:
             parts.append(f"{fixed} and its cap matches its measured fraction within "
                          f"{gap.abs().max():.2f}")  # fmt: skip
         elif gap.max() > 0:
-            parts.append(f"{fixed} and it beats its cap by up to {gap.max():.2f} (it streams "
-                         "faster than cuBLAS's dense GEMV, the ideal's denominator)")  # fmt: skip
+            parts.append(f"{fixed} and it beats its cap by up to {gap.max():.2f}"
+                         + ("" if why else " (it streams faster than cuBLAS's dense GEMV, the "
+                            "ideal's denominator)"))  # fmt: skip
+            why = True
         else:
             parts.append(f"{fixed} and it stays up to {-gap.min():.2f} under its cap")
     if not parts:
