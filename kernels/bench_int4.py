@@ -36,7 +36,9 @@ from dejavu_lab.bench.int4 import Int4Case, gemlite_version
 from dejavu_lab.bench.timing import copy_ceiling, cuda, graph_us, print_rows, relerr, sweep
 from dejavu_lab.kernels import tuning
 from dejavu_lab.kernels.int4 import int4_gemv_ref
+from dejavu_lab.kernels.int4.half2 import HALF2
 from dejavu_lab.kernels.int4.kernel import default_config
+from dejavu_lab.kernels.int4.tile import TILE
 
 SHAPES = [  # (name, d_in, d_out): w_t [d_in, d_out]
     ("llama3-8b up", 4096, 14336),
@@ -51,13 +53,22 @@ def _cfg(r, d, w, pps, **kw):
     return {"BLOCK_R": r, "BLOCK_D": d, "num_warps": w, "programs_per_sm": pps, **kw}
 
 
+def _half2(rows, sub, d, w):
+    return {"mode": "half2", "ROWS": rows, "SUB": sub, "BLOCK_D": d, "num_warps": w}
+
+
 def _tile(r, d, w):
     return {"mode": "tile", "BLOCK_R": r, "BLOCK_D": d, "num_warps": w}
 
 
 CANDIDATES = {  # swept per shape and group; each computes the same function (checked first)
     1: [
-        default_config(1, 4096, 14336),  # the tile (kernels/int4/tile.py)
+        default_config(1, 4096, 14336),  # the default
+        dict(TILE),  # the tile (kernels/int4/tile.py)
+        dict(HALF2),  # half2 decoding (kernels/int4/half2.py)
+        _half2(32, 32, 256, 1),
+        _half2(32, 32, 512, 2),
+        _half2(128, 16, 1024, 4),
         _tile(32, 128, 2),
         _tile(64, 256, 4),
         _tile(32, 512, 4),

@@ -31,6 +31,7 @@ from dejavu_lab.kernels.int4 import (
     int4_threshold_gemv,
     int4_threshold_gemv_ref,
 )
+from dejavu_lab.kernels.int4.half2 import HALF2
 from dejavu_lab.kernels.int4.kernel import default_config, int4_gemv_kernel
 from dejavu_lab.kernels.int4.tile import int4_tile_kernel
 from dejavu_lab.quant import GROUPS
@@ -87,6 +88,8 @@ VARIANTS = {  # every config computes the same function
     "small": SMALL,
     "tile-narrow": {"mode": "tile", "BLOCK_R": 16, "BLOCK_D": 16, "num_warps": 1},
     "tile-a-whole-group": {"mode": "tile", "BLOCK_R": 32, "BLOCK_D": 128, "num_warps": 4},
+    "half2": {"mode": "half2", "ROWS": 32, "SUB": 16, "BLOCK_D": 32, "num_warps": 1},
+    "half2-default": HALF2,
     "loop": LOOP,
     "rows-inside-a-group": {**LOOP, "BLOCK_R": 16},
     "groups-inside-a-step": {**LOOP, "BLOCK_R": 128},
@@ -109,6 +112,22 @@ def test_variants(dtype, batch, variant, seed):
     assert_close(out, int4_gemv_ref(x, w), dtype, seed)
     thr = threshold_keeping(x, 0.4)
     int4_threshold_gemv(x, w, thr, out=out, config=VARIANTS[variant])
+    assert_close(out, int4_threshold_gemv_ref(x, w, thr), dtype, seed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scale", [1e-3, 1e3])
+def test_half2_sums_neither_overflow_nor_vanish(dtype, scale, seed):
+    # the half2 kernel sums in fp16: it divides each program's activations by their largest
+    # magnitude first, so activations of 1e3 (fp16 sums of 32 rows would pass 65504) and 1e-3
+    # (fp16 subnormals) give the reference's result too
+    w = weight(dtype, 64)
+    x = (torch.randn(1, D_IN) * scale).to(dtype)
+    out = poisoned(1, D_OUT, dtype)
+    int4_gemv(x, w, out=out, config=HALF2)
+    assert_close(out, int4_gemv_ref(x, w), dtype, seed)
+    thr = threshold_keeping(x, 0.5)
+    int4_threshold_gemv(x, w, torch.full((D_IN,), thr), out=out, config=HALF2)
     assert_close(out, int4_threshold_gemv_ref(x, w, thr), dtype, seed)
 
 

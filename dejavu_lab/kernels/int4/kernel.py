@@ -41,6 +41,7 @@ from .. import _workspace, tuning
 from .._common import batch_block, dot_acc, next_pow2, sm_count, upcast_dot
 from .._reduce import chunk as chunk_of
 from .._reduce import split_reduce
+from .half2 import launch_half2
 from .tile import TILE, launch_tile
 
 __all__ = ["default_config", "int4_gemv_kernel", "launch", "nibbles_per_word"]
@@ -250,7 +251,7 @@ def default_config(batch: int, d_in: int = 0, d_out: int = 0, *, group: int = 12
         tuned = tuning.lookup(f"{op}_g{group}", d_in, d_out, None, batch, device)
         # batch 1: the loop configs the table holds lost to the tile at every shape and kept
         # fraction timed (:mod:`.tile`), so only a tuned tile replaces the tile's defaults
-        if tuned is not None and (not tile or tuned.get("mode") == "tile"):
+        if tuned is not None and (not tile or tuned.get("mode") in ("tile", "half2")):
             return tuned
     if tile:
         return dict(TILE)
@@ -269,8 +270,9 @@ def nibbles_per_word(d_out: int) -> int:
 def launch(xb: torch.Tensor, w, res2: torch.Tensor, cfg: dict, *, mode: str, thr=None,
            idx: torch.Tensor | None = None, bias: torch.Tensor | None = None,
            rows_per_index: int = 1) -> None:  # fmt: skip
-    """Run :func:`int4_gemv_kernel` on checked inputs (``cfg["mode"] == "tile"`` with one token
-    of a dense or threshold GEMV: :func:`~.tile.launch_tile` instead): ``xb`` [B, K]
+    """Run :func:`int4_gemv_kernel` on checked inputs (``cfg["mode"]`` ``"tile"`` or ``"half2"``
+    with one token of a dense or threshold GEMV: :func:`~.tile.launch_tile` or
+    :func:`~.half2.launch_half2` instead): ``xb`` [B, K]
     (``mode="rows"``: [B, n]),
     ``w`` an Int4Weight on xb's device and dtype, ``res2`` the [B, D] output; ``thr`` a float or
     fp32 [K] (threshold); ``idx`` int32 [n] (rows: blocks of
@@ -285,8 +287,10 @@ def launch(xb: torch.Tensor, w, res2: torch.Tensor, cfg: dict, *, mode: str, thr
     >>> out.tolist()
     [[0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]]
     """
-    if cfg.get("mode") == "tile" and mode != "rows" and xb.shape[0] == 1 and w.shape[1] % 8 == 0:
-        launch_tile(xb, w, res2, cfg, mode=mode, thr=thr, bias=bias)  # one token: :mod:`.tile`
+    one = mode != "rows" and xb.shape[0] == 1 and w.shape[1] % 8 == 0
+    if one and cfg.get("mode") in ("tile", "half2"):  # one token: :mod:`.tile`, :mod:`.half2`
+        run = launch_half2 if cfg["mode"] == "half2" else launch_tile
+        run(xb, w, res2, cfg, mode=mode, thr=thr, bias=bias)
         return
     batch = xb.shape[0]
     d_out = w.shape[1]

@@ -1,0 +1,244 @@
+"""The batch-1 int4 GEMV that decodes codes into half2 pairs: two weights per instruction.
+
+:mod:`.tile` turns each nibble into an fp32 float (shift, mask, convert) and multiplies it with
+one FMA: about seven instructions per weight in its SASS (sm_90), so at batch 1 the GEMV is
+bound by instruction issue, not by its bytes. Here one 32-bit word of codes (eight outputs of
+one input row) becomes four half2 registers with the magic-number trick of FasterTransformer
+and Marlin: ``(word >> 4j) & 0x000F000F | 0x64006400`` is the fp16 pair ``(1024 + q, 1024 + q')``
+for the outputs ``8w + j`` and ``8w + j + 4``; subtracting ``1032`` (``sub.f16x2``) leaves the
+centred codes ``q - 8`` exactly, and one ``fma.rn.f16x2`` adds them times the row's activation
+to a half2 accumulator: about 2.7 instructions per weight in all.
+
+Each program owns ``ROWS`` input rows of one group and ``BLOCK_D`` outputs. Its activations are
+divided by their largest magnitude first (so the fp16 sums cannot overflow, whatever the
+activations' scale or dtype, bf16 included), the rows are walked one at a time inside each
+thread (the row's activation is the same in every thread: a broadcast, no reduction across
+threads), and every ``SUB`` rows the half2 sums are added to fp32 ones. Then
+
+    ``y[o] += p s[g, o] sum_r x'[r] (q[r, o] - 8)  +  (m[g, o] + 8 s[g, o]) sum_r x[r]``
+
+(``p`` the magnitude divided out) goes to an fp32 workspace with relaxed atomics, and the
+finishing launch of :mod:`.tile` rounds it into the output. Threshold mode (TEAL / WINA): a row
+whose entry falls under its threshold has its code load masked off and its decode skipped (the
+branch is uniform: every thread of the program sees the same activation).
+
+The fp16 sums of ``SUB`` products make this kernel less exact than :mod:`.tile`: a relative
+error of about 2e-3 against the fp32 reference where the tile kernel has 2e-5 (an H100 on
+random Llama-shaped weights, ``SUB = 32``), far below int4's own error against the fp16
+weights (~10% per weight). The inline PTX runs only when compiled for a GPU; under
+``TRITON_INTERPRET=1`` the same sums are computed with Triton's fp16 arithmetic (``ASM=False``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import _workspace
+from ..threshold.tile import threshold_finalize_kernel
+
+__all__ = ["HALF2", "int4_half2_kernel", "launch_half2"]
+
+# ROWS x BLOCK_D per program, SUB rows per fp16 sum; an H100 sweep of 20 shapes of this kernel
+# at 4096->14336, 14336->4096 and 5120->13824 (closing note of this kernel's change)
+HALF2 = {"mode": "half2", "ROWS": 64, "SUB": 32, "BLOCK_D": 512, "num_warps": 2}
+
+_PAIRS = tl.constexpr("""
+{
+.reg .b32 t, u, msk, mag, off;
+mov.b32 msk, 0x000F000F;
+mov.b32 mag, 0x64006400;
+mov.b32 off, 0x64086408;
+lop3.b32 t, $4, msk, mag, 0xEA;
+sub.f16x2 t, t, off;
+fma.rn.f16x2 $0, t, $5, $6;
+shr.u32 u, $4, 4;
+lop3.b32 t, u, msk, mag, 0xEA;
+sub.f16x2 t, t, off;
+fma.rn.f16x2 $1, t, $5, $7;
+shr.u32 u, $4, 8;
+lop3.b32 t, u, msk, mag, 0xEA;
+sub.f16x2 t, t, off;
+fma.rn.f16x2 $2, t, $5, $8;
+shr.u32 u, $4, 12;
+lop3.b32 t, u, msk, mag, 0xEA;
+sub.f16x2 t, t, off;
+fma.rn.f16x2 $3, t, $5, $9;
+}
+""")  # $0-$3: the four half2 sums out; $4: the word; $5: (x, x) as half2; $6-$9: sums in
+
+
+@triton.jit
+def _half(bits):
+    """The fp16 value whose bits are the low 16 of ``bits`` (int32), as fp16."""
+    return (bits & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _bits(h):
+    """The bits of fp16 ``h`` in the low 16 of an int32."""
+    return h.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+
+
+@triton.jit
+def _pair_emulated(words, xh, acc, J: tl.constexpr):
+    """What one ``lop3 / sub.f16x2 / fma.rn.f16x2`` step of :data:`_PAIRS` computes, in
+    Triton's fp16 arithmetic (the interpreter has no PTX)."""
+    lo = (((words >> (4 * J)) & 0xF) - 8).to(tl.float16)
+    hi = (((words >> (16 + 4 * J)) & 0xF) - 8).to(tl.float16)
+    lo = lo * xh + _half(acc)
+    hi = hi * xh + _half(acc >> 16)
+    return _bits(lo) | (_bits(hi) << 16)
+
+
+@triton.jit
+def _fp32(acc, HIGH: tl.constexpr):
+    """One half of a half2 sum, as fp32."""
+    if HIGH:
+        return _half(acc >> 16).to(tl.float32)
+    return _half(acc).to(tl.float32)
+
+
+@triton.jit
+def int4_half2_kernel(
+    x_ptr,  # [K] the input token (fp16 or bf16)
+    p_ptr,  # [K, D // 8] codes, int32 words of 8 nibbles (output 8j + k in bits 4k..4k+3)
+    s_ptr,  # [K // GROUP, D] scales
+    m_ptr,  # [K // GROUP, D] mins
+    thr_ptr,  # MODE 1: [K] fp32 thresholds (THR_SCALAR: unused)
+    thr_value,  # MODE 1 with THR_SCALAR: the one threshold
+    ws_ptr,  # [D] fp32 sums, zero between launches
+    D,
+    stride_p,
+    MODE: tl.constexpr,  # 0 dense, 1 threshold
+    THR_SCALAR: tl.constexpr,
+    EVEN_D: tl.constexpr,  # D % BLOCK_D == 0: no column mask
+    GROUP: tl.constexpr,
+    ROWS: tl.constexpr,  # rows per program: divides GROUP
+    SUB: tl.constexpr,  # rows per fp16 sum: divides ROWS
+    BLOCK_D: tl.constexpr,  # outputs per program, a multiple of 8
+    ASM: tl.constexpr,  # the inline PTX (compiled for a GPU) or its emulation (interpreter)
+):
+    NW: tl.constexpr = BLOCK_D // 8
+    pid_d = tl.program_id(0)
+    r0 = tl.program_id(1) * ROWS
+    offs_w = pid_d * NW + tl.arange(0, NW)
+    mask_w = (offs_w * 8 < D) | EVEN_D
+    offs_x = r0 + tl.arange(0, ROWS)
+    xs = tl.load(x_ptr + offs_x).to(tl.float32)
+    if MODE == 1:
+        if THR_SCALAR:
+            xs = tl.where(tl.abs(xs) > thr_value, xs, 0.0)
+        else:
+            xs = tl.where(tl.abs(xs) > tl.load(thr_ptr + offs_x), xs, 0.0)
+    amax = tl.max(tl.abs(xs), axis=0)
+    scale = tl.where(amax > 0, amax, 1.0)
+    inv = 1.0 / scale
+    f0 = tl.zeros((NW,), tl.float32)
+    f1 = tl.zeros((NW,), tl.float32)
+    f2 = tl.zeros((NW,), tl.float32)
+    f3 = tl.zeros((NW,), tl.float32)
+    f4 = tl.zeros((NW,), tl.float32)
+    f5 = tl.zeros((NW,), tl.float32)
+    f6 = tl.zeros((NW,), tl.float32)
+    f7 = tl.zeros((NW,), tl.float32)
+    for c in tl.static_range(ROWS // SUB):
+        a0 = tl.zeros((NW,), tl.int32)  # half2 (0, 0)
+        a1 = tl.zeros((NW,), tl.int32)
+        a2 = tl.zeros((NW,), tl.int32)
+        a3 = tl.zeros((NW,), tl.int32)
+        for i in tl.static_range(SUB):
+            row = r0 + c * SUB + i
+            xv = tl.load(x_ptr + row).to(tl.float32)
+            if MODE == 1:
+                if THR_SCALAR:
+                    keep = tl.abs(xv) > thr_value
+                else:
+                    keep = tl.abs(xv) > tl.load(thr_ptr + row)
+                use = mask_w & ((tl.zeros((NW,), tl.int32) + keep.to(tl.int32)) != 0)
+                words = tl.load(p_ptr + row.to(tl.int64) * stride_p + offs_w, mask=use, other=0,
+                                eviction_policy="evict_first")  # fmt: skip
+            elif EVEN_D:
+                keep = True
+                words = tl.load(p_ptr + row.to(tl.int64) * stride_p + offs_w,
+                                eviction_policy="evict_first")  # fmt: skip
+            else:
+                keep = True
+                words = tl.load(p_ptr + row.to(tl.int64) * stride_p + offs_w, mask=mask_w,
+                                other=0, eviction_policy="evict_first")  # fmt: skip
+            if keep:  # uniform: every thread holds the same row's activation
+                xh = (xv * inv).to(tl.float16)
+                if ASM:
+                    b = _bits(xh)
+                    x2 = (b | (b << 16)) + tl.zeros((NW,), tl.int32)
+                    a0, a1, a2, a3 = tl.inline_asm_elementwise(
+                        _PAIRS, "=r,=r,=r,=r,r,r,r,r,r,r", [words, x2, a0, a1, a2, a3],
+                        dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1,
+                    )  # fmt: skip
+                else:
+                    a0 = _pair_emulated(words, xh, a0, 0)
+                    a1 = _pair_emulated(words, xh, a1, 1)
+                    a2 = _pair_emulated(words, xh, a2, 2)
+                    a3 = _pair_emulated(words, xh, a3, 3)
+        # pair j holds outputs 8w + j (low half) and 8w + j + 4 (high half)
+        f0 += _fp32(a0, False)
+        f4 += _fp32(a0, True)
+        f1 += _fp32(a1, False)
+        f5 += _fp32(a1, True)
+        f2 += _fp32(a2, False)
+        f6 += _fp32(a2, True)
+        f3 += _fp32(a3, False)
+        f7 += _fp32(a3, True)
+    # [NW, 2, 2, 2] with output k = 4i + 2j + l of word w at [w, i, j, l], then [NW, 8]
+    sums = tl.join(tl.join(tl.join(f0, f4), tl.join(f2, f6)),
+                   tl.join(tl.join(f1, f5), tl.join(f3, f7)))  # fmt: skip
+    sums = tl.reshape(sums, (NW, 8)) * scale
+    offs_n = tl.arange(0, 8)
+    sm = (r0 // GROUP) * D + offs_w[:, None] * 8 + offs_n[None, :]
+    s = tl.load(s_ptr + sm, mask=mask_w[:, None], other=0.0).to(tl.float32)
+    m = tl.load(m_ptr + sm, mask=mask_w[:, None], other=0.0).to(tl.float32)
+    y = tl.reshape(s * sums + (m + 8.0 * s) * tl.sum(xs, axis=0), (BLOCK_D,))
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    tl.atomic_add(ws_ptr + offs_d, y, mask=(offs_d < D) | EVEN_D, sem="relaxed")
+
+
+def launch_half2(xb: torch.Tensor, w, res2: torch.Tensor, cfg: dict, *, mode: str, thr=None,
+                 bias: torch.Tensor | None = None) -> None:  # fmt: skip
+    """Run :func:`int4_half2_kernel` and the finishing launch on checked inputs: ``xb`` [1, K],
+    ``w`` an Int4Weight on xb's device and dtype with ``d_out % 8 == 0``, ``res2`` the [1, D]
+    output; ``mode`` dense or threshold (``thr`` a float or fp32 [K]). ``cfg``: ``ROWS`` (a
+    power of two dividing the group), ``SUB`` (dividing ``ROWS``), ``BLOCK_D`` (a power of two
+    >= 8), ``num_warps``.
+
+    >>> from dejavu_lab.quant import quantize
+    >>> w = quantize(torch.eye(32)[:, :8], group=32, dtype=torch.float16)  # w_t [32, 8]
+    >>> x, out = torch.arange(32.0).half()[None], torch.empty(1, 8, dtype=torch.float16)
+    >>> launch_half2(x, w, out, HALF2, mode="dense")  # CPU: under TRITON_INTERPRET=1
+    >>> out.tolist()
+    [[0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]]
+    """
+    d_in, d_out = w.shape
+    rows = min(int(cfg["ROWS"]), w.group)
+    sub = min(int(cfg["SUB"]), rows)
+    block_d = min(int(cfg["BLOCK_D"]), triton.next_power_of_2(d_out))
+    if rows & (rows - 1) or block_d & (block_d - 1) or block_d < 8 or w.group % rows or rows % sub:
+        raise ValueError(f"config ROWS={rows} (dividing the group {w.group}), SUB={sub} "
+                         f"(dividing ROWS) and BLOCK_D={block_d} (>= 8) must be powers of two.")  # fmt: skip
+    if xb.shape[0] != 1 or d_out % 8:
+        raise ValueError("the half2 kernel runs one token with d_out a multiple of 8.")
+    codes = w.packed.view(torch.int32)
+    ws = _workspace.sums(xb.device, d_out)
+    scalar = mode == "threshold" and not isinstance(thr, torch.Tensor)
+    int4_half2_kernel[(triton.cdiv(d_out, block_d), d_in // rows)](
+        xb, codes, w.scales, w.mins, thr if isinstance(thr, torch.Tensor) else ws,
+        float(thr) if scalar else 0.0, ws, d_out, codes.stride(0),
+        MODE=1 if mode == "threshold" else 0, THR_SCALAR=scalar, EVEN_D=d_out % block_d == 0,
+        GROUP=w.group, ROWS=rows,
+        SUB=sub, BLOCK_D=block_d, ASM=xb.device.type == "cuda", num_warps=int(cfg["num_warps"]),
+        num_stages=1,
+    )  # fmt: skip
+    threshold_finalize_kernel[(triton.cdiv(d_out, 1024), 1)](
+        ws, bias if bias is not None else ws, res2, d_out, res2.stride(0),
+        HAS_BIAS=bias is not None, ACT="", GATED=False, BLOCK=1024, num_warps=4,
+    )  # fmt: skip
