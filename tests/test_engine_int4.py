@@ -54,7 +54,9 @@ def test_teal_with_every_column_kept_equals_dense_int4(case):
     teal = SparseConfig(method="teal", thresholds=keep_all(m))
     got = decode_logits(Decoder(w4, max_seq_len=16, sparse=teal), ids, 4)
     dense = decode_logits(Decoder(w4, max_seq_len=16), ids, 4)
-    assert torch.equal(got, dense)  # -1 keeps every entry: the same kernel and order
+    # -1 keeps every entry; one token's threshold GEMV walks 32 rows per program where the dense
+    # one walks 64 (each the faster on an H100), so the fp32 sums round differently
+    assert relerr(got, dense) < 3e-3
 
 
 @pytest.mark.parametrize("method", ["teal", "wina"])

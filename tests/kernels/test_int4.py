@@ -60,12 +60,12 @@ def test_kernel_runs_in_the_interpreter():
     assert type(int4_tile_kernel).__name__ == "InterpretedFunction"
 
 
-def test_one_token_runs_the_tile_and_batches_the_loop():
-    assert default_config(1, D_IN, 4096)["mode"] == "tile"
-    assert default_config(1, D_IN, 4096, op="int4_threshold_gemv")["mode"] == "tile"
-    assert default_config(1, D_IN, 84).get("mode") != "tile"  # codes not in int32 words
-    assert default_config(4, D_IN, 4096).get("mode") != "tile"
-    assert default_config(1, D_IN, 4096, op="int4_rows_gemv").get("mode") != "tile"
+def test_one_token_runs_half2_and_batches_the_loop():
+    assert default_config(1, D_IN, 4096) == HALF2
+    assert default_config(1, D_IN, 4096, op="int4_threshold_gemv")["mode"] == "half2"
+    assert default_config(1, D_IN, 84).get("mode") != "half2"  # codes not in int32 words
+    assert default_config(4, D_IN, 4096).get("mode") != "half2"
+    assert default_config(1, D_IN, 4096, op="int4_rows_gemv").get("mode") != "half2"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -176,12 +176,13 @@ def test_all_kept_threshold_equals_dense_and_edge_thresholds(batch, seed):
     w = weight(dtype, 128)
     x = torch.randn(batch, D_IN, dtype=dtype)
     x[:, ::5] = 0  # exact zeros: dropped at thr = 0, kept at -1; the sum is the same
-    dense = int4_gemv(x, w, config=SMALL)
-    for thr in (-1.0, 0.0, torch.full((D_IN,), -1.0)):
-        got = int4_threshold_gemv(x, w, thr, config=SMALL)
-        assert torch.equal(got, dense), f"thr={thr!r}; seed={seed}"  # same kernel, same order
-    none = int4_threshold_gemv(x, w, float("inf"), config=SMALL)
-    assert (none == 0).all()
+    for cfg in (LOOP, HALF2):  # one config for both calls: the same kernel, the same order
+        dense = int4_gemv(x, w, config=cfg)
+        for thr in (-1.0, 0.0, torch.full((D_IN,), -1.0)):
+            got = int4_threshold_gemv(x, w, thr, config=cfg)
+            assert torch.equal(got, dense), f"{cfg}, thr={thr!r}; seed={seed}"
+        none = int4_threshold_gemv(x, w, float("inf"), config=cfg)
+        assert (none == 0).all()
 
 
 def test_union_batch_reads_a_row_when_any_token_keeps_it(seed):
@@ -250,7 +251,9 @@ def _bad_calls():
         (lambda: int4_rows_gemv(x[:, :2], w16, torch.tensor([0, 999])), ValueError, "must lie in"),
         (lambda: int4_rows_gemv(x[:, :3], w16, torch.tensor([0, 1])), ValueError, r"expected \[2\]"),
         (lambda: int4_gemv(x, w16, config={"BLOCK_R": 48}), ValueError, "powers of two"),
-        (lambda: int4_gemv(x[0], w16, config={"BLOCK_R": 24}), ValueError, "dividing the group"),
+        (lambda: int4_gemv(x[0], w16, config={"mode": "tile", "BLOCK_R": 24}), ValueError,
+         "dividing the group"),
+        (lambda: int4_gemv(x[0], w16, config={"ROWS": 24}), ValueError, "dividing the group"),
     ]  # fmt: skip
 
 

@@ -3,8 +3,8 @@
 Activation sparsity and 4-bit weights multiply: half the input channels of a 4-bit matrix is
 an eighth of its fp16 bytes. One kernel (:mod:`.kernel`) walks the codes, which are laid out
 one row per input channel, so a dropped channel is a row whose bytes are never read; one token
-of the dense and threshold GEMVs runs on TEAL's grid instead (:mod:`.tile`, one masked tile
-per program):
+of the dense and threshold GEMVs runs :mod:`.half2` instead (codes decoded two at a time into
+half2 pairs; :mod:`.tile`, one masked fp32 tile per program on TEAL's grid, on request):
 
 - :func:`int4_gemv` (:mod:`.dense`) — ``x @ dequant(W)``, every row;
 - :func:`int4_threshold_gemv` (:mod:`.threshold`) — TEAL / WINA: the mask ``|x| > thr`` computed

@@ -66,9 +66,10 @@ def int4_gemv(x: torch.Tensor, w: Int4Weight, *, bias: torch.Tensor | None = Non
 
     x: [d_in] or [B, d_in] (B <= 32, fp16/bf16); w: an Int4Weight of ``w_t`` [d_in, d_out]
     (``nn.Linear.weight.T``) quantised with x's dtype; bias: [d_out]. Returns [d_out] or
-    [B, d_out]. One token runs :mod:`.tile` (fp32 atomics, order-dependent in the last bits;
-    ``config={"mode": "loop"}`` gives the serial, bitwise-repeatable split sums that batches
-    use); no host sync
+    [B, d_out]. One token runs :mod:`.half2` (codes decoded into half2 pairs, fp16 sums of 32
+    rows, fp32 atomics: order-dependent in the last bits; ``config={"mode": "tile"}`` decodes
+    to fp32, ``config={"mode": "loop"}`` gives the serial, bitwise-repeatable split sums that
+    batches use); no host sync
     and a launch shape fixed by the shapes, so the call sits in a CUDA graph (make the first call
     of a shape outside capture: it allocates small per-device buffers). ``config`` overrides
     the tiles (:func:`~dejavu_lab.kernels.int4.kernel.default_config`).

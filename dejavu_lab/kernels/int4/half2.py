@@ -26,7 +26,9 @@ The fp16 sums of ``SUB`` products make this kernel less exact than :mod:`.tile`:
 error of about 2e-3 against the fp32 reference where the tile kernel has 2e-5 (an H100 on
 random Llama-shaped weights, ``SUB = 32``), far below int4's own error against the fp16
 weights (~10% per weight). The inline PTX runs only when compiled for a GPU; under
-``TRITON_INTERPRET=1`` the same sums are computed with Triton's fp16 arithmetic (``ASM=False``).
+``TRITON_INTERPRET=1`` (``ASM=False``) the same decode and centring run on a whole
+[rows, words] tile at once, each product rounded to fp16 and the sums taken in fp32: the CPU
+tests check the layout, the centring and the scales, and the GPU tests the half2 sums.
 """
 
 from __future__ import annotations
@@ -38,11 +40,15 @@ import triton.language as tl
 from .. import _workspace
 from ..threshold.tile import threshold_finalize_kernel
 
-__all__ = ["HALF2", "int4_half2_kernel", "launch_half2"]
+__all__ = ["HALF2", "HALF2_OPS", "int4_half2_kernel", "launch_half2"]
 
-# ROWS x BLOCK_D per program, SUB rows per fp16 sum; an H100 sweep of 20 shapes of this kernel
-# at 4096->14336, 14336->4096 and 5120->13824 (closing note of this kernel's change)
+# ROWS x BLOCK_D per program, SUB rows per fp16 sum. Chosen by kernels/bench_int4.py on an H100
+# (results/int4_gemv_g128_half2.json, group 128, CUDA-graph replay, cold weights): at
+# 4096->14336, 14336->4096 and 5120->13824 dense 16.7 / 17.3 / 19.1 µs against the tile's
+# 22.9 / 22.6 / 26.5 and gemlite's 20.8 / 20.7 / 23.7; the threshold GEMV at 50% kept runs best
+# with 32 rows per program (17.7 / 19.0 / 22.2 µs against 24.0 / 24.3 / 24.6 with 64)
 HALF2 = {"mode": "half2", "ROWS": 64, "SUB": 32, "BLOCK_D": 512, "num_warps": 2}
+HALF2_OPS = {"int4_gemv": HALF2, "int4_threshold_gemv": {**HALF2, "ROWS": 32}}
 
 _PAIRS = tl.constexpr("""
 {
@@ -82,14 +88,12 @@ def _bits(h):
 
 
 @triton.jit
-def _pair_emulated(words, xh, acc, J: tl.constexpr):
-    """What one ``lop3 / sub.f16x2 / fma.rn.f16x2`` step of :data:`_PAIRS` computes, in
-    Triton's fp16 arithmetic (the interpreter has no PTX)."""
-    lo = (((words >> (4 * J)) & 0xF) - 8).to(tl.float16)
-    hi = (((words >> (16 + 4 * J)) & 0xF) - 8).to(tl.float16)
-    lo = lo * xh + _half(acc)
-    hi = hi * xh + _half(acc >> 16)
-    return _bits(lo) | (_bits(hi) << 16)
+def _emulated(words, xh, J: tl.constexpr, HIGH: tl.constexpr):
+    """The interpreter's stand-in for pair ``J`` of :data:`_PAIRS` (low or high half) over a
+    [rows, words] tile: the centred codes times the rows' fp16 activations, each product
+    rounded to fp16, summed in fp32."""
+    q = (((words >> (4 * J + 16 * HIGH)) & 0xF) - 8).to(tl.float16)
+    return tl.sum((q * xh[:, None]).to(tl.float32), axis=0)
 
 
 @triton.jit
@@ -143,53 +147,65 @@ def int4_half2_kernel(
     f5 = tl.zeros((NW,), tl.float32)
     f6 = tl.zeros((NW,), tl.float32)
     f7 = tl.zeros((NW,), tl.float32)
-    for c in tl.static_range(ROWS // SUB):
-        a0 = tl.zeros((NW,), tl.int32)  # half2 (0, 0)
-        a1 = tl.zeros((NW,), tl.int32)
-        a2 = tl.zeros((NW,), tl.int32)
-        a3 = tl.zeros((NW,), tl.int32)
-        for i in tl.static_range(SUB):
-            row = r0 + c * SUB + i
-            xv = tl.load(x_ptr + row).to(tl.float32)
-            if MODE == 1:
-                if THR_SCALAR:
-                    keep = tl.abs(xv) > thr_value
+    if ASM:  # each thread walks the rows; half2 sums of SUB rows, then fp32
+        for c in tl.static_range(ROWS // SUB):
+            a0 = tl.zeros((NW,), tl.int32)  # half2 (0, 0)
+            a1 = tl.zeros((NW,), tl.int32)
+            a2 = tl.zeros((NW,), tl.int32)
+            a3 = tl.zeros((NW,), tl.int32)
+            for i in tl.static_range(SUB):
+                row = r0 + c * SUB + i
+                xv = tl.load(x_ptr + row).to(tl.float32)
+                if MODE == 1:
+                    if THR_SCALAR:
+                        keep = tl.abs(xv) > thr_value
+                    else:
+                        keep = tl.abs(xv) > tl.load(thr_ptr + row)
+                    use = mask_w & ((tl.zeros((NW,), tl.int32) + keep.to(tl.int32)) != 0)
+                    words = tl.load(p_ptr + row.to(tl.int64) * stride_p + offs_w, mask=use, other=0,
+                                    eviction_policy="evict_first")  # fmt: skip
+                elif EVEN_D:
+                    keep = True
+                    words = tl.load(p_ptr + row.to(tl.int64) * stride_p + offs_w,
+                                    eviction_policy="evict_first")  # fmt: skip
                 else:
-                    keep = tl.abs(xv) > tl.load(thr_ptr + row)
-                use = mask_w & ((tl.zeros((NW,), tl.int32) + keep.to(tl.int32)) != 0)
-                words = tl.load(p_ptr + row.to(tl.int64) * stride_p + offs_w, mask=use, other=0,
-                                eviction_policy="evict_first")  # fmt: skip
-            elif EVEN_D:
-                keep = True
-                words = tl.load(p_ptr + row.to(tl.int64) * stride_p + offs_w,
-                                eviction_policy="evict_first")  # fmt: skip
-            else:
-                keep = True
-                words = tl.load(p_ptr + row.to(tl.int64) * stride_p + offs_w, mask=mask_w,
-                                other=0, eviction_policy="evict_first")  # fmt: skip
-            if keep:  # uniform: every thread holds the same row's activation
-                xh = (xv * inv).to(tl.float16)
-                if ASM:
+                    keep = True
+                    words = tl.load(p_ptr + row.to(tl.int64) * stride_p + offs_w, mask=mask_w,
+                                    other=0, eviction_policy="evict_first")  # fmt: skip
+                if keep:  # uniform: every thread holds the same row's activation
+                    xh = (xv * inv).to(tl.float16)
                     b = _bits(xh)
                     x2 = (b | (b << 16)) + tl.zeros((NW,), tl.int32)
                     a0, a1, a2, a3 = tl.inline_asm_elementwise(
                         _PAIRS, "=r,=r,=r,=r,r,r,r,r,r,r", [words, x2, a0, a1, a2, a3],
                         dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1,
                     )  # fmt: skip
-                else:
-                    a0 = _pair_emulated(words, xh, a0, 0)
-                    a1 = _pair_emulated(words, xh, a1, 1)
-                    a2 = _pair_emulated(words, xh, a2, 2)
-                    a3 = _pair_emulated(words, xh, a3, 3)
-        # pair j holds outputs 8w + j (low half) and 8w + j + 4 (high half)
-        f0 += _fp32(a0, False)
-        f4 += _fp32(a0, True)
-        f1 += _fp32(a1, False)
-        f5 += _fp32(a1, True)
-        f2 += _fp32(a2, False)
-        f6 += _fp32(a2, True)
-        f3 += _fp32(a3, False)
-        f7 += _fp32(a3, True)
+            # pair j holds outputs 8w + j (low half) and 8w + j + 4 (high half)
+            f0 += _fp32(a0, False)
+            f4 += _fp32(a0, True)
+            f1 += _fp32(a1, False)
+            f5 += _fp32(a1, True)
+            f2 += _fp32(a2, False)
+            f6 += _fp32(a2, True)
+            f3 += _fp32(a3, False)
+            f7 += _fp32(a3, True)
+    else:  # the interpreter: the same decode and centring on a [ROWS, words] tile at once
+        offs_r = r0 + tl.arange(0, ROWS)
+        if MODE == 1:
+            use = mask_w[None, :] & (xs != 0)[:, None]
+        else:
+            use = mask_w[None, :] & (offs_r >= 0)[:, None]
+        words = tl.load(p_ptr + offs_r.to(tl.int64)[:, None] * stride_p + offs_w[None, :],
+                        mask=use, other=0)  # fmt: skip
+        xh = (xs * inv).to(tl.float16)
+        f0 = _emulated(words, xh, 0, 0)
+        f1 = _emulated(words, xh, 1, 0)
+        f2 = _emulated(words, xh, 2, 0)
+        f3 = _emulated(words, xh, 3, 0)
+        f4 = _emulated(words, xh, 0, 1)
+        f5 = _emulated(words, xh, 1, 1)
+        f6 = _emulated(words, xh, 2, 1)
+        f7 = _emulated(words, xh, 3, 1)
     # [NW, 2, 2, 2] with output k = 4i + 2j + l of word w at [w, i, j, l], then [NW, 8]
     sums = tl.join(tl.join(tl.join(f0, f4), tl.join(f2, f6)),
                    tl.join(tl.join(f1, f5), tl.join(f3, f7)))  # fmt: skip

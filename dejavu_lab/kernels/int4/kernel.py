@@ -41,8 +41,8 @@ from .. import _workspace, tuning
 from .._common import batch_block, dot_acc, next_pow2, sm_count, upcast_dot
 from .._reduce import chunk as chunk_of
 from .._reduce import split_reduce
-from .half2 import launch_half2
-from .tile import TILE, launch_tile
+from .half2 import HALF2_OPS, launch_half2
+from .tile import launch_tile
 
 __all__ = ["default_config", "int4_gemv_kernel", "launch", "nibbles_per_word"]
 
@@ -237,14 +237,14 @@ OP_CONFIG = {"int4_threshold_gemv": {"BLOCK_R": 32}, "int4_rows_gemv": {"BLOCK_R
 def default_config(batch: int, d_in: int = 0, d_out: int = 0, *, group: int = 128,
                    op: str = "int4_gemv", device: torch.device | None = None) -> dict:  # fmt: skip
     """The launch configuration for ``batch`` tokens (a copy: callers may change it): at batch 1
-    of the dense and threshold GEMVs the tile of :mod:`.tile` (``mode="tile"``; ``"loop"``
-    asks for this module's kernel); otherwise the one
+    of the dense and threshold GEMVs the half2 kernel of :mod:`.half2` (``mode="half2"``;
+    ``"tile"`` asks for :mod:`.tile`, ``"loop"`` for this module's kernel); otherwise the one
     ``kernels/bench_int4.py --tune`` recorded for this GPU, op (``int4_gemv``,
     ``int4_threshold_gemv``), group and nearest shape (:mod:`~dejavu_lab.kernels.tuning`,
     table ``tuned/tuning_int4_gemv.json``), else the heuristic.
 
     >>> default_config(1, 4096, 14336)["mode"], default_config(16)["BLOCK_D"]
-    ('tile', 128)
+    ('half2', 128)
     """
     tile = batch == 1 and op in TILE_OPS and d_out % 8 == 0
     if device is not None and d_in and d_out:
@@ -253,8 +253,8 @@ def default_config(batch: int, d_in: int = 0, d_out: int = 0, *, group: int = 12
         # fraction timed (:mod:`.tile`), so only a tuned tile replaces the tile's defaults
         if tuned is not None and (not tile or tuned.get("mode") in ("tile", "half2")):
             return tuned
-    if tile:
-        return dict(TILE)
+    if tile:  # half2 decoding beat the tile at every shape timed (:mod:`.half2`)
+        return dict(HALF2_OPS[op])
     return {**(CONFIG_B1 if batch == 1 else CONFIG_BATCH), **OP_CONFIG.get(op, {})}
 
 

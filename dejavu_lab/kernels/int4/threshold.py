@@ -57,8 +57,9 @@ def int4_threshold_gemv(x: torch.Tensor, w: Int4Weight, thr: torch.Tensor | floa
     with x's dtype; thr: a float (TEAL: one threshold per site, passed to the kernel as a
     number, so a captured graph keeps the value it was captured with; ``-1`` keeps every entry,
     ``inf`` none) or fp32 [d_in] (WINA: ``t / ||W[:, i]||``); bias: [d_out]. Returns [d_out]
-    or [B, d_out]. One token runs :mod:`.tile` (fp32 atomics; ``config={"mode": "loop"}``
-    for serial, bitwise-repeatable split sums, as batches get), no host sync.
+    or [B, d_out]. One token runs :mod:`.half2` (a dropped row's codes are neither read nor
+    decoded; fp32 atomics; ``config={"mode": "loop"}`` for serial, bitwise-repeatable split
+    sums, as batches get), no host sync.
 
     >>> from dejavu_lab.quant import quantize
     >>> _ = torch.manual_seed(0)
