@@ -357,3 +357,14 @@ def test_bad_inputs_are_one_sentence_engine_errors():
         assert not re.search(r"\. [A-Z]", str(err.value)), str(err.value)  # one sentence
     with pytest.raises(EngineError, match="fused=True"):
         BatchDecoder(model("tiny-opt", HALF), max_seq_len=8, sparse=SparseConfig(fused=True))
+
+
+def test_a_preset_too_large_for_the_gpu_is_skipped_in_one_sentence(monkeypatch):
+    from dejavu_lab.bench.engine_variants import does_not_fit
+
+    # an 80 GB card with 79 GB free: OPT-30B's fp16 weights (60 GB) held twice do not fit
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (79e9, 80e9))
+    reason = does_not_fit("opt-30b", "cuda")
+    assert reason is not None and "GB free on this GPU" in reason and "\n" not in reason
+    assert does_not_fit("llama-3-8b", "cuda") is None  # 16 GB twice
+    assert does_not_fit("opt-30b", "cpu") is None

@@ -36,6 +36,7 @@ from .engine_variants import (
     THRESHOLD,
     Variant,
     build,
+    does_not_fit,
     make_decoder,
     make_predictors,
     planned_config,
@@ -205,6 +206,10 @@ def bench_model(preset, prompts, new_tokens, hf_new, hf_prompts, device, ceiling
     >>> sorted({r["kind"] for r in rows}), [r["check_ok"] for r in rows if r["kind"] == "e2e"]
     (['e2e', 'part'], [True])
     """
+    if (reason := does_not_fit(preset, device)) is not None:
+        print(f"{preset}: skipped: {reason}")
+        rows.append({"model": preset, "kind": "skip", "reason": reason})
+        return
     model, arch = build(preset, device)
     vocab = model.get_output_embeddings().weight.shape[0]
     d_embed = model.get_output_embeddings().weight.shape[1]

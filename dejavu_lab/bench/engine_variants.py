@@ -41,6 +41,7 @@ __all__ = [
     "THRESHOLD",
     "Variant",
     "build",
+    "does_not_fit",
     "make_decoder",
     "make_predictors",
     "planned_config",
@@ -74,6 +75,25 @@ def build(preset: str, device: str, dtype=torch.float16):
             model.model.rotary_emb = type(rot)(config=model.config).to(device)
     model.generation_config.pad_token_id = 0
     return model, arch
+
+
+def does_not_fit(preset: str, device, dtype=torch.float16) -> str | None:
+    """Why ``preset`` cannot be built on ``device`` (its weights in ``dtype``, held twice while
+    the engine copies them into its layout, past the GPU's free memory), or None when it fits
+    (always on a CPU, and for a checkpoint that is not a preset).
+
+    >>> does_not_fit("opt-30b", "cpu") is None
+    True
+    """
+    if preset not in PRESETS or torch.device(device).type != "cuda":
+        return None
+    m = random_model(preset, device="meta", dtype=dtype)  # shapes only, no memory
+    need = 2 * sum(p.numel() for p in m.model.parameters()) * torch.finfo(dtype).bits // 8
+    free = torch.cuda.mem_get_info(torch.device(device))[0]
+    if need <= free:
+        return None
+    return (f"its {dtype} weights, held twice while the engine copies them ({need / 1e9:.0f} GB), "
+            f"do not fit the {free / 1e9:.0f} GB free on this GPU")  # fmt: skip
 
 
 def make_predictors(model, arch, device):
