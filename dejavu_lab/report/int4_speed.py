@@ -22,12 +22,14 @@ from . import source
 
 __all__ = [
     "COMMANDS",
+    "DECODE_FILE",
     "FILES",
     "LIVE_ARGS",
     "engine_table",
     "kernel_table",
     "load_speed",
     "missing_sentence",
+    "decode_sentence",
     "recorded_ceiling",
     "speed_caption",
     "speed_figure",
@@ -49,6 +51,8 @@ COMMANDS = {
     "engine_int4_70b": "python kernels/bench_engine_int4.py --models '' --int4-only llama-3-70b "
     "--name engine_int4_70b",
 }
+#: the sweep that compares the two ways of decoding codes at batch 1 (half2 pairs, fp32 floats)
+DECODE_FILE = "int4_gemv_g128_half2"
 # a live run on a GPU box: one shape, group 128, batch 1, TEAL at 50% (a minute or two)
 LIVE_ARGS = {
     "kernels": ["kernels/bench_int4.py", "--group", "128", "--shapes", "llama3-8b up",
@@ -263,3 +267,36 @@ def recorded_ceiling(provs: dict | None = None, fallback: str = "engine_e2e") ->
         if prov.get("copy_tbps"):
             return float(prov["copy_tbps"]), name
     return float(results.load(fallback)[1]["copy_tbps"]), fallback
+
+
+def decode_sentence(name: str = DECODE_FILE) -> str:
+    """What the batch-1 sweep of ``results/<name>.json`` shows about decoding codes into half2
+    pairs (:mod:`dejavu_lab.kernels.int4.half2`) against fp32 floats (the tile kernel) and the
+    peer: the fastest dense config of each kind per shape, on the recording's GPU; or that the
+    sweep has not been recorded.
+
+    >>> "half2" in decode_sentence()
+    True
+    >>> decode_sentence("no_such_recording")
+    'The sweep of the two decodings has not been recorded (python kernels/bench_int4.py --group 128 --batch 1).'
+    """
+    try:
+        frame, prov = results.load(name)
+    except ResultsError:
+        return ("The sweep of the two decodings has not been recorded (python "
+                "kernels/bench_int4.py --group 128 --batch 1).")  # fmt: skip
+    f = frame[(frame["batch"] == 1) & (frame["kept"] == 1.0)]
+    mode = f["config"].map(lambda c: c.get("mode") if isinstance(c, dict) else None)
+    parts = []
+    for shape, g in f.groupby("shape", sort=False):
+        m = mode[g.index]
+        half2, tile = g.loc[m == "half2", "us"].min(), g.loc[m == "tile", "us"].min()
+        peer = g.loc[g["provider"] == "gemlite", "us"].min()
+        text = f"{shape} {half2:.1f} µs against {tile:.1f} µs"
+        if pd.notna(peer):
+            text += f" (gemlite {peer:.1f} µs)"
+        parts.append(text)
+    return (f"On the {prov.get('gpu', 'GPU')} (code at {str(prov.get('git_sha', '?'))[:7]}), "
+            "one token's dense GEMV with the codes decoded two at a time into half2 pairs (the "
+            "default) against one fp32 float each (the tile kernel), the fastest config of "
+            "each: " + "; ".join(parts) + ".")  # fmt: skip
