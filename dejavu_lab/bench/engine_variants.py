@@ -92,7 +92,8 @@ def does_not_fit(preset: str, device, dtype=torch.float16) -> str | None:
     free = torch.cuda.mem_get_info(torch.device(device))[0]
     if need <= free:
         return None
-    return (f"its {dtype} weights, held twice while the engine copies them ({need / 1e9:.0f} GB), "
+    kind = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, str(dtype))
+    return (f"its {kind} weights, held twice while the engine copies them ({need / 1e9:.0f} GB), "
             f"do not fit the {free / 1e9:.0f} GB free on this GPU")  # fmt: skip
 
 
