@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from .. import _workspace
-from ..threshold.tile import threshold_finalize_kernel
+from .tile import finish
 
 __all__ = ["HALF2", "HALF2_OPS", "int4_half2_kernel", "launch_half2"]
 
@@ -50,29 +50,22 @@ __all__ = ["HALF2", "HALF2_OPS", "int4_half2_kernel", "launch_half2"]
 HALF2 = {"mode": "half2", "ROWS": 64, "SUB": 32, "BLOCK_D": 512, "num_warps": 2}
 HALF2_OPS = {"int4_gemv": HALF2, "int4_threshold_gemv": {**HALF2, "ROWS": 32}}
 
-_PAIRS = tl.constexpr("""
-{
-.reg .b32 t, u, msk, mag, off;
-mov.b32 msk, 0x000F000F;
-mov.b32 mag, 0x64006400;
-mov.b32 off, 0x64086408;
-lop3.b32 t, $4, msk, mag, 0xEA;
-sub.f16x2 t, t, off;
-fma.rn.f16x2 $0, t, $5, $6;
-shr.u32 u, $4, 4;
-lop3.b32 t, u, msk, mag, 0xEA;
-sub.f16x2 t, t, off;
-fma.rn.f16x2 $1, t, $5, $7;
-shr.u32 u, $4, 8;
-lop3.b32 t, u, msk, mag, 0xEA;
-sub.f16x2 t, t, off;
-fma.rn.f16x2 $2, t, $5, $8;
-shr.u32 u, $4, 12;
-lop3.b32 t, u, msk, mag, 0xEA;
-sub.f16x2 t, t, off;
-fma.rn.f16x2 $3, t, $5, $9;
-}
-""")  # $0-$3: the four half2 sums out; $4: the word; $5: (x, x) as half2; $6-$9: sums in
+
+def _pairs_ptx() -> str:
+    """The four lop3 / sub.f16x2 / fma.rn.f16x2 steps of one word, pair ``j`` from its codes
+    shifted right by ``4 j``: $0-$3 the half2 sums out, $4 the word, $5 ``(x, x)`` as half2,
+    $6-$9 the sums in."""
+    steps = []
+    for j in range(4):
+        src = "$4" if j == 0 else "u"
+        shift = f"shr.u32 u, $4, {4 * j};\n" if j else ""
+        steps.append(f"{shift}lop3.b32 t, {src}, msk, mag, 0xEA;\nsub.f16x2 t, t, off;\n"
+                     f"fma.rn.f16x2 ${j}, t, $5, ${6 + j};\n")  # fmt: skip
+    return ("{\n.reg .b32 t, u, msk, mag, off;\nmov.b32 msk, 0x000F000F;\n"
+            "mov.b32 mag, 0x64006400;\nmov.b32 off, 0x64086408;\n" + "".join(steps) + "}\n")  # fmt: skip
+
+
+_PAIRS = tl.constexpr(_pairs_ptx())
 
 
 @triton.jit
@@ -254,7 +247,4 @@ def launch_half2(xb: torch.Tensor, w, res2: torch.Tensor, cfg: dict, *, mode: st
         SUB=sub, BLOCK_D=block_d, ASM=xb.device.type == "cuda", num_warps=int(cfg["num_warps"]),
         num_stages=1,
     )  # fmt: skip
-    threshold_finalize_kernel[(triton.cdiv(d_out, 1024), 1)](
-        ws, bias if bias is not None else ws, res2, d_out, res2.stride(0),
-        HAS_BIAS=bias is not None, ACT="", GATED=False, BLOCK=1024, num_warps=4,
-    )  # fmt: skip
+    finish(ws, res2, bias)

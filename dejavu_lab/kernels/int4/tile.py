@@ -31,7 +31,7 @@ import triton.language as tl
 from .. import _workspace
 from ..threshold.tile import threshold_finalize_kernel
 
-__all__ = ["TILE", "int4_tile_kernel", "launch_tile"]
+__all__ = ["TILE", "finish", "int4_tile_kernel", "launch_tile"]
 
 # the batch-1 tile (H200 sweep of 8 tilings x 3 shapes x 3 kept fractions, module docstring)
 TILE = {"mode": "tile", "BLOCK_R": 32, "BLOCK_D": 256, "num_warps": 2}
@@ -122,6 +122,13 @@ def launch_tile(xb: torch.Tensor, w, res2: torch.Tensor, cfg: dict, *, mode: str
         GROUP=w.group, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=int(cfg["num_warps"]),
         num_stages=1,
     )  # fmt: skip
+    finish(ws, res2, bias)
+
+
+def finish(ws: torch.Tensor, res2: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """The finishing launch of the one-token kernels: ``res2 = ws + bias`` in the output dtype,
+    and ``ws`` zeroed for the next call."""
+    d_out = res2.shape[1]
     threshold_finalize_kernel[(triton.cdiv(d_out, 1024), 1)](
         ws, bias if bias is not None else ws, res2, d_out, res2.stride(0),
         HAS_BIAS=bias is not None, ACT="", GATED=False, BLOCK=1024, num_warps=4,
