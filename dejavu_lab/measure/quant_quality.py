@@ -11,7 +11,9 @@ activations, which the format changes (calibrations are cached per weights' fing
 Formats: ``"fp"`` — the weights as loaded; ``"gguf"`` — the model's own GGUF file read into
 int4 (:func:`dejavu_lab.quant.gguf_model.import_gguf`: exact from Q4_0/Q4_1/Q4_K blocks,
 round-to-nearest from the others); ``"rtn-g32"``, ``"rtn-g64"``, ``"rtn-g128"`` —
-round-to-nearest of the loaded weights (:func:`dejavu_lab.quant.swap.rtn_weights`). A model
+round-to-nearest of the loaded weights (:func:`dejavu_lab.quant.swap.rtn_weights`);
+``"mse-g32"``, ``"mse-g64"``, ``"mse-g128"`` — the same groups with each (scale, min) searched
+for the smallest squared error (:func:`dejavu_lab.quant.refine.quantize_mse`). A model
 loaded from a 4-bit GGUF *is* 4-bit: the demo's "fp" weights are its Q4_1 values dequantised,
 so its "gguf" format is those same values and re-quantising them at group 32 gives them back.
 
@@ -44,6 +46,7 @@ from ..errors import QuantError
 from ..quant import GROUPS
 from ..quant.gguf_model import import_gguf
 from ..quant.int4 import Int4Weight, quantize
+from ..quant.refine import quantize_mse
 from ..quant.swap import decoder_linears, dequantized
 from ..sparsify.frontier import VARIANTS as FRONTIER_VARIANTS
 from ..sparsify.frontier import frontier
@@ -60,7 +63,7 @@ __all__ = [
     "weight_error",
 ]
 
-FORMATS = ("fp", "gguf", "rtn-g32", "rtn-g64", "rtn-g128")
+FORMATS = ("fp", "gguf", "rtn-g32", "rtn-g64", "rtn-g128", "mse-g32", "mse-g64", "mse-g128")
 # name -> frontier spec: the threshold methods with one threshold per layer's sites (uniform),
 # which needs only the calibration's histograms; the greedy allocations (frontier.VARIANTS) cost
 # a few CPU-minutes per method and per format on the demo model
@@ -107,7 +110,9 @@ def format_weights(
         imp = import_gguf(model, gguf, dtype=torch.float32, arch=arch)
         counts = json.dumps(imp.type_counts())
         return imp.weights, {"groups": "32", "scale_dtype": "float32", "gguf_types": counts}
-    group = int(fmt.removeprefix("rtn-g"))
+    kind, group = fmt.split("-g")
+    group = int(group)
+    rounding = quantize_mse if kind == "mse" else quantize
     w0 = next(iter(model.parameters()))
     dtype = dtype or (torch.float16 if w0.dtype == torch.float32 else w0.dtype)
     mods = dict(model.named_modules())
@@ -121,7 +126,7 @@ def format_weights(
             )
         by_width[n_in] = max(fits)
     weights = {
-        n: quantize(mods[n].weight.detach().T, group=by_width[mods[n].in_features], dtype=dtype)
+        n: rounding(mods[n].weight.detach().T, group=by_width[mods[n].in_features], dtype=dtype)
         for n in decoder_linears(model, arch)
     }
     groups = "/".join(str(g) for g in sorted(set(by_width.values()), reverse=True))

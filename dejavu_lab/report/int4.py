@@ -63,6 +63,9 @@ FORMATS = {
     "rtn-g32": "int4 RTN, group 32",
     "rtn-g64": "int4 RTN, group 64",
     "rtn-g128": "int4 RTN, group 128",
+    "mse-g32": "int4 MSE-refined, group 32",
+    "mse-g64": "int4 MSE-refined, group 64",
+    "mse-g128": "int4 MSE-refined, group 128",
 }
 # an interaction (sparse rise on int4 over the same rise on fp) within this many percent reads
 # as "the errors multiply, no more": the recordings evaluate 2,048 tokens, and two runs of the
@@ -271,7 +274,9 @@ def quality_figure(table: pd.DataFrame, model: str):
     t = table.reset_index()
     t = t[t["model"] == model]
     fig = go.Figure()
-    symbols = dict(zip(FORMATS, ["circle", "diamond", "square", "triangle-up", "x"], strict=True))
+    marks = ["circle", "diamond", "square", "triangle-up", "x", "square-open", "triangle-down",
+             "x-open"]  # fmt: skip
+    symbols = dict(zip(FORMATS, marks, strict=True))
     for (fmt, variant), g in t.groupby(["format", "variant"], sort=False):
         g = g.sort_values("layer bytes vs fp16")
         color = COLORS.get(variant.split(" ")[0], "#444444")
