@@ -13,7 +13,9 @@ int4 (:func:`dejavu_lab.quant.gguf_model.import_gguf`: exact from Q4_0/Q4_1/Q4_K
 round-to-nearest from the others); ``"rtn-g32"``, ``"rtn-g64"``, ``"rtn-g128"`` —
 round-to-nearest of the loaded weights (:func:`dejavu_lab.quant.swap.rtn_weights`);
 ``"mse-g32"``, ``"mse-g64"``, ``"mse-g128"`` — the same groups with each (scale, min) searched
-for the smallest squared error (:func:`dejavu_lab.quant.refine.quantize_mse`). A model
+for the smallest squared error (:func:`dejavu_lab.quant.refine.quantize_mse`); ``"act-gN"`` —
+that error with each input channel weighed by its mean squared activation on the study's first
+calibration windows (:func:`input_moments`). A model
 loaded from a 4-bit GGUF *is* 4-bit: the demo's "fp" weights are its Q4_1 values dequantised,
 so its "gguf" format is those same values and re-quantising them at group 32 gives them back.
 
@@ -50,6 +52,7 @@ from ..quant.refine import quantize_mse
 from ..quant.swap import decoder_linears, dequantized
 from ..sparsify.frontier import VARIANTS as FRONTIER_VARIANTS
 from ..sparsify.frontier import frontier
+from ..sparsify.windows import study_windows
 from ..step_bytes import step_bytes
 
 __all__ = [
@@ -58,12 +61,15 @@ __all__ = [
     "SPARSITIES",
     "VARIANTS",
     "format_weights",
+    "input_moments",
     "main",
     "quant_frontier",
     "weight_error",
 ]
 
-FORMATS = ("fp", "gguf", "rtn-g32", "rtn-g64", "rtn-g128", "mse-g32", "mse-g64", "mse-g128")
+FORMATS = ("fp", "gguf", "rtn-g32", "rtn-g64", "rtn-g128", "mse-g32", "mse-g64", "mse-g128",
+           "act-g32", "act-g64", "act-g128")  # fmt: skip
+MOMENT_WINDOWS = 4  # calibration windows whose inputs weigh the act-gN formats' channels
 # name -> frontier spec: the threshold methods with one threshold per layer's sites (uniform),
 # which needs only the calibration's histograms; the greedy allocations (frontier.VARIANTS) cost
 # a few CPU-minutes per method and per format on the demo model
@@ -83,8 +89,12 @@ def format_weights(
     gguf: str | os.PathLike | None = None,
     dtype: torch.dtype | None = None,
     arch=None,
+    calibration: torch.Tensor | None = None,
 ) -> tuple[dict[str, Int4Weight] | None, dict]:
     """(int4 weights of ``fmt``, or None for ``"fp"``; what they are, as a flat dict).
+
+    ``calibration``: token windows whose inputs weigh each channel of the ``act-gN`` formats
+    (:func:`input_moments`; :func:`~dejavu_lab.quant.refine.quantize_mse` with ``importance``).
 
     ``dtype``: the scales' (default: fp16 for an fp32 model, else the model's dtype; the
     ``"gguf"`` format keeps fp32 scales, exact for every 4-bit block). A ``rtn-gN`` group that
@@ -112,7 +122,18 @@ def format_weights(
         return imp.weights, {"groups": "32", "scale_dtype": "float32", "gguf_types": counts}
     kind, group = fmt.split("-g")
     group = int(group)
-    rounding = quantize_mse if kind == "mse" else quantize
+    moments = {}
+    if kind == "act":
+        if calibration is None:
+            raise QuantError(f"the {fmt!r} format weighs channels by their activations; pass "
+                             "calibration=<token windows>.")  # fmt: skip
+        moments = input_moments(model, calibration, arch=arch)
+
+    def rounding(w_t, name, **kw):
+        if kind == "rtn":
+            return quantize(w_t, **kw)
+        return quantize_mse(w_t, importance=moments.get(name), **kw)
+
     w0 = next(iter(model.parameters()))
     dtype = dtype or (torch.float16 if w0.dtype == torch.float32 else w0.dtype)
     mods = dict(model.named_modules())
@@ -126,7 +147,7 @@ def format_weights(
             )
         by_width[n_in] = max(fits)
     weights = {
-        n: rounding(mods[n].weight.detach().T, group=by_width[mods[n].in_features], dtype=dtype)
+        n: rounding(mods[n].weight.detach().T, n, group=by_width[mods[n].in_features], dtype=dtype)
         for n in decoder_linears(model, arch)
     }
     groups = "/".join(str(g) for g in sorted(set(by_width.values()), reverse=True))
@@ -135,6 +156,41 @@ def format_weights(
         "scale_dtype": str(dtype).removeprefix("torch."),
         "gguf_types": "",
     }
+
+
+def input_moments(model, ids: torch.Tensor, *, arch=None) -> dict[str, torch.Tensor]:
+    """Each decoder linear's mean squared input per channel (fp32 [in]) over the token windows
+    ``ids`` [n, window], one forward per window.
+
+    >>> from dejavu_lab.models import random_model
+    >>> m = random_model("tiny-llama").model
+    >>> h = input_moments(m, torch.randint(0, 100, (2, 8)))
+    >>> len(h), tuple(h["model.layers.0.mlp.down_proj"].shape), bool((h["model.layers.0.mlp.down_proj"] > 0).all())
+    (14, (192,), True)
+    """
+    names = list(decoder_linears(model, arch))
+    mods = dict(model.named_modules())
+    sums = {n: torch.zeros(mods[n].in_features) for n in names}
+    count = [0]
+
+    def hook(name):
+        def pre(_module, args):
+            x = args[0].detach().float().reshape(-1, args[0].shape[-1])
+            sums[name] += x.pow(2).sum(0).cpu()
+            if name == names[0]:
+                count[0] += x.shape[0]
+
+        return pre
+
+    handles = [mods[n].register_forward_pre_hook(hook(n)) for n in names]
+    try:
+        with torch.no_grad():
+            for row in ids:
+                model(row[None].to(next(model.parameters()).device))
+    finally:
+        for h in handles:
+            h.remove()
+    return {n: v / max(count[0], 1) for n, v in sums.items()}
 
 
 def weight_error(model, weights: dict[str, Int4Weight] | None) -> float:
@@ -216,10 +272,17 @@ def quant_frontier(
     specs = {v: ALL_VARIANTS[v] for v in variants}
     arch = get_arch(model)
     sparse_formats = formats if sparse_formats is None else sparse_formats
+    calibration = None
+    if any(f.startswith("act-") for f in formats):  # the study's calibration text, not held out
+        cut = {k: frontier_kwargs[k] for k in ("train_tokens", "calibration_tokens", "corpus",
+                                                "calibration") if k in frontier_kwargs}  # fmt: skip
+        calibration = study_windows(tokenizer, window=window, eval_windows=eval_windows,
+                                    **cut)[0][:MOMENT_WINDOWS]  # fmt: skip
     frames = []
     for fmt in formats:
         t0 = time.perf_counter()
-        weights, info = format_weights(model, fmt, gguf=gguf, dtype=dtype, arch=arch)
+        weights, info = format_weights(model, fmt, gguf=gguf, dtype=dtype, arch=arch,
+                                       calibration=calibration)  # fmt: skip
         err = weight_error(model, weights)
         swap = dequantized(model, weights) if weights is not None else nullcontext()
         with swap:

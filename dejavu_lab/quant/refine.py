@@ -9,13 +9,20 @@ refitted pair, rounded to the scales' dtype first, as the kernels read them. The
 smallest squared error over the group wins; round-to-nearest is the first candidate, so the
 error never grows. The result is an ordinary :class:`~dejavu_lab.quant.Int4Weight`: the kernels,
 the engine and the byte counts are unchanged.
+
+The plain squared error treats every input channel alike, but a layer's output error is
+``sum_i x_i dw_io``: an error on a channel whose activations are large costs more. With
+``importance`` (each input channel's mean ``x_i^2`` over calibration text, the diagonal of the
+inputs' second moment, as GPTQ's Hessian and AWQ's scales use it) the search and the refits
+minimise ``sum_i E[x_i^2] dw_io^2`` instead: that is the output's error when the channels are
+uncorrelated.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .int4 import Int4Weight, pack, quantize
+from .int4 import Int4Weight, QuantError, pack, quantize
 
 __all__ = ["SHRINK", "quantize_mse"]
 
@@ -29,27 +36,32 @@ def _codes(w, scales, mins):
     return torch.round((w - mins[:, None]) / safe[:, None]).clamp_(0, 15)
 
 
-def _refit(w, q, scales, mins):
-    """Least-squares (scale, min) of ``w ≈ q s + m`` per group and output; where the codes of
-    a group are all equal the line is undefined and the given pair stays."""
-    n = w.shape[1]
-    sq, sw = q.sum(1), w.sum(1)
-    sqq, sqw = (q * q).sum(1), (q * w).sum(1)
+def _refit(w, q, scales, mins, h):
+    """Weighted least-squares (scale, min) of ``w ≈ q s + m`` per group and output (row
+    weights ``h`` [groups, group, 1]); where the codes of a group are all equal the line is
+    undefined and the given pair stays."""
+    n = h.sum(1)
+    sq, sw = (h * q).sum(1), (h * w).sum(1)
+    sqq, sqw = (h * q * q).sum(1), (h * q * w).sum(1)
     det = n * sqq - sq * sq
     ok = det > 0
     safe = torch.where(ok, det, torch.ones_like(det))
     s = (n * sqw - sq * sw) / safe
     m = (sqq * sw - sq * sqw) / safe
-    good = ok & (s > 0)
+    good = ok & (s > 0) & (det > 1e-9 * n * sqq)
     return torch.where(good, s, scales), torch.where(good, m, mins)
 
 
 def quantize_mse(
-    w_t: torch.Tensor, group: int = 128, dtype: torch.dtype | None = None
+    w_t: torch.Tensor,
+    group: int = 128,
+    dtype: torch.dtype | None = None,
+    *,
+    importance: torch.Tensor | None = None,
 ) -> Int4Weight:
     """Int4 of ``w_t`` (``[in, out]``) with each group's (scale, min) chosen for the smallest
-    squared error (module docstring); the checks and layout of
-    :func:`~dejavu_lab.quant.int4.quantize`.
+    squared error, each input row's weighted by ``importance`` [in] when given (module
+    docstring); the checks and layout of :func:`~dejavu_lab.quant.int4.quantize`.
 
     >>> torch.manual_seed(0) is not None
     True
@@ -63,21 +75,32 @@ def quantize_mse(
     dtype = base.dtype
     n_in, n_out = w_t.shape
     w = w_t.float().contiguous().reshape(n_in // group, group, n_out)
+    if importance is None:
+        h = torch.ones(n_in // group, group, 1)
+    else:
+        h = importance.detach().float().cpu().reshape(-1)
+        if h.numel() != n_in or not torch.isfinite(h).all() or (h < 0).any():
+            raise QuantError(f"importance must be {n_in} finite, non-negative numbers (one per "
+                             "input channel: its mean squared activation).")  # fmt: skip
+        h = (h / h.mean().clamp_min(1e-30)).clamp_min(1e-6).reshape(n_in // group, group, 1)
+    h = h.to(w.device)
     lo, hi = w.amin(dim=1), w.amax(dim=1)
     mid, half = (lo + hi) / 2, (hi - lo) / 2
     best_s, best_m = base.scales.float(), base.mins.float()
-    best_err = (_codes(w, best_s, best_m) * best_s[:, None] + best_m[:, None] - w).pow(2).sum(1)
+    best_err = (h * (_codes(w, best_s, best_m) * best_s[:, None] + best_m[:, None] - w).pow(2)).sum(
+        1
+    )
     for f in SHRINK:
         mins = (mid - f * half).to(dtype).float()
         scales = ((2 * f * half) / 15).to(dtype).float()
         for _ in range(REFITS + 1):
             q = _codes(w, scales, mins)
-            err = (q * scales[:, None] + mins[:, None] - w).pow(2).sum(1)
+            err = (h * (q * scales[:, None] + mins[:, None] - w).pow(2)).sum(1)
             better = err < best_err
             best_err = torch.where(better, err, best_err)
             best_s = torch.where(better, scales, best_s)
             best_m = torch.where(better, mins, best_m)
-            scales, mins = _refit(w, q, scales, mins)
+            scales, mins = _refit(w, q, scales, mins, h)
             scales, mins = scales.to(dtype).float(), mins.to(dtype).float()
     q = _codes(w, best_s, best_m).reshape(n_in, n_out).to(torch.uint8)
     return Int4Weight(pack(q), best_s.to(dtype), best_m.to(dtype), group)

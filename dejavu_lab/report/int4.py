@@ -66,6 +66,9 @@ FORMATS = {
     "mse-g32": "int4 MSE-refined, group 32",
     "mse-g64": "int4 MSE-refined, group 64",
     "mse-g128": "int4 MSE-refined, group 128",
+    "act-g32": "int4 activation-weighted, group 32",
+    "act-g64": "int4 activation-weighted, group 64",
+    "act-g128": "int4 activation-weighted, group 128",
 }
 # an interaction (sparse rise on int4 over the same rise on fp) within this many percent reads
 # as "the errors multiply, no more": the recordings evaluate 2,048 tokens, and two runs of the
@@ -275,7 +278,7 @@ def quality_figure(table: pd.DataFrame, model: str):
     t = t[t["model"] == model]
     fig = go.Figure()
     marks = ["circle", "diamond", "square", "triangle-up", "x", "square-open", "triangle-down",
-             "x-open"]  # fmt: skip
+             "x-open", "star", "hexagon", "cross"]  # fmt: skip
     symbols = dict(zip(FORMATS, marks, strict=True))
     for (fmt, variant), g in t.groupby(["format", "variant"], sort=False):
         g = g.sort_values("layer bytes vs fp16")
