@@ -4,7 +4,7 @@ every group; exact where the weights are exactly 4-bit; the same format the kern
 import pytest
 import torch
 
-from dejavu_lab.measure.quant_quality import format_weights
+from dejavu_lab.measure.quant_quality import format_weights, input_moments
 from dejavu_lab.models import random_model
 from dejavu_lab.quant import Int4Weight, QuantError, quantize, quantize_mse
 
@@ -51,3 +51,37 @@ def test_the_mse_formats_of_the_quality_study():
     err = {k: sum(float((q[n].dequantize().float() - mods[n].weight.detach().T.float()).pow(2).sum())
                   for n in q) for k, q in (("rtn", rtn), ("mse", mse))}  # fmt: skip
     assert err["mse"] < err["rtn"]
+
+
+def test_importance_weighs_the_error_of_each_input_channel():
+    torch.manual_seed(2)
+    w = torch.randn(128, 32)
+    h = torch.rand(128) ** 4 * 100  # a few channels carry most of the activations' energy
+    rtn, plain, act = quantize(w, 64), quantize_mse(w, 64), quantize_mse(w, 64, importance=h)
+
+    def weighted(q):
+        return float((h[:, None] * (q.dequantize(torch.float32) - w).pow(2)).sum())
+
+    assert weighted(act) <= weighted(rtn) and weighted(act) < weighted(plain)
+    with pytest.raises(QuantError, match="importance must be 128 finite, non-negative"):
+        quantize_mse(w, 64, importance=-h)
+
+
+def test_the_activation_weighted_format_needs_calibration_text():
+    model = random_model("tiny-llama").model
+    with pytest.raises(QuantError, match="pass calibration="):
+        format_weights(model, "act-g64")
+    ids = torch.randint(0, 100, (2, 16))
+    act, info = format_weights(model, "act-g64", calibration=ids)
+    h = input_moments(model, ids)
+    assert info["groups"] == "64" and act.keys() == h.keys()
+    # what the format minimises: each matrix's output error on those inputs, channel by channel
+    mods = dict(model.named_modules())
+    rtn, _ = format_weights(model, "rtn-g64")
+
+    def out_err(q):
+        return sum(float((h[n][:, None] * (q[n].dequantize(torch.float32)
+                                          - mods[n].weight.detach().T.float()).pow(2)).sum())
+                   for n in q)  # fmt: skip
+
+    assert out_err(act) < out_err(rtn)
