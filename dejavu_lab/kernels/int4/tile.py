@@ -127,7 +127,13 @@ def launch_tile(xb: torch.Tensor, w, res2: torch.Tensor, cfg: dict, *, mode: str
 
 def finish(ws: torch.Tensor, res2: torch.Tensor, bias: torch.Tensor | None) -> None:
     """The finishing launch of the one-token kernels: ``res2 = ws + bias`` in the output dtype,
-    and ``ws`` zeroed for the next call."""
+    and ``ws`` zeroed for the next call.
+
+    >>> ws, out = torch.tensor([1.0, 2.0]), torch.empty(1, 2, dtype=torch.float16)
+    >>> finish(ws, out, None)  # CPU: under TRITON_INTERPRET=1
+    >>> out.tolist(), ws.tolist()
+    ([[1.0, 2.0]], [0.0, 0.0])
+    """
     d_out = res2.shape[1]
     threshold_finalize_kernel[(triton.cdiv(d_out, 1024), 1)](
         ws, bias if bias is not None else ws, res2, d_out, res2.stride(0),

@@ -1,0 +1,78 @@
+"""How the int4 codes are chosen, and what it costs in perplexity (the 4-bit chapter).
+
+Three ways to pick each group's scale and min at the same group size and bytes, from the
+recordings of ``python -m dejavu_lab.measure.quant_quality`` that ran them side by side
+(:data:`FILES`): round-to-nearest over the group's whole range (``rtn``), the range searched
+for the smallest squared weight error (``mse``), and that error weighed by each input channel's
+mean squared activation on calibration text (``act``; :mod:`dejavu_lab.quant.refine`).
+:func:`rounding_table` puts their perplexity rises side by side; :func:`rounding_sentence`
+says what they show.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from .int4 import load_quality, quality_table
+
+__all__ = ["FILES", "KINDS", "load_rounding", "rounding_sentence", "rounding_table"]
+
+#: the recordings that ran the three roundings side by side, one per model
+FILES = ("quant_quality_demo_mse", "quant_quality_qwen2.5-0.5b_mse")
+KINDS = {"rtn": "round-to-nearest", "mse": "least weight error", "act": "activation-weighted"}
+
+
+def load_rounding(names=FILES):
+    """(rows, provenance per file) of the rounding recordings (:func:`~.int4.load_quality`).
+
+    >>> frame, provs = load_rounding()
+    >>> sorted(set(frame["format"]))
+    ['act-g128', 'fp', 'mse-g128', 'rtn-g128']
+    """
+    return load_quality(names)
+
+
+def rounding_table(frame: pd.DataFrame) -> pd.DataFrame:
+    """Perplexity rise over the model's fp dense (%), one column per rounding, one row per
+    model, variant and sparsity; and the sparsity's interaction with each (``quality_table``).
+
+    >>> t = rounding_table(load_rounding()[0])
+    >>> list(t.columns)[:4]
+    ['fp', 'round-to-nearest', 'least weight error', 'activation-weighted']
+    """
+    t = quality_table(frame).reset_index()
+    t["rounding"] = t["format"].map(lambda f: KINDS.get(f.split("-g")[0], f))
+    t["model"] = t["model"].map(lambda m: m.split(" (")[0])
+    rise = t.pivot_table(index=["model", "variant", "sparsity"], columns="rounding",
+                         values="rise over fp dense %", sort=False)  # fmt: skip
+    inter = t[t["format"] != "fp"].pivot_table(index=["model", "variant", "sparsity"],
+                                               columns="rounding", values="interaction %",
+                                               sort=False)  # fmt: skip
+    inter = inter.drop(index="dense", level="variant", errors="ignore")
+    inter.columns = [f"{c}: interaction" for c in inter.columns]
+    order = ["fp", *KINDS.values()]
+    return rise[[c for c in order if c in rise]].join(inter, how="left")
+
+
+def rounding_sentence(table: pd.DataFrame, variant: str = "teal (uniform)",
+                      sparsity: float = 0.4) -> str:  # fmt: skip
+    """What the three roundings cost per model, dense and with ``variant`` at ``sparsity``, as
+    perplexity rises over the model's fp dense.
+
+    >>> rounding_sentence(rounding_table(load_rounding()[0]))
+    'On SmolLM2-135M-Instruct the int4 weights cost +42.2% dense with round-to-nearest codes, ...'
+    """
+    parts = []
+    for model, m in table.groupby(level="model", sort=False):
+        dense = m.xs("dense", level="variant").iloc[0]
+        rtn, mse, act = (dense[k] for k in KINDS.values())
+        text = (f"On {model} the int4 weights cost {rtn:+.1f}% dense with round-to-nearest "
+                f"codes, {mse:+.1f}% with the least weight error and {act:+.1f}% "
+                "activation-weighted")  # fmt: skip
+        key = (variant, sparsity)
+        if key in m.droplevel("model").index:
+            s = m.droplevel("model").loc[key]
+            text += (f"; with {variant} at {sparsity:.0%} ({s['fp']:+.1f}% on fp) "
+                     + " / ".join(f"{s[k]:+.1f}%" for k in KINDS.values()))  # fmt: skip
+        parts.append(text + ".")
+    return " ".join(parts)
