@@ -63,9 +63,8 @@ def _tile(r, d, w):
 
 CANDIDATES = {  # swept per shape and group; each computes the same function (checked first)
     1: [
-        default_config(1, 4096, 14336),  # the default
-        dict(TILE),  # the tile (kernels/int4/tile.py)
-        dict(HALF2),  # half2 decoding (kernels/int4/half2.py)
+        dict(HALF2),  # half2 decoding (kernels/int4/half2.py), the dense default
+        dict(TILE),  # the fp32-decode tile (kernels/int4/tile.py)
         _half2(32, 32, 256, 1),
         _half2(32, 32, 512, 2),
         _half2(128, 16, 1024, 4),
