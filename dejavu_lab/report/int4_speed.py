@@ -188,16 +188,20 @@ def speed_figure(table: pd.DataFrame, kind: str):
         return None
     if kind == "engine":
         t = table.reset_index()
-        t["run"] = t["weights"] + " " + t["engine"] + t["sparsity"].map(
-            lambda s: f" {s:.0%}" if s else "")  # fmt: skip
-        return px.bar(t, x="run", y="ms/token", color="weights", facet_col="model",
-                      title="ms per decoded token (batch 1, CUDA-graph replay)")  # fmt: skip
+        t["run"] = t["weights"] + "<br>" + t["engine"] + t["sparsity"].map(
+            lambda s: f"<br>{s:.0%}" if s else "")  # fmt: skip
+        fig = px.bar(t, x="run", y="ms/token", color="weights", facet_col="model",
+                     title="ms per decoded token (batch 1, CUDA-graph replay)")  # fmt: skip
+        return fig.update_xaxes(tickangle=0, title=None)
     us = table[[c for c in table.columns if c.endswith("(µs)")]].rename_axis(columns="kernel")
     t = us.stack().rename("µs").reset_index()
     t["kernel"] = t["kernel"].str.removesuffix(" (µs)")
-    t["case"] = t["shape"] + ", g" + t["group"].astype(str) + ", B" + t["batch"].astype(str)
-    return px.bar(t, x="case", y="µs", color="kernel", barmode="group",
-                  title="µs per GEMV call (CUDA-graph replay, cold weights)")  # fmt: skip
+    # two-line labels, level: rotated one-line labels ran into the caption under the axis
+    t["case"] = (t["shape"].str.replace(" ", "<br>") + "<br>g" + t["group"].astype(str) + ", B"
+                 + t["batch"].astype(str))  # fmt: skip
+    fig = px.bar(t, x="case", y="µs", color="kernel", barmode="group",
+                 title="µs per GEMV call (CUDA-graph replay, cold weights)")  # fmt: skip
+    return fig.update_xaxes(tickangle=0, title=None)
 
 
 def _speed(lo: float, hi: float | None = None) -> str:
