@@ -60,19 +60,22 @@ def rounding_sentence(table: pd.DataFrame, variant: str = "teal (uniform)",
     perplexity rises over the model's fp dense.
 
     >>> rounding_sentence(rounding_table(load_rounding()[0]))
-    'On SmolLM2-135M-Instruct the int4 weights cost +42.2% dense with round-to-nearest codes, ...'
+    'On SmolLM2-135M-Instruct, dense, the int4 weights cost +42.2% with round-to-nearest codes, ...'
     """
+    phrases = {"round-to-nearest": "with round-to-nearest codes",
+               "least weight error": "with the least weight error",
+               "activation-weighted": "activation-weighted"}  # fmt: skip
     parts = []
     for model, m in table.groupby(level="model", sort=False):
+        m = m.droplevel("model").dropna(axis=1, how="all")
+        kinds = [k for k in KINDS.values() if k in m]  # the roundings this model ran
         dense = m.xs("dense", level="variant").iloc[0]
-        rtn, mse, act = (dense[k] for k in KINDS.values())
-        text = (f"On {model} the int4 weights cost {rtn:+.1f}% dense with round-to-nearest "
-                f"codes, {mse:+.1f}% with the least weight error and {act:+.1f}% "
-                "activation-weighted")  # fmt: skip
-        key = (variant, sparsity)
-        if key in m.droplevel("model").index:
-            s = m.droplevel("model").loc[key]
+        said = [f"{dense[k]:+.1f}% {phrases[k]}" for k in kinds]
+        text = (f"On {model}, dense, the int4 weights cost " + ", ".join(said[:-1])
+                + (" and " if len(said) > 1 else "") + said[-1])  # fmt: skip
+        if (variant, sparsity) in m.index:
+            s = m.loc[(variant, sparsity)]
             text += (f"; with {variant} at {sparsity:.0%} ({s['fp']:+.1f}% on fp) "
-                     + " / ".join(f"{s[k]:+.1f}%" for k in KINDS.values()))  # fmt: skip
+                     + " / ".join(f"{s[k]:+.1f}%" for k in kinds))  # fmt: skip
         parts.append(text + ".")
     return " ".join(parts)
