@@ -18,7 +18,11 @@ from .int4 import load_quality, quality_table
 __all__ = ["FILES", "KINDS", "load_rounding", "rounding_sentence", "rounding_table"]
 
 #: the recordings that ran the three roundings side by side, one per model
-FILES = ("quant_quality_demo_mse", "quant_quality_qwen2.5-0.5b_mse")
+FILES = (
+    "quant_quality_demo_mse",
+    "quant_quality_qwen2.5-0.5b_mse",
+    "quant_quality_qwen2.5-1.5b_act",
+)
 KINDS = {"rtn": "round-to-nearest", "mse": "least weight error", "act": "activation-weighted"}
 
 
