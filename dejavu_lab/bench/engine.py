@@ -36,10 +36,10 @@ from .engine_variants import (
     THRESHOLD,
     Variant,
     build,
-    does_not_fit,
     make_decoder,
     make_predictors,
     planned_config,
+    skipped_too_large,
     variants,
 )
 from .timing import cuda, graph_ms, relerr, timed
@@ -206,9 +206,7 @@ def bench_model(preset, prompts, new_tokens, hf_new, hf_prompts, device, ceiling
     >>> sorted({r["kind"] for r in rows}), [r["check_ok"] for r in rows if r["kind"] == "e2e"]
     (['e2e', 'part'], [True])
     """
-    if (reason := does_not_fit(preset, device)) is not None:
-        print(f"{preset}: skipped: {reason}")
-        rows.append({"model": preset, "kind": "skip", "reason": reason})
+    if skipped_too_large(preset, device, rows):
         return
     model, arch = build(preset, device)
     vocab = model.get_output_embeddings().weight.shape[0]

@@ -37,7 +37,7 @@ import torch
 
 from ..engine import BatchDecoder, Decoder, SparseConfig, decoder_weights
 from ..engine.batch_quality import union_means
-from .engine_variants import build, does_not_fit
+from .engine_variants import build, skipped_too_large
 from .timing import cuda, graph_ms, relerr, timed
 
 __all__ = [
@@ -217,9 +217,7 @@ def bench_model(preset, prompts, batches, new, ceiling, device, *, union_budget=
     >>> [r["kind"] for r in rows]
     ['skip']
     """
-    if (reason := does_not_fit(preset, device)) is not None:
-        print(f"{preset}: skipped: {reason}")
-        rows.append({"model": preset, "kind": "skip", "reason": reason})
+    if skipped_too_large(preset, device, rows):
         return
     model, arch = build(preset, device)
     vocab, d_embed = model.get_output_embeddings().weight.shape

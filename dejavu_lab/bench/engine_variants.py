@@ -45,6 +45,7 @@ __all__ = [
     "make_decoder",
     "make_predictors",
     "planned_config",
+    "skipped_too_large",
     "variants",
 ]
 
@@ -95,6 +96,21 @@ def does_not_fit(preset: str, device, dtype=torch.float16) -> str | None:
     kind = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, str(dtype))
     return (f"its {kind} weights, held twice while the engine copies them ({need / 1e9:.0f} GB), "
             f"do not fit the {free / 1e9:.0f} GB free on this GPU")  # fmt: skip
+
+
+def skipped_too_large(preset: str, device, rows: list[dict]) -> bool:
+    """Whether a bench skips ``preset`` on ``device`` (:func:`does_not_fit`): if so it prints
+    the reason in one sentence and appends a ``skip`` row to ``rows``.
+
+    >>> rows = []
+    >>> skipped_too_large("opt-30b", "cpu", rows), rows
+    (False, [])
+    """
+    if (reason := does_not_fit(preset, device)) is None:
+        return False
+    print(f"{preset}: skipped: {reason}")
+    rows.append({"model": preset, "kind": "skip", "reason": reason})
+    return True
 
 
 def make_predictors(model, arch, device):

@@ -171,26 +171,24 @@ def input_moments(model, ids: torch.Tensor, *, arch=None) -> dict[str, torch.Ten
     names = list(decoder_linears(model, arch))
     mods = dict(model.named_modules())
     sums = {n: torch.zeros(mods[n].in_features) for n in names}
-    count = [0]
 
     def hook(name):
         def pre(_module, args):
             x = args[0].detach().float().reshape(-1, args[0].shape[-1])
             sums[name] += x.pow(2).sum(0).cpu()
-            if name == names[0]:
-                count[0] += x.shape[0]
 
         return pre
 
     handles = [mods[n].register_forward_pre_hook(hook(n)) for n in names]
+    device = next(model.parameters()).device
     try:
         with torch.no_grad():
             for row in ids:
-                model(row[None].to(next(model.parameters()).device))
+                model(row[None].to(device))
     finally:
         for h in handles:
             h.remove()
-    return {n: v / max(count[0], 1) for n, v in sums.items()}
+    return {n: v / max(ids.numel(), 1) for n, v in sums.items()}  # each linear saw every token
 
 
 def weight_error(model, weights: dict[str, Int4Weight] | None) -> float:

@@ -36,6 +36,13 @@ def _codes(w, scales, mins):
     return torch.round((w - mins[:, None]) / safe[:, None]).clamp_(0, 15)
 
 
+def _err(w, h, scales, mins):
+    """The codes for (scales, mins) and their squared error per group and output, each row
+    weighted by ``h``."""
+    q = _codes(w, scales, mins)
+    return q, (h * (q * scales[:, None] + mins[:, None] - w).pow(2)).sum(1)
+
+
 def _refit(w, q, scales, mins, h):
     """Weighted least-squares (scale, min) of ``w ≈ q s + m`` per group and output (row
     weights ``h`` [groups, group, 1]); where the codes of a group are all equal the line is
@@ -87,15 +94,12 @@ def quantize_mse(
     lo, hi = w.amin(dim=1), w.amax(dim=1)
     mid, half = (lo + hi) / 2, (hi - lo) / 2
     best_s, best_m = base.scales.float(), base.mins.float()
-    best_err = (h * (_codes(w, best_s, best_m) * best_s[:, None] + best_m[:, None] - w).pow(2)).sum(
-        1
-    )
+    best_err = _err(w, h, best_s, best_m)[1]
     for f in SHRINK:
         mins = (mid - f * half).to(dtype).float()
         scales = ((2 * f * half) / 15).to(dtype).float()
         for _ in range(REFITS + 1):
-            q = _codes(w, scales, mins)
-            err = (h * (q * scales[:, None] + mins[:, None] - w).pow(2)).sum(1)
+            q, err = _err(w, h, scales, mins)
             better = err < best_err
             best_err = torch.where(better, err, best_err)
             best_s = torch.where(better, scales, best_s)

@@ -249,8 +249,8 @@ def default_config(batch: int, d_in: int = 0, d_out: int = 0, *, group: int = 12
     tile = batch == 1 and op in TILE_OPS and d_out % 8 == 0
     if device is not None and d_in and d_out:
         tuned = tuning.lookup(f"{op}_g{group}", d_in, d_out, None, batch, device)
-        # batch 1: the loop configs the table holds lost to the tile at every shape and kept
-        # fraction timed (:mod:`.tile`), so only a tuned tile replaces the tile's defaults
+        # batch 1: the loop configs the table holds lost to the one-token kernels at every
+        # shape and kept fraction timed, so only a tuned tile or half2 config replaces them
         if tuned is not None and (not tile or tuned.get("mode") in ("tile", "half2")):
             return tuned
     if tile:  # half2 decoding beat the tile at every shape timed (:mod:`.half2`)
