@@ -32,8 +32,10 @@ import torch
 
 from dejavu_lab import results
 from dejavu_lab.bench.engine import SPARSITY, Variant, build, make_decoder, make_predictors
+from dejavu_lab.bench.engine_int4 import int4_step_bytes
 from dejavu_lab.bench.timing import copy_ceiling, cuda
 from dejavu_lab.engine import SITES, SparseConfig, calibrate_thresholds, decoder_weights, step_bytes
+from dejavu_lab.engine.int4 import quantize_weights
 
 ROWS: list[dict] = []
 
@@ -85,6 +87,7 @@ def run(
     ceiling: float,
     device: str,
     with_predictors: bool,
+    group: int | None = None,
 ) -> None:
     model, arch = build(preset, device)
     vocab, d_embed = model.get_output_embeddings().weight.shape
@@ -102,18 +105,28 @@ def run(
         else:
             v = Variant(m, m, sparsity=sparsity)
         thr = calibrate_thresholds(w, ids, sparsity, method=m) if m in SITES else None
-        dec = make_decoder(v, w, arch, prompt + 128, preds, None, thr)
+        wm = w if group is None else quantize_weights(w, group, m)
+        dec = make_decoder(v, wm, arch, prompt + 128, preds, None, thr)
+        del wm
         dec.prefill(ids)
         kept = {}
         if m == "dejavu":
             kept = dict(mlp_kept=1 - ms_, head_kept=1 - hs_)
         elif m in SITES:
             kept = dict(site_kept=dict.fromkeys(SITES[m], 1 - sparsity))
-        nbytes = step_bytes(arch, vocab=vocab, context=prompt, d_embed=d_embed, **kept)["total"]
+        if group is not None and m in ("dense", "teal", "wina"):
+            site = kept.get("site_kept", {})
+            nbytes = int4_step_bytes(arch, vocab=vocab, context=prompt, group=group,
+                                     kept=next(iter(site.values()), 1.0), d_embed=d_embed)  # fmt: skip
+        else:
+            i4 = {} if group is None else {"int4_group": group}
+            nbytes = step_bytes(arch, vocab=vocab, context=prompt, d_embed=d_embed, **kept, **i4)
+            nbytes = nbytes["total"]
         floor_us = nbytes / (ceiling * 1e12) * 1e6 if cuda() else float("nan")
         base = {
             "model": preset,
             "method": m,
+            "weights": "fp16" if group is None else f"int4 g{group}",
             "prompt": prompt,
             "n_layers": arch.n_layers,
             "sparsity": sparsity if m in SITES else (ms_ if m == "dejavu" else 0.0),
@@ -164,7 +177,7 @@ def run(
 def print_table(rows) -> None:
     s = rows[0]
     print(
-        f"\n{s['model']} {s['method']} (sparsity {s['sparsity']:.0%}), prompt {s['prompt']}: "
+        f"\n{s['model']} {s['weights']} {s['method']} (sparsity {s['sparsity']:.0%}), prompt {s['prompt']}: "
         f"step {s['wall_us']:.0f} us, kernels {s['kernel_sum_us']:.0f} us, idle "
         f"{s['idle_us']:.0f} us, {s['launches']:.0f} launches "
         f"({s['launches'] / s['n_layers']:.1f}/layer), floor {s['floor_us']:.0f} us "
@@ -184,6 +197,13 @@ def main(argv=None) -> int:
     ap.add_argument("--sparsity", type=float, default=0.5, help="teal/wina/cats fraction dropped")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--predictors", action="store_true", help="DejaVu with its predictors")
+    ap.add_argument(
+        "--int4",
+        type=int,
+        default=None,
+        metavar="GROUP",
+        help="int4 layer matrices with this group size (dense, teal, wina, dejavu, cats)",
+    )
     ap.add_argument("--name", default="engine_profile")
     ap.add_argument("--quick", action="store_true", help="CPU plumbing check at a tiny shape")
     a = ap.parse_args(argv)
@@ -195,7 +215,7 @@ def main(argv=None) -> int:
         sys.exit("profile_engine.py times GPU kernels: run it on a GPU box (or pass --quick).")
     ceiling = copy_ceiling()
     for preset in models:
-        run(preset, methods, a.sparsity, a.prompt, ceiling, device, a.predictors)
+        run(preset, methods, a.sparsity, a.prompt, ceiling, device, a.predictors, a.int4)
     if not a.quick:
         results.save(a.name, ROWS, command=" ".join(sys.argv), extra={"copy_ceiling_tbps": ceiling})
     return 0
