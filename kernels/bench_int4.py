@@ -53,8 +53,8 @@ def _cfg(r, d, w, pps, **kw):
     return {"BLOCK_R": r, "BLOCK_D": d, "num_warps": w, "programs_per_sm": pps, **kw}
 
 
-def _half2(rows, sub, d, w):
-    return {"mode": "half2", "ROWS": rows, "SUB": sub, "BLOCK_D": d, "num_warps": w}
+def _half2(rows, sub, d, w, **kw):
+    return {"mode": "half2", "ROWS": rows, "SUB": sub, "BLOCK_D": d, "num_warps": w, **kw}
 
 
 def _tile(r, d, w):
@@ -68,6 +68,12 @@ CANDIDATES = {  # swept per shape and group; each computes the same function (ch
         _half2(32, 32, 256, 1),
         _half2(32, 32, 512, 2),
         _half2(128, 16, 1024, 4),
+        _half2(64, 32, 1024, 2),  # two and four words per thread: 64- and 128-bit loads
+        _half2(64, 32, 2048, 2),
+        _half2(128, 16, 512, 2, compact=1),  # threshold: walk a list of the kept rows
+        _half2(64, 16, 512, 2, compact=1),
+        _half2(128, 8, 512, 2, compact=1),
+        _half2(128, 16, 1024, 2, compact=1),
         _tile(32, 128, 2),
         _tile(64, 256, 4),
         _tile(32, 512, 4),

@@ -90,6 +90,14 @@ VARIANTS = {  # every config computes the same function
     "tile-a-whole-group": {"mode": "tile", "BLOCK_R": 32, "BLOCK_D": 128, "num_warps": 4},
     "half2": {"mode": "half2", "ROWS": 32, "SUB": 16, "BLOCK_D": 32, "num_warps": 1},
     "half2-default": HALF2,
+    "half2-compact": {
+        "mode": "half2",
+        "ROWS": 32,
+        "SUB": 8,
+        "BLOCK_D": 32,
+        "num_warps": 1,
+        "compact": 1,
+    },
     "loop": LOOP,
     "rows-inside-a-group": {**LOOP, "BLOCK_R": 16},
     "groups-inside-a-step": {**LOOP, "BLOCK_R": 128},
@@ -127,8 +135,9 @@ def test_half2_sums_neither_overflow_nor_vanish(dtype, scale, seed):
     int4_gemv(x, w, out=out, config=HALF2)
     assert_close(out, int4_gemv_ref(x, w), dtype, seed)
     thr = threshold_keeping(x, 0.5)
-    int4_threshold_gemv(x, w, torch.full((D_IN,), thr), out=out, config=HALF2)
-    assert_close(out, int4_threshold_gemv_ref(x, w, thr), dtype, seed)
+    for cfg in (HALF2, {**HALF2, "compact": 1}):
+        int4_threshold_gemv(x, w, torch.full((D_IN,), thr), out=out, config=cfg)
+        assert_close(out, int4_threshold_gemv_ref(x, w, thr), dtype, seed)
 
 
 @pytest.mark.parametrize("d_out", [84, 6])  # int16 words (4 codes), bytes (2 codes)

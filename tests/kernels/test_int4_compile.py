@@ -7,7 +7,7 @@ that Triton's CUDA backend ships: batch 1 dense and threshold (the [rows, words,
 tile), a union batch on tensor cores, the kept-row path with per-output word loads; and the
 rows-layout kernel (every row, listed rows, CATS's gate-then-up) at batch 1 and on tensor cores;
 and the one-token tile kernel, dense and threshold; and the half2 kernel's inline PTX (dense,
-threshold, bf16), which the interpreter never runs.
+threshold, bf16, the kept-row list), which the interpreter never runs.
 """
 
 import os
@@ -62,13 +62,16 @@ for mode, scalar, even in [(0, True, True), (1, True, False), (1, False, True)]:
                    target=GPUTarget("cuda", 90, 32), options={"num_warps": 2, "num_stages": 1})
 from dejavu_lab.kernels.int4.half2 import int4_half2_kernel as half2
 
-for mode, scalar, even, dt in [(0, True, True, "fp16"), (1, True, False, "fp16"),
-                               (1, False, True, "bf16")]:
+s["list_ptr"] = "*i32"
+for mode, scalar, even, dt, compact in [(0, True, True, "fp16", False),
+                                        (1, True, False, "fp16", False),
+                                        (1, False, True, "bf16", False),
+                                        (1, True, True, "fp16", True)]:
     sig = {a: s[a] for a in half2.arg_names if a in s}
     if dt == "bf16":
         sig.update(x_ptr="*bf16", s_ptr="*bf16", m_ptr="*bf16")
     c = dict(MODE=mode, THR_SCALAR=scalar, EVEN_D=even, GROUP=128, ROWS=64, SUB=32,
-             BLOCK_D=512, ASM=True)
+             BLOCK_D=512, ASM=True, COMPACT=compact)
     triton.compile(ASTSource(half2, sig, constexprs=c), target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": 2, "num_stages": 1})
 print("compiled")

@@ -90,6 +90,68 @@ def _emulated(words, xh, J: tl.constexpr, HIGH: tl.constexpr):
 
 
 @triton.jit
+def _fma_pair(words, x2, acc, J: tl.constexpr):
+    """The interpreter's stand-in for pair ``J`` of :data:`_PAIRS` on one row: both halves of the
+    half2 sum ``acc`` plus the centred codes times the activation, rounded to fp16 once."""
+    x = _half(x2).to(tl.float32)
+    lo = (((words >> (4 * J)) & 0xF) - 8).to(tl.float32) * x + _half(acc).to(tl.float32)
+    hi = (((words >> (4 * J + 16)) & 0xF) - 8).to(tl.float32) * x + _half(acc >> 16).to(tl.float32)
+    return _bits(lo.to(tl.float16)) | (_bits(hi.to(tl.float16)) << 16)
+
+
+@triton.jit
+def _row(words, x2, a0, a1, a2, a3, ASM: tl.constexpr):
+    """One row's four pairs added to the half2 sums ``a0``-``a3``: the inline PTX on a GPU, its
+    emulation (:func:`_fma_pair`) in the interpreter."""
+    if ASM:
+        a0, a1, a2, a3 = tl.inline_asm_elementwise(
+            _PAIRS, "=r,=r,=r,=r,r,r,r,r,r,r", [words, x2, a0, a1, a2, a3],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1,
+        )  # fmt: skip
+    else:
+        a0 = _fma_pair(words, x2, a0, 0)
+        a1 = _fma_pair(words, x2, a1, 1)
+        a2 = _fma_pair(words, x2, a2, 2)
+        a3 = _fma_pair(words, x2, a3, 3)
+    return a0, a1, a2, a3
+
+
+@triton.jit
+def _listed(base, j, n, r0, p_ptr, stride_p, offs_w, mask_w):
+    """Entry ``j`` of a kept-row list (none past ``n``): the row's code words and its
+    activation as a half2 ``(x, x)``."""
+    e = tl.load(base + j, mask=j < n, other=0)
+    row = r0 + (e & 0xFFFF)
+    words = tl.load(p_ptr + row.to(tl.int64) * stride_p + offs_w, mask=mask_w & (j < n), other=0,
+                    eviction_policy="evict_first")  # fmt: skip
+    b = (e >> 16) & 0xFFFF
+    return words, (b | (b << 16)) + tl.zeros_like(offs_w)
+
+
+@triton.jit
+def _eight(base, c, n, r0, p_ptr, stride_p, offs_w, mask_w, a0, a1, a2, a3, ASM: tl.constexpr):
+    """Listed rows ``c`` to ``c + 7`` added to the half2 sums: the eight rows' loads are
+    written before any arithmetic, so they are in flight together."""
+    w0, x0 = _listed(base, c, n, r0, p_ptr, stride_p, offs_w, mask_w)
+    w1, x1 = _listed(base, c + 1, n, r0, p_ptr, stride_p, offs_w, mask_w)
+    w2, x2 = _listed(base, c + 2, n, r0, p_ptr, stride_p, offs_w, mask_w)
+    w3, x3 = _listed(base, c + 3, n, r0, p_ptr, stride_p, offs_w, mask_w)
+    w4, x4 = _listed(base, c + 4, n, r0, p_ptr, stride_p, offs_w, mask_w)
+    w5, x5 = _listed(base, c + 5, n, r0, p_ptr, stride_p, offs_w, mask_w)
+    w6, x6 = _listed(base, c + 6, n, r0, p_ptr, stride_p, offs_w, mask_w)
+    w7, x7 = _listed(base, c + 7, n, r0, p_ptr, stride_p, offs_w, mask_w)
+    a0, a1, a2, a3 = _row(w0, x0, a0, a1, a2, a3, ASM)
+    a0, a1, a2, a3 = _row(w1, x1, a0, a1, a2, a3, ASM)
+    a0, a1, a2, a3 = _row(w2, x2, a0, a1, a2, a3, ASM)
+    a0, a1, a2, a3 = _row(w3, x3, a0, a1, a2, a3, ASM)
+    a0, a1, a2, a3 = _row(w4, x4, a0, a1, a2, a3, ASM)
+    a0, a1, a2, a3 = _row(w5, x5, a0, a1, a2, a3, ASM)
+    a0, a1, a2, a3 = _row(w6, x6, a0, a1, a2, a3, ASM)
+    a0, a1, a2, a3 = _row(w7, x7, a0, a1, a2, a3, ASM)
+    return a0, a1, a2, a3
+
+
+@triton.jit
 def _fp32(acc, HIGH: tl.constexpr):
     """One half of a half2 sum, as fp32."""
     if HIGH:
@@ -106,6 +168,7 @@ def int4_half2_kernel(
     thr_ptr,  # MODE 1: [K] fp32 thresholds (THR_SCALAR: unused)
     thr_value,  # MODE 1 with THR_SCALAR: the one threshold
     ws_ptr,  # [D] fp32 sums, zero between launches
+    list_ptr,  # COMPACT: int32 [programs * ROWS] kept-row lists, one slice per program
     D,
     stride_p,
     MODE: tl.constexpr,  # 0 dense, 1 threshold
@@ -116,6 +179,7 @@ def int4_half2_kernel(
     SUB: tl.constexpr,  # rows per fp16 sum: divides ROWS
     BLOCK_D: tl.constexpr,  # outputs per program, a multiple of 8
     ASM: tl.constexpr,  # the inline PTX (compiled for a GPU) or its emulation (interpreter)
+    COMPACT: tl.constexpr,  # MODE 1: walk a list of the kept rows instead of masking every row
 ):
     NW: tl.constexpr = BLOCK_D // 8
     pid_d = tl.program_id(0)
@@ -140,7 +204,32 @@ def int4_half2_kernel(
     f5 = tl.zeros((NW,), tl.float32)
     f6 = tl.zeros((NW,), tl.float32)
     f7 = tl.zeros((NW,), tl.float32)
-    if ASM:  # each thread walks the rows; half2 sums of SUB rows, then fp32
+    if MODE == 1 and COMPACT:  # the kept rows listed first, then walked SUB at a time
+        keep = xs != 0
+        n = tl.sum(keep.to(tl.int32), axis=0)
+        pos = tl.cumsum(keep.to(tl.int32), axis=0) - 1
+        # one int32 per kept row: its fp16 activation (divided by amax) high, its offset low
+        entry = (_bits((xs * inv).to(tl.float16)) << 16) | tl.arange(0, ROWS)
+        base = list_ptr + (tl.program_id(1) * tl.num_programs(0) + pid_d) * ROWS
+        tl.store(base + pos, entry, mask=keep)
+        tl.debug_barrier()  # the list is written by every thread and read by all
+        for c in range(0, n, SUB):
+            a0 = tl.zeros((NW,), tl.int32)
+            a1 = tl.zeros((NW,), tl.int32)
+            a2 = tl.zeros((NW,), tl.int32)
+            a3 = tl.zeros((NW,), tl.int32)
+            for k in tl.static_range(SUB // 8):
+                a0, a1, a2, a3 = _eight(base, c + 8 * k, n, r0, p_ptr, stride_p, offs_w, mask_w,
+                                        a0, a1, a2, a3, ASM)  # fmt: skip
+            f0 += _fp32(a0, False)
+            f4 += _fp32(a0, True)
+            f1 += _fp32(a1, False)
+            f5 += _fp32(a1, True)
+            f2 += _fp32(a2, False)
+            f6 += _fp32(a2, True)
+            f3 += _fp32(a3, False)
+            f7 += _fp32(a3, True)
+    elif ASM:  # each thread walks the rows; half2 sums of SUB rows, then fp32
         for c in tl.static_range(ROWS // SUB):
             a0 = tl.zeros((NW,), tl.int32)  # half2 (0, 0)
             a1 = tl.zeros((NW,), tl.int32)
@@ -231,20 +320,26 @@ def launch_half2(xb: torch.Tensor, w, res2: torch.Tensor, cfg: dict, *, mode: st
     rows = min(int(cfg["ROWS"]), w.group)
     sub = min(int(cfg["SUB"]), rows)
     block_d = min(int(cfg["BLOCK_D"]), triton.next_power_of_2(d_out))
+    compact = mode == "threshold" and bool(cfg.get("compact", 0))
     if rows & (rows - 1) or block_d & (block_d - 1) or block_d < 8 or w.group % rows or rows % sub:
         raise ValueError(f"config ROWS={rows} (dividing the group {w.group}), SUB={sub} "
                          f"(dividing ROWS) and BLOCK_D={block_d} (>= 8) must be powers of two.")  # fmt: skip
+    if compact and sub % 8:
+        raise ValueError(f"config SUB={sub} must be a multiple of 8 with compact=1 (kept rows "
+                         "are read eight at a time).")  # fmt: skip
     if xb.shape[0] != 1 or d_out % 8:
         raise ValueError("the half2 kernel runs one token with d_out a multiple of 8.")
     codes = w.packed.view(torch.int32)
     ws = _workspace.sums(xb.device, d_out)
     scalar = mode == "threshold" and not isinstance(thr, torch.Tensor)
-    int4_half2_kernel[(triton.cdiv(d_out, block_d), d_in // rows)](
+    grid = (triton.cdiv(d_out, block_d), d_in // rows)
+    lists = _workspace.rows(xb.device, grid[0] * grid[1] * rows) if compact else ws
+    int4_half2_kernel[grid](
         xb, codes, w.scales, w.mins, thr if isinstance(thr, torch.Tensor) else ws,
-        float(thr) if scalar else 0.0, ws, d_out, codes.stride(0),
+        float(thr) if scalar else 0.0, ws, lists, d_out, codes.stride(0),
         MODE=1 if mode == "threshold" else 0, THR_SCALAR=scalar, EVEN_D=d_out % block_d == 0,
         GROUP=w.group, ROWS=rows,
-        SUB=sub, BLOCK_D=block_d, ASM=xb.device.type == "cuda", num_warps=int(cfg["num_warps"]),
+        SUB=sub, BLOCK_D=block_d, ASM=xb.device.type == "cuda", COMPACT=compact, num_warps=int(cfg["num_warps"]),
         num_stages=1,
     )  # fmt: skip
     finish(ws, res2, bias)
