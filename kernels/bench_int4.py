@@ -74,6 +74,9 @@ CANDIDATES = {  # swept per shape and group; each computes the same function (ch
         _half2(64, 16, 512, 2, compact=1),
         _half2(128, 8, 512, 2, compact=1),
         _half2(128, 16, 1024, 2, compact=1),
+        {**HALF2, "fused": 1},  # the last program of a column tile writes the output
+        _half2(128, 16, 512, 2, compact=1, fused=1),
+        _half2(64, 16, 512, 2, compact=1, fused=1),
         _tile(32, 128, 2),
         _tile(64, 256, 4),
         _tile(32, 512, 4),

@@ -140,6 +140,22 @@ def test_half2_sums_neither_overflow_nor_vanish(dtype, scale, seed):
         assert_close(out, int4_threshold_gemv_ref(x, w, thr), dtype, seed)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_half2_fused_and_compact_with_bias_repeat(dtype, seed):
+    # the fused epilogue leaves its counters and sums at zero, the kept-row lists are rewritten:
+    # a second call gives the same output, and both equal the reference with the bias added
+    w = weight(dtype, 64)
+    x = torch.randn(1, D_IN, dtype=dtype)
+    b = torch.randn(D_OUT, dtype=dtype)
+    thr = threshold_keeping(x, 0.3)
+    for cfg in ({**HALF2, "fused": 1}, {**HALF2, "fused": 1, "compact": 1, "SUB": 16}):
+        first = int4_threshold_gemv(x, w, thr, bias=b, config=cfg)
+        assert torch.equal(int4_threshold_gemv(x, w, thr, bias=b, config=cfg), first), cfg
+        assert_close(first, int4_threshold_gemv_ref(x, w, thr, bias=b), dtype, seed)
+    dense = int4_gemv(x, w, bias=b, config={**HALF2, "fused": 1})
+    assert_close(dense, int4_gemv_ref(x, w, bias=b), dtype, seed)
+
+
 @pytest.mark.parametrize("d_out", [84, 6])  # int16 words (4 codes), bytes (2 codes)
 def test_output_counts_that_are_not_multiples_of_eight(d_out, seed):
     w = weight(torch.float16, 32, d_out=d_out)

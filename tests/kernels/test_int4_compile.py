@@ -62,16 +62,16 @@ for mode, scalar, even in [(0, True, True), (1, True, False), (1, False, True)]:
                    target=GPUTarget("cuda", 90, 32), options={"num_warps": 2, "num_stages": 1})
 from dejavu_lab.kernels.int4.half2 import int4_half2_kernel as half2
 
-s["list_ptr"] = "*i32"
+s.update(list_ptr="*i32", count_ptr="*i32", b_ptr="*fp16", out_ptr="*fp16")
 for mode, scalar, even, dt, compact in [(0, True, True, "fp16", False),
                                         (1, True, False, "fp16", False),
                                         (1, False, True, "bf16", False),
                                         (1, True, True, "fp16", True)]:
     sig = {a: s[a] for a in half2.arg_names if a in s}
     if dt == "bf16":
-        sig.update(x_ptr="*bf16", s_ptr="*bf16", m_ptr="*bf16")
+        sig.update(x_ptr="*bf16", s_ptr="*bf16", m_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16")
     c = dict(MODE=mode, THR_SCALAR=scalar, EVEN_D=even, GROUP=128, ROWS=64, SUB=32,
-             BLOCK_D=512, ASM=True, COMPACT=compact)
+             BLOCK_D=512, ASM=True, COMPACT=compact, FUSED=compact or not even, HAS_BIAS=even)
     triton.compile(ASTSource(half2, sig, constexprs=c), target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": 2, "num_stages": 1})
 print("compiled")

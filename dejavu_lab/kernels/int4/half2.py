@@ -18,9 +18,14 @@ threads), and every ``SUB`` rows the half2 sums are added to fp32 ones. Then
     ``y[o] += p s[g, o] sum_r x'[r] (q[r, o] - 8)  +  (m[g, o] + 8 s[g, o]) sum_r x[r]``
 
 (``p`` the magnitude divided out) goes to an fp32 workspace with relaxed atomics, and the
-finishing launch of :mod:`.tile` rounds it into the output. Threshold mode (TEAL / WINA): a row
+finishing launch of :mod:`.tile` rounds it into the output (``fused=1``: no second launch, the
+last program of each column tile to arrive does it, :func:`~dejavu_lab.kernels._reduce.
+split_reduce`). Threshold mode (TEAL / WINA): a row
 whose entry falls under its threshold has its code load masked off and its decode skipped (the
-branch is uniform: every thread of the program sees the same activation).
+branch is uniform: every thread of the program sees the same activation). That branch keeps
+one row's loads in flight at a time; ``compact=1`` instead lists the program's kept rows first
+(each with its scaled activation) and walks the list eight rows at a time, every load of the
+eight issued before their arithmetic, so a dropped row costs neither bytes nor instructions.
 
 The fp16 sums of ``SUB`` products make this kernel less exact than :mod:`.tile`: a relative
 error of about 2e-3 against the fp32 reference where the tile kernel has 2e-5 (an H100 on
@@ -38,6 +43,7 @@ import triton
 import triton.language as tl
 
 from .. import _workspace
+from .._reduce import split_reduce
 from .tile import finish
 
 __all__ = ["HALF2", "HALF2_OPS", "int4_half2_kernel", "launch_half2"]
@@ -169,6 +175,9 @@ def int4_half2_kernel(
     thr_value,  # MODE 1 with THR_SCALAR: the one threshold
     ws_ptr,  # [D] fp32 sums, zero between launches
     list_ptr,  # COMPACT: int32 [programs * ROWS] kept-row lists, one slice per program
+    count_ptr,  # FUSED: int32 arrival counters [>= column tiles], zero between launches
+    b_ptr,  # FUSED with HAS_BIAS: [D] bias
+    out_ptr,  # FUSED: [D] output
     D,
     stride_p,
     MODE: tl.constexpr,  # 0 dense, 1 threshold
@@ -180,6 +189,8 @@ def int4_half2_kernel(
     BLOCK_D: tl.constexpr,  # outputs per program, a multiple of 8
     ASM: tl.constexpr,  # the inline PTX (compiled for a GPU) or its emulation (interpreter)
     COMPACT: tl.constexpr,  # MODE 1: walk a list of the kept rows instead of masking every row
+    FUSED: tl.constexpr,  # the last program of a column tile writes the output (no 2nd launch)
+    HAS_BIAS: tl.constexpr,
 ):
     NW: tl.constexpr = BLOCK_D // 8
     pid_d = tl.program_id(0)
@@ -298,7 +309,13 @@ def int4_half2_kernel(
     m = tl.load(m_ptr + sm, mask=mask_w[:, None], other=0.0).to(tl.float32)
     y = tl.reshape(s * sums + (m + 8.0 * s) * tl.sum(xs, axis=0), (BLOCK_D,))
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    tl.atomic_add(ws_ptr + offs_d, y, mask=(offs_d < D) | EVEN_D, sem="relaxed")
+    if FUSED:  # fp32 atomics, then the last arrival rounds the sums into the output
+        offs_b = tl.arange(0, 1)
+        split_reduce(y[None, :], ws_ptr, count_ptr, b_ptr, out_ptr, offs_b, offs_d, offs_b < 1,
+                     (offs_d < D) | EVEN_D, 1, D, 0, pid_d, tl.program_id(1), tl.num_programs(1),
+                     REDUCE=2, HAS_BIAS=HAS_BIAS, CHUNK=1, FENCE=ASM)  # fmt: skip
+    else:
+        tl.atomic_add(ws_ptr + offs_d, y, mask=(offs_d < D) | EVEN_D, sem="relaxed")
 
 
 def launch_half2(xb: torch.Tensor, w, res2: torch.Tensor, cfg: dict, *, mode: str, thr=None,
@@ -307,7 +324,8 @@ def launch_half2(xb: torch.Tensor, w, res2: torch.Tensor, cfg: dict, *, mode: st
     ``w`` an Int4Weight on xb's device and dtype with ``d_out % 8 == 0``, ``res2`` the [1, D]
     output; ``mode`` dense or threshold (``thr`` a float or fp32 [K]). ``cfg``: ``ROWS`` (a
     power of two dividing the group), ``SUB`` (dividing ``ROWS``), ``BLOCK_D`` (a power of two
-    >= 8), ``num_warps``.
+    >= 8), ``num_warps``; optional ``compact`` (threshold mode: walk a list of the kept rows,
+    ``SUB`` a multiple of 8) and ``fused`` (no finishing launch).
 
     >>> from dejavu_lab.quant import quantize
     >>> w = quantize(torch.eye(32)[:, :8], group=32, dtype=torch.float16)  # w_t [32, 8]
@@ -334,12 +352,16 @@ def launch_half2(xb: torch.Tensor, w, res2: torch.Tensor, cfg: dict, *, mode: st
     scalar = mode == "threshold" and not isinstance(thr, torch.Tensor)
     grid = (triton.cdiv(d_out, block_d), d_in // rows)
     lists = _workspace.rows(xb.device, grid[0] * grid[1] * rows) if compact else ws
+    fused = bool(cfg.get("fused", 0))
+    counts = _workspace.counters(xb.device, grid[0]) if fused else ws
     int4_half2_kernel[grid](
         xb, codes, w.scales, w.mins, thr if isinstance(thr, torch.Tensor) else ws,
-        float(thr) if scalar else 0.0, ws, lists, d_out, codes.stride(0),
+        float(thr) if scalar else 0.0, ws, lists, counts, bias if bias is not None else ws, res2,
+        d_out, codes.stride(0),
         MODE=1 if mode == "threshold" else 0, THR_SCALAR=scalar, EVEN_D=d_out % block_d == 0,
         GROUP=w.group, ROWS=rows,
-        SUB=sub, BLOCK_D=block_d, ASM=xb.device.type == "cuda", COMPACT=compact, num_warps=int(cfg["num_warps"]),
-        num_stages=1,
+        SUB=sub, BLOCK_D=block_d, ASM=xb.device.type == "cuda", COMPACT=compact, FUSED=fused,
+        HAS_BIAS=bias is not None, num_warps=int(cfg["num_warps"]), num_stages=1,
     )  # fmt: skip
-    finish(ws, res2, bias)
+    if not fused:
+        finish(ws, res2, bias)
