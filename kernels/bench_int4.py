@@ -69,6 +69,8 @@ CANDIDATES = {  # swept per shape and group; each computes the same function (ch
         _half2(32, 32, 512, 2),
         _half2(128, 16, 1024, 4),
         _half2(64, 32, 1024, 2),  # two and four words per thread: 64- and 128-bit loads
+        _half2(32, 32, 1024, 1),
+        _half2(64, 32, 1024, 1),
         _half2(64, 32, 2048, 2),
         _half2(128, 16, 512, 2, compact=1),  # threshold: walk a list of the kept rows
         _half2(64, 16, 512, 2, compact=1),

@@ -71,7 +71,8 @@ for mode, scalar, even, dt, compact in [(0, True, True, "fp16", False),
     if dt == "bf16":
         sig.update(x_ptr="*bf16", s_ptr="*bf16", m_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16")
     c = dict(MODE=mode, THR_SCALAR=scalar, EVEN_D=even, GROUP=128, ROWS=64, SUB=32,
-             BLOCK_D=512, ASM=True, COMPACT=compact, FUSED=compact or not even, HAS_BIAS=even)
+             BLOCK_D=512, ASM=True, COMPACT=compact, FUSED=compact or not even, HAS_BIAS=even,
+             STRIDE_P=1792)
     triton.compile(ASTSource(half2, sig, constexprs=c), target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": 2, "num_stages": 1})
 print("compiled")

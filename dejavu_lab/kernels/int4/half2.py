@@ -123,29 +123,29 @@ def _row(words, x2, a0, a1, a2, a3, ASM: tl.constexpr):
 
 
 @triton.jit
-def _listed(base, j, n, r0, p_ptr, stride_p, offs_w, mask_w):
+def _listed(base, j, n, r0, p_ptr, STRIDE_P, offs_w, mask_w):
     """Entry ``j`` of a kept-row list (none past ``n``): the row's code words and its
     activation as a half2 ``(x, x)``."""
     e = tl.load(base + j, mask=j < n, other=0)
     row = r0 + (e & 0xFFFF)
-    words = tl.load(p_ptr + row.to(tl.int64) * stride_p + offs_w, mask=mask_w & (j < n), other=0,
+    words = tl.load(p_ptr + row.to(tl.int64) * STRIDE_P + offs_w, mask=mask_w & (j < n), other=0,
                     eviction_policy="evict_first")  # fmt: skip
     b = (e >> 16) & 0xFFFF
     return words, (b | (b << 16)) + tl.zeros_like(offs_w)
 
 
 @triton.jit
-def _eight(base, c, n, r0, p_ptr, stride_p, offs_w, mask_w, a0, a1, a2, a3, ASM: tl.constexpr):
+def _eight(base, c, n, r0, p_ptr, STRIDE_P, offs_w, mask_w, a0, a1, a2, a3, ASM: tl.constexpr):
     """Listed rows ``c`` to ``c + 7`` added to the half2 sums: the eight rows' loads are
     written before any arithmetic, so they are in flight together."""
-    w0, x0 = _listed(base, c, n, r0, p_ptr, stride_p, offs_w, mask_w)
-    w1, x1 = _listed(base, c + 1, n, r0, p_ptr, stride_p, offs_w, mask_w)
-    w2, x2 = _listed(base, c + 2, n, r0, p_ptr, stride_p, offs_w, mask_w)
-    w3, x3 = _listed(base, c + 3, n, r0, p_ptr, stride_p, offs_w, mask_w)
-    w4, x4 = _listed(base, c + 4, n, r0, p_ptr, stride_p, offs_w, mask_w)
-    w5, x5 = _listed(base, c + 5, n, r0, p_ptr, stride_p, offs_w, mask_w)
-    w6, x6 = _listed(base, c + 6, n, r0, p_ptr, stride_p, offs_w, mask_w)
-    w7, x7 = _listed(base, c + 7, n, r0, p_ptr, stride_p, offs_w, mask_w)
+    w0, x0 = _listed(base, c, n, r0, p_ptr, STRIDE_P, offs_w, mask_w)
+    w1, x1 = _listed(base, c + 1, n, r0, p_ptr, STRIDE_P, offs_w, mask_w)
+    w2, x2 = _listed(base, c + 2, n, r0, p_ptr, STRIDE_P, offs_w, mask_w)
+    w3, x3 = _listed(base, c + 3, n, r0, p_ptr, STRIDE_P, offs_w, mask_w)
+    w4, x4 = _listed(base, c + 4, n, r0, p_ptr, STRIDE_P, offs_w, mask_w)
+    w5, x5 = _listed(base, c + 5, n, r0, p_ptr, STRIDE_P, offs_w, mask_w)
+    w6, x6 = _listed(base, c + 6, n, r0, p_ptr, STRIDE_P, offs_w, mask_w)
+    w7, x7 = _listed(base, c + 7, n, r0, p_ptr, STRIDE_P, offs_w, mask_w)
     a0, a1, a2, a3 = _row(w0, x0, a0, a1, a2, a3, ASM)
     a0, a1, a2, a3 = _row(w1, x1, a0, a1, a2, a3, ASM)
     a0, a1, a2, a3 = _row(w2, x2, a0, a1, a2, a3, ASM)
@@ -179,7 +179,7 @@ def int4_half2_kernel(
     b_ptr,  # FUSED with HAS_BIAS: [D] bias
     out_ptr,  # FUSED: [D] output
     D,
-    stride_p,
+    STRIDE_P: tl.constexpr,  # words per code row (a constant: row offsets become immediates)
     MODE: tl.constexpr,  # 0 dense, 1 threshold
     THR_SCALAR: tl.constexpr,
     EVEN_D: tl.constexpr,  # D % BLOCK_D == 0: no column mask
@@ -230,7 +230,7 @@ def int4_half2_kernel(
             a2 = tl.zeros((NW,), tl.int32)
             a3 = tl.zeros((NW,), tl.int32)
             for k in tl.static_range(SUB // 8):
-                a0, a1, a2, a3 = _eight(base, c + 8 * k, n, r0, p_ptr, stride_p, offs_w, mask_w,
+                a0, a1, a2, a3 = _eight(base, c + 8 * k, n, r0, p_ptr, STRIDE_P, offs_w, mask_w,
                                         a0, a1, a2, a3, ASM)  # fmt: skip
             f0 += _fp32(a0, False)
             f4 += _fp32(a0, True)
@@ -241,6 +241,8 @@ def int4_half2_kernel(
             f3 += _fp32(a3, False)
             f7 += _fp32(a3, True)
     elif ASM:  # each thread walks the rows; half2 sums of SUB rows, then fp32
+        pw = p_ptr + r0.to(tl.int64) * STRIDE_P + offs_w  # row r0's words; the rest at constants
+        px = x_ptr + r0
         for c in tl.static_range(ROWS // SUB):
             a0 = tl.zeros((NW,), tl.int32)  # half2 (0, 0)
             a1 = tl.zeros((NW,), tl.int32)
@@ -248,23 +250,22 @@ def int4_half2_kernel(
             a3 = tl.zeros((NW,), tl.int32)
             for i in tl.static_range(SUB):
                 row = r0 + c * SUB + i
-                xv = tl.load(x_ptr + row).to(tl.float32)
+                xv = tl.load(px + c * SUB + i).to(tl.float32)
                 if MODE == 1:
                     if THR_SCALAR:
                         keep = tl.abs(xv) > thr_value
                     else:
                         keep = tl.abs(xv) > tl.load(thr_ptr + row)
                     use = mask_w & ((tl.zeros((NW,), tl.int32) + keep.to(tl.int32)) != 0)
-                    words = tl.load(p_ptr + row.to(tl.int64) * stride_p + offs_w, mask=use, other=0,
+                    words = tl.load(pw + (c * SUB + i) * STRIDE_P, mask=use, other=0,
                                     eviction_policy="evict_first")  # fmt: skip
                 elif EVEN_D:
                     keep = True
-                    words = tl.load(p_ptr + row.to(tl.int64) * stride_p + offs_w,
-                                    eviction_policy="evict_first")  # fmt: skip
+                    words = tl.load(pw + (c * SUB + i) * STRIDE_P, eviction_policy="evict_first")
                 else:
                     keep = True
-                    words = tl.load(p_ptr + row.to(tl.int64) * stride_p + offs_w, mask=mask_w,
-                                    other=0, eviction_policy="evict_first")  # fmt: skip
+                    words = tl.load(pw + (c * SUB + i) * STRIDE_P, mask=mask_w, other=0,
+                                    eviction_policy="evict_first")  # fmt: skip
                 if keep:  # uniform: every thread holds the same row's activation
                     xh = (xv * inv).to(tl.float16)
                     b = _bits(xh)
@@ -288,7 +289,7 @@ def int4_half2_kernel(
             use = mask_w[None, :] & (xs != 0)[:, None]
         else:
             use = mask_w[None, :] & (offs_r >= 0)[:, None]
-        words = tl.load(p_ptr + offs_r.to(tl.int64)[:, None] * stride_p + offs_w[None, :],
+        words = tl.load(p_ptr + offs_r.to(tl.int64)[:, None] * STRIDE_P + offs_w[None, :],
                         mask=use, other=0)  # fmt: skip
         xh = (xs * inv).to(tl.float16)
         f0 = _emulated(words, xh, 0, 0)
@@ -357,7 +358,7 @@ def launch_half2(xb: torch.Tensor, w, res2: torch.Tensor, cfg: dict, *, mode: st
     int4_half2_kernel[grid](
         xb, codes, w.scales, w.mins, thr if isinstance(thr, torch.Tensor) else ws,
         float(thr) if scalar else 0.0, ws, lists, counts, bias if bias is not None else ws, res2,
-        d_out, codes.stride(0),
+        d_out, codes.stride(0),  # STRIDE_P
         MODE=1 if mode == "threshold" else 0, THR_SCALAR=scalar, EVEN_D=d_out % block_d == 0,
         GROUP=w.group, ROWS=rows,
         SUB=sub, BLOCK_D=block_d, ASM=xb.device.type == "cuda", COMPACT=compact, FUSED=fused,
