@@ -37,7 +37,9 @@ import dataclasses
 
 import torch
 
-from ..kernels.int4 import int4_threshold_gemv
+from ..kernels._common import use_triton
+from ..kernels.int4 import int4_gemv, int4_threshold_gemv
+from ..kernels.int4.dense import activated
 from ..quant import GROUPS, Int4Rows, Int4Weight, quantize, rows_layout
 from .attention import DenseAttention
 from .config import EngineError
@@ -230,14 +232,20 @@ def random_int4_weights(preset: str, *, group: int = 128, dtype=torch.float16,
     )  # fmt: skip
 
 
-def _product(x: torch.Tensor, w4: Int4Weight | Int4Rows, b, t) -> torch.Tensor:
-    """``x @ dequant(w4) + b``, thresholded at ``t`` (a Threshold, or None: dense); a rows-layout
-    ``w4`` (``W`` itself) is dense."""
+def _product(x: torch.Tensor, w4: Int4Weight | Int4Rows, b, t, activation: str = "none",
+             gated: bool = False) -> torch.Tensor:  # fmt: skip
+    """``act(x @ dequant(w4) + b)`` (``gated``: ``act(gate) * up`` of its halves; ``"none"``:
+    the product), thresholded at ``t`` (a Threshold, or None: dense); a rows-layout ``w4``
+    (``W`` itself) is dense. The int4 GEMVs apply the activation in their finishing launch."""
     if isinstance(w4, Int4Rows):
-        return linear_rows(x, w4, b)
-    if t is None or x.shape[0] > 32:
-        return linear_t(x, w4, b)
-    return int4_threshold_gemv(x, w4, t.at(x), bias=b)
+        y = linear_rows(x, w4, b)
+    elif t is not None and x.shape[0] <= 32:
+        return int4_threshold_gemv(x, w4, t.at(x), bias=b, activation=activation, gated=gated)
+    elif x.shape[0] <= 32 and use_triton(x.device):
+        return int4_gemv(x, w4, bias=b, activation=activation, gated=gated)
+    else:
+        y = linear_t(x, w4, b)
+    return y if activation == "none" and not gated else activated(y, activation, gated)
 
 
 class Int4Attention(DenseAttention):
@@ -295,5 +303,6 @@ class Int4MLP(DenseMLP):
 
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
         lw = self.lw
-        a = _product(x, lw.w_in if lw.w_in_t is None else lw.w_in_t, lw.b_in, self.t_in)
-        return act(a, self.activation, self.gated, self.n)
+        if lw.w_in_t is not None:  # columns: the activation in the GEMV's finishing launch
+            return _product(x, lw.w_in_t, lw.b_in, self.t_in, self.activation, self.gated)
+        return act(linear_rows(x, lw.w_in, lw.b_in), self.activation, self.gated, self.n)

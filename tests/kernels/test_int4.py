@@ -31,9 +31,10 @@ from dejavu_lab.kernels.int4 import (
     int4_threshold_gemv,
     int4_threshold_gemv_ref,
 )
+from dejavu_lab.kernels.int4.dense import activated
 from dejavu_lab.kernels.int4.half2 import HALF2
 from dejavu_lab.kernels.int4.kernel import default_config, int4_gemv_kernel
-from dejavu_lab.kernels.int4.tile import int4_tile_kernel
+from dejavu_lab.kernels.int4.tile import TILE, int4_tile_kernel
 from dejavu_lab.quant import GROUPS
 
 FIXTURES = (on_device, seed)  # pytest finds fixtures by name in this module
@@ -154,6 +155,29 @@ def test_half2_fused_and_compact_with_bias_repeat(dtype, seed):
         assert_close(first, int4_threshold_gemv_ref(x, w, thr, bias=b), dtype, seed)
     dense = int4_gemv(x, w, bias=b, config={**HALF2, "fused": 1})
     assert_close(dense, int4_gemv_ref(x, w, bias=b), dtype, seed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_activation_in_the_epilogue(dtype, batch, seed):
+    # act(gate) * up of the product's two halves (one token: in the finishing launch; batches:
+    # after the product), and a plain activation, equal the activation of the reference
+    w = weight(dtype, 64)
+    x = torch.randn(batch, D_IN, dtype=dtype)
+    b = torch.randn(D_OUT, dtype=dtype)
+    thr = threshold_keeping(x, 0.5)
+    for cfg in (None, TILE, {**HALF2, "fused": 1}):
+        for activation, gated in (("silu", True), ("gelu", False), ("relu", True)):
+            full = int4_gemv_ref(x, w, bias=b).float()
+            got = int4_gemv(x, w, bias=b, config=cfg, activation=activation, gated=gated)
+            assert got.shape == (batch, D_OUT // 2 if gated else D_OUT)
+            assert_close(got, activated(full.to(dtype), activation, gated), dtype, seed)
+            full = int4_threshold_gemv_ref(x, w, thr, bias=b)
+            got = int4_threshold_gemv(x, w, thr, bias=b, config=cfg, activation=activation,
+                                      gated=gated)  # fmt: skip
+            assert_close(got, activated(full, activation, gated), dtype, seed)
+    with pytest.raises(ValueError, match="activation="):
+        int4_gemv(x, w, activation="swish")
 
 
 @pytest.mark.parametrize("d_out", [84, 6])  # int16 words (4 codes), bytes (2 codes)

@@ -12,6 +12,7 @@ import torch
 
 from ...quant import Int4Weight
 from .._common import as_batch, check_device, check_float, check_vector, output, use_triton
+from .._neurons import FUSED_ACTIVATIONS, act_ref
 from .kernel import default_config, launch
 
 __all__ = ["check_int4", "int4_gemv", "int4_gemv_ref"]
@@ -60,8 +61,45 @@ def int4_gemv_ref(x: torch.Tensor, w: Int4Weight, *, bias: torch.Tensor | None =
     return y.to(x.dtype)
 
 
+def check_epilogue(activation: str, gated: bool, d_out: int) -> int:
+    """The output width of a product followed by ``activation`` (``gated``: ``act(gate) * up``
+    of its two halves), or one sentence on what is wrong."""
+    if activation not in FUSED_ACTIVATIONS:
+        raise ValueError(
+            f"activation={activation!r} must be one of {', '.join(FUSED_ACTIVATIONS)}."
+        )
+    if gated and d_out % 2:
+        raise ValueError(f"gated=True needs an even d_out ([gate | up]), not {d_out}.")
+    return d_out // 2 if gated else d_out
+
+
+def activated(y: torch.Tensor, activation: str, gated: bool) -> torch.Tensor:
+    """``act(y)`` or (``gated``) ``act(gate) * up`` of ``y = [gate | up]``, in fp32 then y's dtype.
+
+    >>> activated(torch.tensor([[-1.0, 2.0, 3.0, 4.0]]), "relu", True)
+    tensor([[0., 8.]])
+    """
+    n = y.shape[-1] // 2
+    a = act_ref((y[..., :n] if gated else y).float(), activation)
+    return (a * y[..., n:].float() if gated else a).to(y.dtype)
+
+
+def run(xb, w, res2, cfg: dict, *, mode: str, thr=None, bias=None, activation: str = "none",
+        gated: bool = False) -> None:  # fmt: skip
+    """:func:`~.kernel.launch`, with the activation in the finishing launch where one token runs
+    the tile or half2 kernel, else the product first and the activation in PyTorch."""
+    one = xb.shape[0] == 1 and w.shape[1] % 8 == 0 and cfg.get("mode") in ("tile", "half2")
+    if one or (activation == "none" and not gated):
+        launch(xb, w, res2, cfg, mode=mode, thr=thr, bias=bias, activation=activation, gated=gated)
+        return
+    full = torch.empty(xb.shape[0], w.shape[1], dtype=res2.dtype, device=res2.device)
+    launch(xb, w, full, cfg, mode=mode, thr=thr, bias=bias)
+    res2.copy_(activated(full, activation, gated))
+
+
 def int4_gemv(x: torch.Tensor, w: Int4Weight, *, bias: torch.Tensor | None = None,
-              out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:  # fmt: skip
+              out: torch.Tensor | None = None, config: dict | None = None,
+              activation: str = "none", gated: bool = False) -> torch.Tensor:  # fmt: skip
     """``x @ w.dequantize() + bias``, reading each code byte once.
 
     x: [d_in] or [B, d_in] (B <= 32, fp16/bf16); w: an Int4Weight of ``w_t`` [d_in, d_out]
@@ -72,7 +110,10 @@ def int4_gemv(x: torch.Tensor, w: Int4Weight, *, bias: torch.Tensor | None = Non
     batches use); no host sync
     and a launch shape fixed by the shapes, so the call sits in a CUDA graph (make the first call
     of a shape outside capture: it allocates small per-device buffers). ``config`` overrides
-    the tiles (:func:`~dejavu_lab.kernels.int4.kernel.default_config`).
+    the tiles (:func:`~dejavu_lab.kernels.int4.kernel.default_config`). ``activation``
+    (``gated``: ``act(gate) * up`` of the output's two halves, [.., d_out / 2]) runs in the
+    one-token kernels' finishing launch, so an MLP's hidden activations cost no launch of their
+    own.
 
     >>> from dejavu_lab.quant import quantize
     >>> _ = torch.manual_seed(0)
@@ -88,11 +129,13 @@ def int4_gemv(x: torch.Tensor, w: Int4Weight, *, bias: torch.Tensor | None = Non
     d_in, d_out = w.shape
     check_device(device, bias=bias)
     check_vector("bias", bias, d_out, dtype)
+    n_out = check_epilogue(activation, gated, d_out)
     xb, squeeze = as_batch("x", x, d_in)
-    res, res2 = output(out, xb.shape[0], d_out, squeeze, dtype, device)
+    res, res2 = output(out, xb.shape[0], n_out, squeeze, dtype, device)
     if not use_triton(device):
-        res2.copy_(int4_gemv_ref(xb, w, bias=bias))
+        res2.copy_(activated(int4_gemv_ref(xb, w, bias=bias), activation, gated))
         return res
     cfg = default_config(xb.shape[0], *w.shape, group=w.group, op="int4_gemv", device=device)
-    launch(xb, w, res2, {**cfg, **(config or {})}, mode="dense", bias=bias)
+    run(xb, w, res2, {**cfg, **(config or {})}, mode="dense", bias=bias, activation=activation,
+        gated=gated)  # fmt: skip
     return res

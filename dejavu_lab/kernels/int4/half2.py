@@ -329,10 +329,11 @@ def int4_half2_kernel(
 
 
 def launch_half2(xb: torch.Tensor, w, res2: torch.Tensor, cfg: dict, *, mode: str, thr=None,
-                 bias: torch.Tensor | None = None) -> None:  # fmt: skip
+                 bias: torch.Tensor | None = None, activation: str = "none",
+                 gated: bool = False) -> None:  # fmt: skip
     """Run :func:`int4_half2_kernel` and the finishing launch on checked inputs: ``xb`` [1, K],
     ``w`` an Int4Weight on xb's device and dtype with ``d_out % 8 == 0``, ``res2`` the [1, D]
-    output; ``mode`` dense or threshold (``thr`` a float or fp32 [K]). ``cfg``: ``ROWS`` (a
+    output ([1, D / 2] when ``gated``: :func:`~.tile.finish`); ``mode`` dense or threshold (``thr`` a float or fp32 [K]). ``cfg``: ``ROWS`` (a
     power of two dividing the group), ``SUB`` (dividing ``ROWS``), ``BLOCK_D`` (a power of two
     >= 8), ``num_warps``; optional ``compact`` (threshold mode: walk a list of the kept rows,
     ``SUB`` a multiple of 8) and ``fused`` (no finishing launch).
@@ -362,7 +363,9 @@ def launch_half2(xb: torch.Tensor, w, res2: torch.Tensor, cfg: dict, *, mode: st
     scalar = mode == "threshold" and not isinstance(thr, torch.Tensor)
     grid = (triton.cdiv(d_out, block_d), d_in // rows)
     lists = _workspace.rows(xb.device, grid[0] * grid[1] * rows) if compact else ws
-    fused = bool(cfg.get("fused", 0))
+    # the fused epilogue rounds each column tile alone: an activation (gated: of two tiles) needs
+    # the finishing launch
+    fused = bool(cfg.get("fused", 0)) and activation == "none" and not gated
     counts = _workspace.counters(xb.device, grid[0]) if fused else ws
     int4_half2_kernel[grid](
         xb, codes, w.scales, w.mins, thr if isinstance(thr, torch.Tensor) else ws,
@@ -374,4 +377,4 @@ def launch_half2(xb: torch.Tensor, w, res2: torch.Tensor, cfg: dict, *, mode: st
         HAS_BIAS=bias is not None, num_warps=int(cfg["num_warps"]), num_stages=1,
     )  # fmt: skip
     if not fused:
-        finish(ws, res2, bias)
+        finish(ws, res2, bias, activation, gated)

@@ -269,7 +269,7 @@ def nibbles_per_word(d_out: int) -> int:
 
 def launch(xb: torch.Tensor, w, res2: torch.Tensor, cfg: dict, *, mode: str, thr=None,
            idx: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-           rows_per_index: int = 1) -> None:  # fmt: skip
+           rows_per_index: int = 1, activation: str = "none", gated: bool = False) -> None:  # fmt: skip
     """Run :func:`int4_gemv_kernel` on checked inputs (``cfg["mode"]`` ``"tile"`` or ``"half2"``
     with one token of a dense or threshold GEMV: :func:`~.tile.launch_tile` or
     :func:`~.half2.launch_half2` instead): ``xb`` [B, K]
@@ -290,8 +290,10 @@ def launch(xb: torch.Tensor, w, res2: torch.Tensor, cfg: dict, *, mode: str, thr
     one = mode != "rows" and xb.shape[0] == 1 and w.shape[1] % 8 == 0
     if one and cfg.get("mode") in ("tile", "half2"):  # one token: :mod:`.tile`, :mod:`.half2`
         run = launch_half2 if cfg["mode"] == "half2" else launch_tile
-        run(xb, w, res2, cfg, mode=mode, thr=thr, bias=bias)
+        run(xb, w, res2, cfg, mode=mode, thr=thr, bias=bias, activation=activation, gated=gated)
         return
+    if activation != "none" or gated:
+        raise ValueError("an activation in the epilogue needs the one-token tile or half2 path.")
     batch = xb.shape[0]
     d_out = w.shape[1]
     n = idx.numel() * rows_per_index if mode == "rows" else w.shape[0]

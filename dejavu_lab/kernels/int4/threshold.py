@@ -27,8 +27,8 @@ from .._common import (
     output,
     use_triton,
 )
-from .dense import check_int4, int4_gemv_ref
-from .kernel import default_config, launch
+from .dense import activated, check_epilogue, check_int4, int4_gemv_ref, run
+from .kernel import default_config
 
 __all__ = ["int4_threshold_gemv", "int4_threshold_gemv_ref"]
 
@@ -50,7 +50,8 @@ def int4_threshold_gemv_ref(x: torch.Tensor, w: Int4Weight, thr, *,
 
 def int4_threshold_gemv(x: torch.Tensor, w: Int4Weight, thr: torch.Tensor | float, *,
                         bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                        config: dict | None = None) -> torch.Tensor:  # fmt: skip
+                        config: dict | None = None, activation: str = "none",
+                        gated: bool = False) -> torch.Tensor:  # fmt: skip
     """``y[b] = sum_i [|x[b,i]| > thr[i]] x[b,i] dequant(w)[i]`` (+ bias), reading kept rows only.
 
     x: [d_in] or [B, d_in] (B <= 32, fp16/bf16); w: an Int4Weight of ``w_t`` [d_in, d_out]
@@ -59,7 +60,8 @@ def int4_threshold_gemv(x: torch.Tensor, w: Int4Weight, thr: torch.Tensor | floa
     ``inf`` none) or fp32 [d_in] (WINA: ``t / ||W[:, i]||``); bias: [d_out]. Returns [d_out]
     or [B, d_out]. One token runs :mod:`.half2` (a dropped row's codes are neither read nor
     decoded; fp32 atomics; ``config={"mode": "loop"}`` for serial, bitwise-repeatable split
-    sums, as batches get), no host sync.
+    sums, as batches get), no host sync. ``activation`` / ``gated``: as
+    :func:`~dejavu_lab.kernels.int4.int4_gemv` (the MLP's hidden activations in the epilogue).
 
     >>> from dejavu_lab.quant import quantize
     >>> _ = torch.manual_seed(0)
@@ -82,13 +84,15 @@ def int4_threshold_gemv(x: torch.Tensor, w: Int4Weight, thr: torch.Tensor | floa
         check_device(device, thr=thr)
     check_device(device, bias=bias)
     check_vector("bias", bias, d_out, dtype)
+    n_out = check_epilogue(activation, gated, d_out)
     xb, squeeze = as_batch("x", x, d_in)
-    res, res2 = output(out, xb.shape[0], d_out, squeeze, dtype, device)
+    res, res2 = output(out, xb.shape[0], n_out, squeeze, dtype, device)
     if not use_triton(device):
-        res2.copy_(int4_threshold_gemv_ref(xb, w, thr, bias=bias))
+        res2.copy_(activated(int4_threshold_gemv_ref(xb, w, thr, bias=bias), activation, gated))
         return res
     cfg = default_config(
         xb.shape[0], *w.shape, group=w.group, op="int4_threshold_gemv", device=device
     )
-    launch(xb, w, res2, {**cfg, **(config or {})}, mode="threshold", thr=thr, bias=bias)
+    run(xb, w, res2, {**cfg, **(config or {})}, mode="threshold", thr=thr, bias=bias,
+        activation=activation, gated=gated)  # fmt: skip
     return res

@@ -90,11 +90,13 @@ def int4_tile_kernel(
 
 
 def launch_tile(xb: torch.Tensor, w, res2: torch.Tensor, cfg: dict, *, mode: str, thr=None,
-                bias: torch.Tensor | None = None) -> None:  # fmt: skip
+                bias: torch.Tensor | None = None, activation: str = "none",
+                gated: bool = False) -> None:  # fmt: skip
     """Run :func:`int4_tile_kernel` and the finishing launch on checked inputs: ``xb`` [1, K],
     ``w`` an Int4Weight on xb's device and dtype with ``d_out % 8 == 0``, ``res2`` the [1, D]
-    output; ``mode`` dense or threshold (``thr`` a float or fp32 [K]). ``cfg``: ``BLOCK_R``
-    (a power of two dividing the group), ``BLOCK_D`` (a power of two >= 8), ``num_warps``.
+    output ([1, D / 2] when ``gated``: see :func:`finish`); ``mode`` dense or threshold (``thr``
+    a float or fp32 [K]). ``cfg``: ``BLOCK_R`` (a power of two dividing the group),
+    ``BLOCK_D`` (a power of two >= 8), ``num_warps``.
 
     >>> from dejavu_lab.quant import quantize
     >>> w = quantize(torch.eye(32)[:, :8], group=32, dtype=torch.float16)  # w_t [32, 8]
@@ -122,12 +124,14 @@ def launch_tile(xb: torch.Tensor, w, res2: torch.Tensor, cfg: dict, *, mode: str
         GROUP=w.group, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=int(cfg["num_warps"]),
         num_stages=1,
     )  # fmt: skip
-    finish(ws, res2, bias)
+    finish(ws, res2, bias, activation, gated)
 
 
-def finish(ws: torch.Tensor, res2: torch.Tensor, bias: torch.Tensor | None) -> None:
-    """The finishing launch of the one-token kernels: ``res2 = ws + bias`` in the output dtype,
-    and ``ws`` zeroed for the next call.
+def finish(ws: torch.Tensor, res2: torch.Tensor, bias: torch.Tensor | None,
+           activation: str = "none", gated: bool = False) -> None:  # fmt: skip
+    """The finishing launch of the one-token kernels: ``res2 = act(ws + bias)`` in the output
+    dtype (``gated``: ``act(gate) * up`` of the sums' two halves, ``res2`` [1, D / 2]; the MLP's
+    hidden activations without a launch of their own), and ``ws`` zeroed for the next call.
 
     >>> ws, out = torch.tensor([1.0, 2.0]), torch.empty(1, 2, dtype=torch.float16)
     >>> finish(ws, out, None)  # CPU: under TRITON_INTERPRET=1
@@ -137,5 +141,5 @@ def finish(ws: torch.Tensor, res2: torch.Tensor, bias: torch.Tensor | None) -> N
     d_out = res2.shape[1]
     threshold_finalize_kernel[(triton.cdiv(d_out, 1024), 1)](
         ws, bias if bias is not None else ws, res2, d_out, res2.stride(0),
-        HAS_BIAS=bias is not None, ACT="", GATED=False, BLOCK=1024, num_warps=4,
+        HAS_BIAS=bias is not None, ACT=activation, GATED=gated, BLOCK=1024, num_warps=4,
     )  # fmt: skip
