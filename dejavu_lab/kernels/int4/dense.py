@@ -63,7 +63,11 @@ def int4_gemv_ref(x: torch.Tensor, w: Int4Weight, *, bias: torch.Tensor | None =
 
 def check_epilogue(activation: str, gated: bool, d_out: int) -> int:
     """The output width of a product followed by ``activation`` (``gated``: ``act(gate) * up``
-    of its two halves), or one sentence on what is wrong."""
+    of its two halves), or one sentence on what is wrong.
+
+    >>> check_epilogue("silu", True, 384), check_epilogue("none", False, 64)
+    (192, 64)
+    """
     if activation not in FUSED_ACTIVATIONS:
         raise ValueError(
             f"activation={activation!r} must be one of {', '.join(FUSED_ACTIVATIONS)}."
@@ -87,7 +91,15 @@ def activated(y: torch.Tensor, activation: str, gated: bool) -> torch.Tensor:
 def run(xb, w, res2, cfg: dict, *, mode: str, thr=None, bias=None, activation: str = "none",
         gated: bool = False) -> None:  # fmt: skip
     """:func:`~.kernel.launch`, with the activation in the finishing launch where one token runs
-    the tile or half2 kernel, else the product first and the activation in PyTorch."""
+    the tile or half2 kernel, else the product first and the activation in PyTorch.
+
+    >>> from dejavu_lab.quant import quantize
+    >>> w = quantize(torch.eye(32)[:, :16], group=32, dtype=torch.float16)  # w_t [32, 16]
+    >>> x, out = -torch.arange(32.0).half()[None], torch.empty(1, 8, dtype=torch.float16)
+    >>> run(x, w, out, default_config(1), mode="dense", activation="relu", gated=True)
+    >>> out.tolist()  # relu(gate) * up, gate = -x[:8] <= 0
+    [[0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]]
+    """
     one = xb.shape[0] == 1 and w.shape[1] % 8 == 0 and cfg.get("mode") in ("tile", "half2")
     if one or (activation == "none" and not gated):
         launch(xb, w, res2, cfg, mode=mode, thr=thr, bias=bias, activation=activation, gated=gated)
