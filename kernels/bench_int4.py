@@ -79,12 +79,6 @@ CANDIDATES = {  # swept per shape and group; each computes the same function (ch
         {**HALF2, "fused": 1},  # the last program of a column tile writes the output
         _half2(128, 16, 512, 2, compact=1, fused=1),
         _half2(64, 16, 512, 2, compact=1, fused=1),
-        _tile(32, 128, 2),
-        _tile(64, 256, 4),
-        _tile(32, 512, 4),
-        _cfg(32, 256, 4, 4, mode="loop"),  # the loop kernel's best before the tile
-        _cfg(64, 256, 4, 8, mode="loop"),
-        _cfg(64, 128, 4, 8, mode="loop"),
     ],
     16: [
         default_config(16),
