@@ -26,6 +26,7 @@ __all__ = [
     "FILES",
     "LIVE_ARGS",
     "decode_sentence",
+    "listed_rows_sentence",
     "engine_table",
     "kernel_table",
     "load_speed",
@@ -52,7 +53,7 @@ COMMANDS = {
     "--name engine_int4_70b",
 }
 #: the sweep that compares the two ways of decoding codes at batch 1 (half2 pairs, fp32 floats)
-DECODE_FILE = "int4_gemv_g128_half2"
+DECODE_FILE = "int4_gemv_g128_b1"
 # a live run on a GPU box: one shape, group 128, batch 1, TEAL at 50% (a minute or two)
 LIVE_ARGS = {
     "kernels": ["kernels/bench_int4.py", "--group", "128", "--shapes", "llama3-8b up",
@@ -304,3 +305,41 @@ def decode_sentence(name: str = DECODE_FILE) -> str:
             "one token's dense GEMV with the codes decoded two at a time into half2 pairs (the "
             "default) against one fp32 float each (the tile kernel), the fastest config of "
             "each: " + "; ".join(parts) + ".")  # fmt: skip
+
+
+def listed_rows_sentence(name: str = DECODE_FILE) -> str:
+    """What the batch-1 sweep of ``results/<name>.json`` shows about the threshold GEMV walking a
+    list of its kept rows (``compact``) against masking every row: the fastest config of each
+    per shape at each kept fraction, and the list's time against the ideal (the fastest dense
+    time times the kept fraction); or '' when the sweep holds no listed-rows config.
+
+    >>> s = listed_rows_sentence()
+    >>> s == "" or "kept" in s
+    True
+    >>> listed_rows_sentence("no_such_recording")
+    ''
+    """
+    try:
+        frame, prov = results.load(name)
+    except ResultsError:
+        return ""
+    f = frame[(frame["kind"] == "sweep") & (frame["batch"] == 1)]
+    cfg = f["config"].map(lambda c: c if isinstance(c, dict) else {})
+    half2 = cfg.map(lambda c: c.get("mode") == "half2")
+    listed = cfg.map(lambda c: bool(c.get("compact")) and not c.get("fused"))
+    masked = half2 & ~listed & ~cfg.map(lambda c: bool(c.get("fused")))
+    if not (listed & (f["kept"] < 1)).any():
+        return ""
+    parts = []
+    for shape, g in f.groupby("shape", sort=False):
+        dense = g.loc[half2[g.index] & (g["kept"] == 1.0), "us"].min()
+        for kept in sorted(g.loc[g["kept"] < 1, "kept"].unique(), reverse=True):
+            at = g["kept"] == kept
+            lst = g.loc[at & listed[g.index], "us"].min()
+            msk = g.loc[at & masked[g.index], "us"].min()
+            parts.append(f"{shape} at {kept:.0%} kept {lst:.1f} µs against {msk:.1f} µs "
+                         f"({dense * kept / lst:.2f} of the ideal)")  # fmt: skip
+    return (f"On the same {prov.get('gpu', 'GPU')} run, the threshold GEMV that first lists its "
+            "kept rows and then walks the list, eight rows' loads in flight at a time, against "
+            "the one that masks every row and branches past the dropped ones: "
+            + "; ".join(parts) + ".")  # fmt: skip

@@ -225,13 +225,19 @@ def test_all_kept_threshold_equals_dense_and_edge_thresholds(batch, seed):
     w = weight(dtype, 128)
     x = torch.randn(batch, D_IN, dtype=dtype)
     x[:, ::5] = 0  # exact zeros: dropped at thr = 0, kept at -1; the sum is the same
-    for cfg in (LOOP, HALF2):  # one config for both calls: the same kernel, the same order
+    # one config for both calls: the same kernel, the same order (the masked half2 walk)
+    for cfg in (LOOP, {**HALF2, "compact": 0}):
         dense = int4_gemv(x, w, config=cfg)
         for thr in (-1.0, 0.0, torch.full((D_IN,), -1.0)):
             got = int4_threshold_gemv(x, w, thr, config=cfg)
             assert torch.equal(got, dense), f"{cfg}, thr={thr!r}; seed={seed}"
         none = int4_threshold_gemv(x, w, float("inf"), config=cfg)
         assert (none == 0).all()
+    if batch == 1:  # the default walks a list of the kept rows: other fp16 sums, same function
+        dense = int4_gemv(x, w)
+        for thr in (-1.0, 0.0):
+            assert_close(int4_threshold_gemv(x, w, thr), dense, dtype, seed)
+        assert (int4_threshold_gemv(x, w, float("inf")) == 0).all()
 
 
 def test_union_batch_reads_a_row_when_any_token_keeps_it(seed):

@@ -52,12 +52,18 @@ from .tile import finish
 __all__ = ["HALF2", "HALF2_OPS", "int4_half2_kernel", "launch_half2"]
 
 # ROWS x BLOCK_D per program, SUB rows per fp16 sum. Chosen by kernels/bench_int4.py on an H100
-# (results/int4_gemv_g128_half2.json, group 128, CUDA-graph replay, cold weights): at
-# 4096->14336, 14336->4096 and 5120->13824 dense 16.7 / 17.3 / 19.1 µs against the tile's
-# 22.9 / 22.6 / 26.5 and gemlite's 20.8 / 20.7 / 23.7; the threshold GEMV at 50% kept runs best
-# with 32 rows per program (17.7 / 19.0 / 22.2 µs against 24.0 / 24.3 / 24.6 with 64)
+# (results/int4_gemv_g128_b1.json, group 128, CUDA-graph replay, cold weights): at
+# 4096->14336, 14336->4096 and 5120->13824 dense 16.9 / 17.5 / 19.2 µs against the tile's
+# 22.6 / 22.5 / 26.3 and gemlite's 20.6 / 20.5 / 25.1; the threshold GEMV on a list of the kept
+# rows of 64 (compact) 13.7 / 13.7 / 15.0 µs at 50% kept and 10.0 / 10.4 / 10.7 at 20%, against
+# 16.4 / 17.7 / 18.4 and 12.3 / 13.8 / 13.7 masking every row (32 rows a program, the previous
+# default; dense rows 64 there: 23.2 / 23.5 / 23.8 at 50%). The fused epilogue (fused=1) ran
+# 3-6 µs slower than the finishing launch at every shape: its fence and counter wait per program.
 HALF2 = {"mode": "half2", "ROWS": 64, "SUB": 32, "BLOCK_D": 512, "num_warps": 2}
-HALF2_OPS = {"int4_gemv": HALF2, "int4_threshold_gemv": {**HALF2, "ROWS": 32}}
+HALF2_OPS = {
+    "int4_gemv": HALF2,
+    "int4_threshold_gemv": {**HALF2, "SUB": 16, "compact": 1},
+}
 
 
 def _pairs_ptx() -> str:
@@ -105,30 +111,12 @@ def _emulated(words, xh, J: tl.constexpr, HIGH: tl.constexpr):
 
 
 @triton.jit
-def _fma_pair(words, x2, acc, J: tl.constexpr):
-    """The interpreter's stand-in for pair ``J`` of :data:`_PAIRS` on one row: both halves of the
-    half2 sum ``acc`` plus the centred codes times the activation, rounded to fp16 once."""
-    x = _half(x2).to(tl.float32)
-    lo = (((words >> (4 * J)) & 0xF) - 8).to(tl.float32) * x + _half(acc).to(tl.float32)
-    hi = (((words >> (4 * J + 16)) & 0xF) - 8).to(tl.float32) * x + _half(acc >> 16).to(tl.float32)
-    return _bits(lo.to(tl.float16)) | (_bits(hi.to(tl.float16)) << 16)
-
-
-@triton.jit
-def _row(words, x2, a0, a1, a2, a3, ASM: tl.constexpr):
-    """One row's four pairs added to the half2 sums ``a0``-``a3``: the inline PTX on a GPU, its
-    emulation (:func:`_fma_pair`) in the interpreter."""
-    if ASM:
-        a0, a1, a2, a3 = tl.inline_asm_elementwise(
-            _PAIRS, "=r,=r,=r,=r,r,r,r,r,r,r", [words, x2, a0, a1, a2, a3],
-            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1,
-        )  # fmt: skip
-    else:
-        a0 = _fma_pair(words, x2, a0, 0)
-        a1 = _fma_pair(words, x2, a1, 1)
-        a2 = _fma_pair(words, x2, a2, 2)
-        a3 = _fma_pair(words, x2, a3, 3)
-    return a0, a1, a2, a3
+def _row(words, x2, a0, a1, a2, a3):
+    """One row's four pairs added to the half2 sums ``a0``-``a3`` (:data:`_PAIRS`)."""
+    return tl.inline_asm_elementwise(
+        _PAIRS, "=r,=r,=r,=r,r,r,r,r,r,r", [words, x2, a0, a1, a2, a3],
+        dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -144,7 +132,7 @@ def _listed(base, j, n, r0, p_ptr, STRIDE_P, offs_w, mask_w):
 
 
 @triton.jit
-def _eight(base, c, n, r0, p_ptr, STRIDE_P, offs_w, mask_w, a0, a1, a2, a3, ASM: tl.constexpr):
+def _eight(base, c, n, r0, p_ptr, STRIDE_P, offs_w, mask_w, a0, a1, a2, a3):
     """Listed rows ``c`` to ``c + 7`` added to the half2 sums: the eight rows' loads are
     written before any arithmetic, so they are in flight together."""
     w0, x0 = _listed(base, c, n, r0, p_ptr, STRIDE_P, offs_w, mask_w)
@@ -155,14 +143,14 @@ def _eight(base, c, n, r0, p_ptr, STRIDE_P, offs_w, mask_w, a0, a1, a2, a3, ASM:
     w5, x5 = _listed(base, c + 5, n, r0, p_ptr, STRIDE_P, offs_w, mask_w)
     w6, x6 = _listed(base, c + 6, n, r0, p_ptr, STRIDE_P, offs_w, mask_w)
     w7, x7 = _listed(base, c + 7, n, r0, p_ptr, STRIDE_P, offs_w, mask_w)
-    a0, a1, a2, a3 = _row(w0, x0, a0, a1, a2, a3, ASM)
-    a0, a1, a2, a3 = _row(w1, x1, a0, a1, a2, a3, ASM)
-    a0, a1, a2, a3 = _row(w2, x2, a0, a1, a2, a3, ASM)
-    a0, a1, a2, a3 = _row(w3, x3, a0, a1, a2, a3, ASM)
-    a0, a1, a2, a3 = _row(w4, x4, a0, a1, a2, a3, ASM)
-    a0, a1, a2, a3 = _row(w5, x5, a0, a1, a2, a3, ASM)
-    a0, a1, a2, a3 = _row(w6, x6, a0, a1, a2, a3, ASM)
-    a0, a1, a2, a3 = _row(w7, x7, a0, a1, a2, a3, ASM)
+    a0, a1, a2, a3 = _row(w0, x0, a0, a1, a2, a3)
+    a0, a1, a2, a3 = _row(w1, x1, a0, a1, a2, a3)
+    a0, a1, a2, a3 = _row(w2, x2, a0, a1, a2, a3)
+    a0, a1, a2, a3 = _row(w3, x3, a0, a1, a2, a3)
+    a0, a1, a2, a3 = _row(w4, x4, a0, a1, a2, a3)
+    a0, a1, a2, a3 = _row(w5, x5, a0, a1, a2, a3)
+    a0, a1, a2, a3 = _row(w6, x6, a0, a1, a2, a3)
+    a0, a1, a2, a3 = _row(w7, x7, a0, a1, a2, a3)
     return a0, a1, a2, a3
 
 
@@ -233,22 +221,38 @@ def int4_half2_kernel(
         base = list_ptr + (tl.program_id(1) * tl.num_programs(0) + pid_d) * ROWS
         tl.store(base + pos, entry, mask=keep)
         tl.debug_barrier()  # the list is written by every thread and read by all
-        for c in range(0, n, SUB):
-            a0 = tl.zeros((NW,), tl.int32)
-            a1 = tl.zeros((NW,), tl.int32)
-            a2 = tl.zeros((NW,), tl.int32)
-            a3 = tl.zeros((NW,), tl.int32)
-            for k in tl.static_range(SUB // 8):
-                a0, a1, a2, a3 = _eight(base, c + 8 * k, n, r0, p_ptr, STRIDE_P, offs_w, mask_w,
-                                        a0, a1, a2, a3, ASM)  # fmt: skip
-            f0 += _fp32(a0, False)
-            f4 += _fp32(a0, True)
-            f1 += _fp32(a1, False)
-            f5 += _fp32(a1, True)
-            f2 += _fp32(a2, False)
-            f6 += _fp32(a2, True)
-            f3 += _fp32(a3, False)
-            f7 += _fp32(a3, True)
+        if ASM:
+            for c in range(0, n, SUB):
+                a0 = tl.zeros((NW,), tl.int32)
+                a1 = tl.zeros((NW,), tl.int32)
+                a2 = tl.zeros((NW,), tl.int32)
+                a3 = tl.zeros((NW,), tl.int32)
+                for k in tl.static_range(SUB // 8):
+                    a0, a1, a2, a3 = _eight(base, c + 8 * k, n, r0, p_ptr, STRIDE_P, offs_w, mask_w,
+                                            a0, a1, a2, a3)  # fmt: skip
+                f0 += _fp32(a0, False)
+                f4 += _fp32(a0, True)
+                f1 += _fp32(a1, False)
+                f5 += _fp32(a1, True)
+                f2 += _fp32(a2, False)
+                f6 += _fp32(a2, True)
+                f3 += _fp32(a3, False)
+                f7 += _fp32(a3, True)
+        else:  # the interpreter: the listed rows as one [rows, words] tile
+            j = tl.arange(0, ROWS)
+            e = tl.load(base + j, mask=j < n, other=0)
+            rows = r0 + (e & 0xFFFF)
+            words = tl.load(p_ptr + rows.to(tl.int64)[:, None] * STRIDE_P + offs_w[None, :],
+                            mask=(j < n)[:, None] & mask_w[None, :], other=0)  # fmt: skip
+            xh = _half((e >> 16) & 0xFFFF)
+            f0 = _emulated(words, xh, 0, 0)
+            f1 = _emulated(words, xh, 1, 0)
+            f2 = _emulated(words, xh, 2, 0)
+            f3 = _emulated(words, xh, 3, 0)
+            f4 = _emulated(words, xh, 0, 1)
+            f5 = _emulated(words, xh, 1, 1)
+            f6 = _emulated(words, xh, 2, 1)
+            f7 = _emulated(words, xh, 3, 1)
     elif ASM:  # each thread walks the rows; half2 sums of SUB rows, then fp32
         pw = p_ptr + r0.to(tl.int64) * STRIDE_P + offs_w  # row r0's words; the rest at constants
         px = x_ptr + r0
