@@ -58,6 +58,7 @@ from ..step_bytes import step_bytes
 __all__ = [
     "ALL_VARIANTS",
     "FORMATS",
+    "HEAD_FORMATS",
     "SPARSITIES",
     "VARIANTS",
     "format_weights",
@@ -69,6 +70,9 @@ __all__ = [
 
 FORMATS = ("fp", "gguf", "rtn-g32", "rtn-g64", "rtn-g128", "mse-g32", "mse-g64", "mse-g128",
            "act-g32", "act-g64", "act-g128")  # fmt: skip
+#: a rounding format with ``+head``: the output projection (``lm_head``, tied or not) in int4
+#: too, rounded the same way (the engine keeps it in fp16: a fifth of Llama-3-8B's int4 bytes)
+HEAD_FORMATS = tuple(f + "+head" for f in FORMATS if f not in ("fp", "gguf"))
 MOMENT_WINDOWS = 4  # calibration windows whose inputs weigh the act-gN formats' channels
 # name -> frontier spec: the threshold methods with one threshold per layer's sites (uniform),
 # which needs only the calibration's histograms; the greedy allocations (frontier.VARIANTS) cost
@@ -106,12 +110,17 @@ def format_weights(
     >>> w, info = format_weights(model, "rtn-g128")
     >>> len(w), info["groups"]  # 64-wide inputs take group 64; down_proj's 192 take 64 too
     (14, '64')
+    >>> w, info = format_weights(model, "rtn-g128+head")  # and the output projection
+    >>> len(w), info["head"]
+    (15, 'lm_head int4 g64')
     """
     arch = arch or get_arch(model)
-    if fmt not in FORMATS:
-        raise QuantError(f"unknown format {fmt!r}; choose from {', '.join(FORMATS)}.")
+    if fmt not in FORMATS + HEAD_FORMATS:
+        raise QuantError(f"unknown format {fmt!r}; choose from {', '.join(FORMATS)} (a rounding "
+                         "format may end in '+head').")  # fmt: skip
+    fmt, head = fmt.removesuffix("+head"), fmt.endswith("+head")
     if fmt == "fp":
-        return None, {"groups": "", "scale_dtype": "", "gguf_types": ""}
+        return None, {"groups": "", "scale_dtype": "", "gguf_types": "", "head": ""}
     if fmt == "gguf":
         if gguf is None:
             raise QuantError(
@@ -119,7 +128,8 @@ def format_weights(
             )
         imp = import_gguf(model, gguf, dtype=torch.float32, arch=arch)
         counts = json.dumps(imp.type_counts())
-        return imp.weights, {"groups": "32", "scale_dtype": "float32", "gguf_types": counts}
+        return imp.weights, {"groups": "32", "scale_dtype": "float32", "gguf_types": counts,
+                             "head": ""}  # fmt: skip
     kind, group = fmt.split("-g")
     group = int(group)
     moments = {}
@@ -151,11 +161,18 @@ def format_weights(
         for n in decoder_linears(model, arch)
     }
     groups = "/".join(str(g) for g in sorted(set(by_width.values()), reverse=True))
-    return weights, {
-        "groups": groups,
-        "scale_dtype": str(dtype).removeprefix("torch."),
-        "gguf_types": "",
-    }
+    info = {"groups": groups, "scale_dtype": str(dtype).removeprefix("torch."), "gguf_types": "",
+            "head": ""}  # fmt: skip
+    if head:
+        out = model.get_output_embeddings()
+        name = next(n for n, m in mods.items() if m is out)
+        fits = [g for g in GROUPS if g <= group and out.in_features % g == 0]
+        if not fits:
+            raise QuantError(f"{name} has {out.in_features} inputs, which no group of {GROUPS} "
+                             "divides; use a format without '+head'.")  # fmt: skip
+        weights[name] = rounding(out.weight.detach().T, name, group=max(fits), dtype=dtype)
+        info["head"] = f"{name} int4 g{max(fits)}"
+    return weights, info
 
 
 def input_moments(model, ids: torch.Tensor, *, arch=None) -> dict[str, torch.Tensor]:
@@ -334,8 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dejavu_lab.measure.quant_quality")
     ap.add_argument("--model", default="demo", help="'demo' or a GGUF file (load_model's spec)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
-    ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
-    ap.add_argument("--sparse-formats", nargs="+", default=None, choices=FORMATS)
+    ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS + HEAD_FORMATS)
+    ap.add_argument("--sparse-formats", nargs="+", default=None, choices=FORMATS + HEAD_FORMATS)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(ALL_VARIANTS))
     ap.add_argument("--sparsities", nargs="+", type=float, default=list(SPARSITIES))
     ap.add_argument("--eval-windows", type=int, default=8)

@@ -114,12 +114,11 @@ def dequantized(model: nn.Module, weights: Mapping[str, Int4Weight]) -> Iterator
         w = m.weight
         new[name] = q.dequantize(torch.float32).T.to(w.dtype).to(w.device).contiguous()
     saved = {}
-    try:
+    try:  # a new Parameter, not new .data: a tied lm_head must not change the input embeddings
         for name, w in new.items():
-            p = mods[name].weight
-            saved[name] = p.data
-            p.data = w
+            saved[name] = mods[name].weight
+            mods[name].weight = nn.Parameter(w, requires_grad=False)
         yield model
     finally:
-        for name, data in saved.items():
-            mods[name].weight.data = data
+        for name, p in saved.items():
+            mods[name].weight = p
