@@ -351,8 +351,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dejavu_lab.measure.quant_quality")
     ap.add_argument("--model", default="demo", help="'demo' or a GGUF file (load_model's spec)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
-    ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS + HEAD_FORMATS)
-    ap.add_argument("--sparse-formats", nargs="+", default=None, choices=FORMATS + HEAD_FORMATS)
+    forms = f"{', '.join(FORMATS)}; a rounding format may end in '+head'"
+    ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS + HEAD_FORMATS,
+                    metavar="FORMAT", help=forms)  # fmt: skip
+    ap.add_argument("--sparse-formats", nargs="+", default=None, choices=FORMATS + HEAD_FORMATS,
+                    metavar="FORMAT", help="the formats that also run the variants (default: all)")  # fmt: skip
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(ALL_VARIANTS))
     ap.add_argument("--sparsities", nargs="+", type=float, default=list(SPARSITIES))
     ap.add_argument("--eval-windows", type=int, default=8)
