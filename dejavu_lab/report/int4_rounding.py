@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import pandas as pd
 
+from .. import results
 from .int4 import load_quality, quality_table
 
-__all__ = ["FILES", "KINDS", "load_rounding", "rounding_sentence", "rounding_table"]
+__all__ = ["FILES", "HEAD_FILES", "KINDS", "head_sentence", "load_rounding", "rounding_sentence",
+           "rounding_table"]  # fmt: skip
 
 #: the recordings that ran the three roundings side by side, one per model
 FILES = (
@@ -23,6 +25,8 @@ FILES = (
     "quant_quality_qwen2.5-0.5b_mse",
     "quant_quality_qwen2.5-1.5b_act",
 )
+#: the recordings that ran round-to-nearest with and without the output projection in int4
+HEAD_FILES = ("quant_quality_head_demo", "quant_quality_head_qwen2.5-0.5b")
 KINDS = {"rtn": "round-to-nearest", "mse": "least weight error", "act": "activation-weighted"}
 
 
@@ -83,3 +87,39 @@ def rounding_sentence(table: pd.DataFrame, variant: str = "teal (uniform)",
                      + " / ".join(f"{s[k]:+.1f}%" for k in kinds))  # fmt: skip
         parts.append(text + ".")
     return " ".join(parts)
+
+
+def head_sentence(names=HEAD_FILES, variant: str = "teal (uniform)", sparsity: float = 0.4) -> str:
+    """What rounding the output projection (``lm_head``) to int4 as well costs per recorded
+    model, dense and with ``variant`` at ``sparsity`` (rises over the model's fp dense), or ''
+    when none of ``names`` is recorded.
+
+    >>> head_sentence()
+    'Rounding the output projection to int4 as well (round-to-nearest, group 128 or the largest ...'
+    >>> head_sentence(("no_such_recording",))
+    ''
+    """
+    names = [n for n in names if n in results.list_results()]
+    if not names:
+        return ""
+    t = quality_table(load_quality(names)[0]).reset_index()
+    parts = []
+    for model, g in t.groupby("model", sort=False):
+        rise = g.set_index(["format", "variant", "sparsity"])["rise over fp dense %"]
+        base = [f for f in g["format"].unique() if f + "+head" in set(g["format"])]
+        if not base:
+            continue
+        f = base[0]
+        text = (
+            f"on {model.split(' (')[0]}, dense {rise[(f, 'dense', 0.0)]:+.1f}% with the "
+            f"layers alone and {rise[(f + '+head', 'dense', 0.0)]:+.1f}% with the head too"
+        )
+        if (f, variant, sparsity) in rise and (f + "+head", variant, sparsity) in rise:
+            text += (f", {variant} at {sparsity:.0%} {rise[(f, variant, sparsity)]:+.1f}% and "
+                     f"{rise[(f + '+head', variant, sparsity)]:+.1f}%")  # fmt: skip
+        parts.append(text)
+    if not parts:
+        return ""
+    return ("Rounding the output projection to int4 as well (round-to-nearest, group 128 or the "
+            "largest that divides its inputs), against the fp dense model: "
+            + "; ".join(parts) + ".")  # fmt: skip

@@ -32,6 +32,7 @@ __all__ = [
     "load_speed",
     "missing_sentence",
     "recorded_ceiling",
+    "recorded_gpu",
     "speed_caption",
     "speed_figure",
     "speed_sentence",
@@ -272,6 +273,19 @@ def recorded_ceiling(provs: dict | None = None, fallback: str = "engine_e2e") ->
         if prov.get("copy_tbps"):
             return float(prov["copy_tbps"]), name
     return float(results.load(fallback)[1]["copy_tbps"]), fallback
+
+
+def recorded_gpu(name: str) -> str:
+    """The GPU that recorded ``results/<name>.json``, without the vendor prefix.
+
+    >>> recorded_gpu("engine_e2e")
+    'H200'
+    """
+    try:
+        gpu = str(results.load(name)[1].get("gpu") or "GPU")
+    except ResultsError:
+        gpu = "GPU"
+    return gpu.removeprefix("NVIDIA ")
 
 
 def decode_sentence(name: str = DECODE_FILE) -> str:
