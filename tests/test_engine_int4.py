@@ -3,6 +3,7 @@ TRITON_INTERPRET=1: dense 4-bit decoding equals the fp16 engine over the dequant
 rounding; TEAL with every column kept equals dense 4-bit; TEAL and WINA at real thresholds
 equal the fp16 TEAL/WINA engine over the dequantised weights; bad requests get one sentence."""
 
+import dataclasses
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are decorated
@@ -112,3 +113,25 @@ def test_random_int4_weights_decode_dense_and_teal():
     teal = decode_logits(Decoder(w4, max_seq_len=16, sparse=SparseConfig(method="teal", thresholds=thr)),
                          ids, 4)  # fmt: skip
     assert torch.equal(teal[0], dense[0]) and relerr(teal[1:], dense[1:]) > 1e-3
+
+
+def test_int4_head_matches_the_dequantised_head_and_is_refused_without_int4_layers():
+    from dejavu_lab.engine import Decoder
+    from dejavu_lab.engine.config import EngineError
+    from dejavu_lab.models import random_model
+
+    m = random_model("tiny-llama", dtype=torch.float16).model
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    dec = Decoder(m, max_seq_len=16, weights="int4", group=64, head="int4")
+    assert type(dec.w.lm_head).__name__ == "Int4Weight"
+    assert dec.w.embed.shape == m.get_input_embeddings().weight.shape  # the input side as loaded
+    plain = Decoder(m, max_seq_len=16, weights="int4", group=64)
+    # the same layers, the head's dequantised values in fp16: the same logits to rounding
+    plain.w = dataclasses.replace(plain.w, lm_head=dec.w.lm_head.dequantize(torch.float16).T)
+    a, b = dec.prefill(ids).float(), plain.prefill(ids).float()
+    assert torch.allclose(a, b, atol=2e-2), float((a - b).abs().max())
+    assert torch.equal(dec.generate(ids, 4)[:, :5], ids)
+    with pytest.raises(EngineError, match="weights='int4' too"):
+        Decoder(m, max_seq_len=16, head="int4")
+    with pytest.raises(EngineError, match="head="):
+        Decoder(m, max_seq_len=16, weights="int4", head="int8")

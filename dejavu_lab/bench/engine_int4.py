@@ -26,7 +26,7 @@ import math
 import torch
 
 from ..engine import Decoder, SparseConfig, calibrate_thresholds, decoder_weights, keep_all
-from ..engine.int4 import quantize_weights, random_int4_weights
+from ..engine.int4 import quantize_head, quantize_weights, random_int4_weights
 from ..step_bytes import step_bytes
 from .engine_variants import build
 from .timing import cuda, relerr, timed
@@ -38,10 +38,11 @@ ROWS = ("dejavu", "cats")  # the methods that read the rows layout of W_QKV / W_
 
 
 def int4_step_bytes(arch, *, vocab: int, context: int, group: int, kept: float = 1.0,
-                    d_embed: int | None = None) -> float:  # fmt: skip
+                    d_embed: int | None = None, head: bool = False) -> float:  # fmt: skip
     """Bytes per decode step with int4 layer matrices at ``kept`` of every TEAL site: half a
     byte per weight read, a 2-byte scale and min per ``group`` weights of every group (at
-    50% kept nearly every group has a kept row), KV cache and ``lm_head`` in fp16.
+    50% kept nearly every group has a kept row), KV cache and ``lm_head`` in fp16 (``head``:
+    ``lm_head`` in int4 too, with its scales and mins).
 
     >>> from types import SimpleNamespace
     >>> shape = SimpleNamespace(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_head=16,
@@ -56,7 +57,8 @@ def int4_step_bytes(arch, *, vocab: int, context: int, group: int, kept: float =
     fp16 = step_bytes(arch, vocab=vocab, context=context, d_embed=d_embed)
     read = elements["attention"] + elements["mlp"]
     weights = read * 0.5 + (every["attention"] + every["mlp"]) * 4 / group
-    return weights + fp16["kv_cache"] + fp16["lm_head"]
+    lm_head = fp16["lm_head"] / 4 + fp16["lm_head"] / group if head else fp16["lm_head"]
+    return weights + fp16["kv_cache"] + lm_head
 
 
 def ms_per_token(dec: Decoder, ids: torch.Tensor, new_tokens: int) -> dict:
@@ -103,11 +105,12 @@ def _logits(dec: Decoder, ids: torch.Tensor, n_prompt: int) -> torch.Tensor:
 
 def bench_int4(preset: str, *, prompt: int, new_tokens: int, group: int, sparsities, methods,
                device: str, ceiling: float, rows: list[dict], check_tokens=(32, 8),
-               quiet: bool = False, int4_only: bool = False) -> None:  # fmt: skip
+               quiet: bool = False, int4_only: bool = False, head: bool = False) -> None:  # fmt: skip
     """Time fp16 and int4 decoders of ``preset`` (see module doc) and append their rows
     (``check_tokens``: the checks' prompt and decoded tokens; ``quiet``: print nothing;
     ``int4_only``: int4 weights built without the fp16 model, :func:`~dejavu_lab.engine.int4.
-    random_int4_weights`, for shapes fp16 cannot fit: no fp16 rows, no WINA).
+    random_int4_weights`, for shapes fp16 cannot fit: no fp16 rows, no WINA; ``head``: also
+    int4 dense and TEAL with ``lm_head`` in int4, weights ``"int4+head"``).
 
     >>> rows = []
     >>> bench_int4("tiny-llama", prompt=4, new_tokens=3, group=64, sparsities=[0.5],
@@ -154,6 +157,10 @@ def bench_int4(preset: str, *, prompt: int, new_tokens: int, group: int, sparsit
                  **keep_rows})  # fmt: skip
     plan = [] if w is None else [("fp16", "dense", 0.0)] + [("fp16", "teal", s) for s in sparsities]
     plan += [("int4", "dense", 0.0)] + [("int4", m, s) for m in methods for s in sparsities]
+    w4h = quantize_head(w4, group) if head else None
+    if head:
+        plan += [("int4+head", "dense", 0.0)]
+        plan += [("int4+head", "teal", s) for s in sparsities if "teal" in methods]
     times = {}
     for weights, method, sparsity in plan:
         row = {**base, "kind": "e2e", "weights": weights, "engine": method, "sparsity": sparsity}
@@ -164,7 +171,7 @@ def bench_int4(preset: str, *, prompt: int, new_tokens: int, group: int, sparsit
             elif method != "dense":
                 thr = calibrate_thresholds(w if w is not None else w4, ids, sparsity, method=method)
                 sparse = SparseConfig(method=method, thresholds=thr)
-            weights_of = w4r.get(method, w4) if weights == "int4" else w
+            weights_of = {"int4": w4r.get(method, w4), "int4+head": w4h}.get(weights, w)
             dec = Decoder(weights_of, max_seq_len=prompt + new_tokens, sparse=sparse)
             if method == "dejavu":
                 random_sets(dec, seed=0)
@@ -179,8 +186,9 @@ def bench_int4(preset: str, *, prompt: int, new_tokens: int, group: int, sparsit
             sites = ({"mlp_kept": kept, "head_kept": kept} if method == "dejavu"
                      else {"site_kept": {"gate": kept}})  # fmt: skip
             nbytes = step_bytes(arch, vocab=vocab, context=ctx, int4_group=group, **sites)["total"]
-        elif weights == "int4":
-            nbytes = int4_step_bytes(arch, vocab=vocab, context=ctx, group=group, kept=kept)
+        elif weights.startswith("int4"):
+            nbytes = int4_step_bytes(arch, vocab=vocab, context=ctx, group=group, kept=kept,
+                                     head=weights == "int4+head")  # fmt: skip
         else:
             site = dict.fromkeys(SITES4, kept)
             nbytes = step_bytes(arch, vocab=vocab, context=ctx, site_kept=site)["total"]
@@ -190,13 +198,13 @@ def bench_int4(preset: str, *, prompt: int, new_tokens: int, group: int, sparsit
         times[(weights, method, sparsity)] = ms
         if ("fp16", "dense", 0.0) in times:
             row["vs_fp16_dense"] = times[("fp16", "dense", 0.0)] / ms
-        if weights == "int4" and ("int4", "dense", 0.0) in times:
+        if weights.startswith("int4") and ("int4", "dense", 0.0) in times:
             row["vs_int4_dense"] = times[("int4", "dense", 0.0)] / ms
         rows.append(row)
         say(f"{preset:>12} {weights} {method:>6} {sparsity:4.2f}: {ms:8.3f} ms/token, "
               f"{row['tbps']:.2f} TB/s, x{row.get('vs_fp16_dense', float('nan')):.2f} over fp16 "
               f"dense")  # fmt: skip
-    del w, w4, w4r
+    del w, w4, w4r, w4h
     gc.collect()
     if cuda():
         torch.cuda.empty_cache()

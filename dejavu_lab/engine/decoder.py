@@ -44,13 +44,14 @@ import torch.nn.functional as F
 
 from ..checks import engine as check_engine
 from ..kernels import row_norm, use_triton
+from ..quant import Int4Weight
 from .attention import StepState, every_head
 from .config import PLANNED, EngineError, SparseConfig, default_ops
 from .config import dense_ops as resolve_ops
 from .decode_loop import DecodeLoop
 from .fused_step import fused_layers
 from .greedy import argmax_rows
-from .int4 import check_int4_layout, is_int4, quantize_weights
+from .int4 import check_int4_layout, is_int4, quantize_head, quantize_weights
 from .int4_sparse import int4_blocks
 from .kept_heads import KeptHeads
 from .lowrank import LowRank, LowRankAttention, LowRankMLP
@@ -58,7 +59,7 @@ from .mlp import KeptMLP, mlp_block
 from .plans import check_factors, fold_rotations, plan_parts
 from .sets import KeptSets
 from .site_thresholds import keep_sites, layer_thresholds
-from .weights import DecoderWeights, check_layout, decoder_weights, layout_for
+from .weights import DecoderWeights, check_layout, decoder_weights, layout_for, linear_t
 
 __all__ = ["Decoder"]
 
@@ -87,7 +88,8 @@ class Decoder(DecodeLoop):
     model finish each block in its residual add + norm (:mod:`~dejavu_lab.engine.fused_step`),
     except DejaVu's. ``weights="int4"`` quantises the layer matrices to group-wise int4 (``group``
     input channels per scale and min, laid out for the method) and runs every method's step over
-    them (:mod:`~dejavu_lab.engine.int4`, :mod:`~dejavu_lab.engine.int4_sparse`). Its parts: ``attn[i]`` and ``mlp[i]`` (layer i's blocks), ``sets``
+    them (:mod:`~dejavu_lab.engine.int4`, :mod:`~dejavu_lab.engine.int4_sparse`); ``head="int4"``
+    rounds ``lm_head`` too (:func:`~dejavu_lab.engine.int4.quantize_head`). Its parts: ``attn[i]`` and ``mlp[i]`` (layer i's blocks), ``sets``
     (DejaVu's kept sets, else None), ``st`` (what every block of a step reads).
 
     LaRoSA and R-Sparse (``SparseConfig(method="larosa" or "rsparse", plan=...)``) run their
@@ -110,11 +112,13 @@ class Decoder(DecodeLoop):
 
     def __init__(self, model, *, max_seq_len: int, sparse: SparseConfig | None = None,
                  predictors=None, arch=None, dense_ops: str | dict | None = None,
-                 weights: str | None = None, group: int = 128):  # fmt: skip
+                 weights: str | None = None, group: int = 128, head: str | None = None):  # fmt: skip
         method = "dense" if sparse is None else sparse.method
         self.method = method  # one of engine.METHODS
         if weights not in (None, "int4"):
             raise EngineError(f"weights={weights!r} must be None (as loaded) or 'int4'.")
+        if head not in (None, "int4"):
+            raise EngineError(f"head={head!r} must be None (lm_head as loaded) or 'int4'.")
         int4 = weights == "int4" or (isinstance(model, DecoderWeights) and is_int4(model))
         if int4 and method in PLANNED:
             raise EngineError(
@@ -141,6 +145,11 @@ class Decoder(DecodeLoop):
                 self.w = fold_rotations(self.w, rotations)
         if int4 and not is_int4(self.w):  # the layer matrices in int4, laid out for the method
             self.w = quantize_weights(self.w, group, method)  # (int4 weights: shared as they are)
+        if head == "int4":
+            if not int4:
+                raise EngineError("head='int4' rounds lm_head beside int4 layer matrices; pass "
+                                  "weights='int4' too.")  # fmt: skip
+            self.w = quantize_head(self.w, group)
         self.int4 = int4
         self.ops = resolve_ops(dense_ops if dense_ops is not None else default_ops(self.w))
         a = self.arch = self.w.arch
@@ -285,6 +294,8 @@ class Decoder(DecodeLoop):
             x = _norm(x, self.w.final_norm, self.w.norm)
         if self.w.project_out is not None:
             x = F.linear(x, self.w.project_out)
+        if isinstance(self.w.lm_head, Int4Weight):  # head="int4": the int4 GEMV (or dequantised)
+            return linear_t(x, self.w.lm_head, None)
         return F.linear(x, self.w.lm_head)  # [S, V]
 
     def _block(self, i: int, x: torch.Tensor, attn, mlp) -> torch.Tensor:

@@ -51,6 +51,7 @@ __all__ = [
     "Int4MLP",
     "check_int4_layout",
     "is_int4",
+    "quantize_head",
     "quantize_weights",
     "random_int4_weights",
 ]
@@ -127,6 +128,29 @@ def quantize_weights(w: DecoderWeights, group: int = 128, method: str = "dense")
     return dataclasses.replace(w, layers=layers)
 
 
+def quantize_head(w: DecoderWeights, group: int = 128) -> DecoderWeights:
+    """A copy of ``w`` whose output projection (``lm_head`` [V, d]) is int4 too, as an
+    :class:`~dejavu_lab.quant.Int4Weight` of its transpose (round-to-nearest, ``group`` input
+    channels per scale and min; a tied one leaves the input embeddings as they are). The
+    engine keeps ``lm_head`` in the model's dtype unless asked: it is about a fifth of what an
+    int4 Llama-3-8B step reads, and rounding it costs perplexity of its own
+    (:func:`dejavu_lab.report.int4_rounding.head_sentence`).
+
+    >>> from dejavu_lab.engine import decoder_weights
+    >>> from dejavu_lab.models import random_model
+    >>> w = decoder_weights(random_model("tiny-llama", dtype=torch.float16).model)
+    >>> h = quantize_head(w, group=64)
+    >>> type(h.lm_head).__name__, h.lm_head.shape, h.embed is w.embed
+    ('Int4Weight', (64, 128), True)
+    """
+    if isinstance(w.lm_head, Int4Weight):
+        return w
+    if w.dtype not in (torch.float16, torch.bfloat16):
+        raise EngineError(f"an int4 lm_head pairs with fp16/bf16 activations but the model is "
+                          f"{w.dtype}; load it with dtype=torch.float16 (or bfloat16).")  # fmt: skip
+    return dataclasses.replace(w, lm_head=_quantize("lm_head", w.lm_head.T, group, w.dtype))
+
+
 def _quantize(name: str, t: torch.Tensor, group: int, dtype) -> Int4Weight:
     """``t`` ([d_in, d_out]) in int4, or one sentence when its inputs do not split into groups."""
     if t.shape[0] % group:
@@ -167,10 +191,11 @@ def check_int4_layout(w: DecoderWeights, method: str, sparse=None) -> None:
 
 
 def random_int4_weights(preset: str, *, group: int = 128, dtype=torch.float16,
-                        device="cpu", seed: int = 0) -> DecoderWeights:  # fmt: skip
+                        device="cpu", seed: int = 0, head: bool = False) -> DecoderWeights:  # fmt: skip
     """Int4 decoder weights at a preset shape, random, built without the fp16 model (Llama-3-70B
     in 4 bits fits one H200; in fp16 it does not): uniform codes with the scale and min of a
-    weight of standard deviation 0.02, unit norms, N(0, 0.02) embeddings. For speed runs.
+    weight of standard deviation 0.02, unit norms, N(0, 0.02) embeddings (``head``: an int4
+    ``lm_head`` of the same kind, :func:`quantize_head`). For speed runs.
 
     >>> w = random_int4_weights("tiny-llama", group=64)
     >>> lw = w.layers[0]
@@ -220,12 +245,13 @@ def random_int4_weights(preset: str, *, group: int = 128, dtype=torch.float16,
         for lw in meta.layers
     ]
     embed = real(meta.embed)
-    tied = meta.lm_head is meta.embed
+    tied = meta.lm_head is meta.embed and not head
     rotary = meta.rotary
     if rotary is not None:  # its inv_freq buffer lives on meta: a new one on the device
         rotary = type(rotary)(config=m.model.config).to(device)
     return dataclasses.replace(
-        meta, layers=layers, embed=embed, lm_head=embed if tied else real(meta.lm_head),
+        meta, layers=layers, embed=embed,
+        lm_head=int4(meta.lm_head.T) if head else embed if tied else real(meta.lm_head),
         pos_embed=real(meta.pos_embed), project_in=real(meta.project_in),
         project_out=real(meta.project_out),
         final_norm=None if meta.final_norm is None else norm(meta.final_norm), rotary=rotary,
