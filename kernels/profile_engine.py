@@ -35,7 +35,7 @@ from dejavu_lab.bench.engine import SPARSITY, Variant, build, make_decoder, make
 from dejavu_lab.bench.engine_int4 import int4_step_bytes
 from dejavu_lab.bench.timing import copy_ceiling, cuda
 from dejavu_lab.engine import SITES, SparseConfig, calibrate_thresholds, decoder_weights, step_bytes
-from dejavu_lab.engine.int4 import quantize_weights
+from dejavu_lab.engine.int4 import quantize_head, quantize_weights
 
 ROWS: list[dict] = []
 
@@ -88,6 +88,7 @@ def run(
     device: str,
     with_predictors: bool,
     group: int | None = None,
+    head: bool = False,
 ) -> None:
     model, arch = build(preset, device)
     vocab, d_embed = model.get_output_embeddings().weight.shape
@@ -106,6 +107,8 @@ def run(
             v = Variant(m, m, sparsity=sparsity)
         thr = calibrate_thresholds(w, ids, sparsity, method=m) if m in SITES else None
         wm = w if group is None else quantize_weights(w, group, m)
+        if group is not None and head:
+            wm = quantize_head(wm, group)
         dec = make_decoder(v, wm, arch, prompt + 128, preds, None, thr)
         del wm
         dec.prefill(ids)
@@ -117,7 +120,8 @@ def run(
         if group is not None and m in ("dense", "teal", "wina"):
             site = kept.get("site_kept", {})
             nbytes = int4_step_bytes(arch, vocab=vocab, context=prompt, group=group,
-                                     kept=next(iter(site.values()), 1.0), d_embed=d_embed)  # fmt: skip
+                                     kept=next(iter(site.values()), 1.0), d_embed=d_embed,
+                                     head=head)  # fmt: skip
         else:
             i4 = {} if group is None else {"int4_group": group}
             nbytes = step_bytes(arch, vocab=vocab, context=prompt, d_embed=d_embed, **kept, **i4)
@@ -126,7 +130,7 @@ def run(
         base = {
             "model": preset,
             "method": m,
-            "weights": "fp16" if group is None else f"int4 g{group}",
+            "weights": "fp16" if group is None else f"int4 g{group}" + (" + head" if head else ""),
             "prompt": prompt,
             "n_layers": arch.n_layers,
             "sparsity": sparsity if m in SITES else (ms_ if m == "dejavu" else 0.0),
@@ -204,6 +208,7 @@ def main(argv=None) -> int:
         metavar="GROUP",
         help="int4 layer matrices with this group size (dense, teal, wina, dejavu, cats)",
     )
+    ap.add_argument("--head", action="store_true", help="with --int4: lm_head in int4 too")
     ap.add_argument("--name", default="engine_profile")
     ap.add_argument("--quick", action="store_true", help="CPU plumbing check at a tiny shape")
     a = ap.parse_args(argv)
@@ -215,7 +220,7 @@ def main(argv=None) -> int:
         sys.exit("profile_engine.py times GPU kernels: run it on a GPU box (or pass --quick).")
     ceiling = copy_ceiling()
     for preset in models:
-        run(preset, methods, a.sparsity, a.prompt, ceiling, device, a.predictors, a.int4)
+        run(preset, methods, a.sparsity, a.prompt, ceiling, device, a.predictors, a.int4, a.head)
     if not a.quick:
         results.save(a.name, ROWS, command=" ".join(sys.argv), extra={"copy_ceiling_tbps": ceiling})
     return 0
