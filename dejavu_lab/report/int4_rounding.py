@@ -99,7 +99,8 @@ def head_sentence(names=HEAD_FILES, variant: str = "teal (uniform)", sparsity: f
     >>> head_sentence(("no_such_recording",))
     ''
     """
-    names = [n for n in names if n in results.list_results()]
+    recorded = set(results.list_results())
+    names = [n for n in names if n in recorded]
     if not names:
         return ""
     t = quality_table(load_quality(names)[0]).reset_index()

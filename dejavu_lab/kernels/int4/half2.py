@@ -155,6 +155,23 @@ def _eight(base, c, n, r0, p_ptr, STRIDE_P, offs_w, mask_w, a0, a1, a2, a3):
 
 
 @triton.jit
+def _emulated_word(words, xh):
+    """:func:`_emulated` for all eight outputs of each word: pairs 0-3, low halves then high."""
+    return (_emulated(words, xh, 0, 0), _emulated(words, xh, 1, 0), _emulated(words, xh, 2, 0),
+            _emulated(words, xh, 3, 0), _emulated(words, xh, 0, 1), _emulated(words, xh, 1, 1),
+            _emulated(words, xh, 2, 1), _emulated(words, xh, 3, 1))  # fmt: skip
+
+
+@triton.jit
+def _flush(f0, f1, f2, f3, f4, f5, f6, f7, a0, a1, a2, a3):
+    """The fp32 sums plus the half2 sums ``a0``-``a3``: pair j holds outputs 8w + j (low half,
+    into ``f{j}``) and 8w + j + 4 (high half, into ``f{j + 4}``)."""
+    return (f0 + _fp32(a0, False), f1 + _fp32(a1, False), f2 + _fp32(a2, False),
+            f3 + _fp32(a3, False), f4 + _fp32(a0, True), f5 + _fp32(a1, True),
+            f6 + _fp32(a2, True), f7 + _fp32(a3, True))  # fmt: skip
+
+
+@triton.jit
 def _fp32(acc, HIGH: tl.constexpr):
     """One half of a half2 sum, as fp32."""
     if HIGH:
@@ -230,14 +247,8 @@ def int4_half2_kernel(
                 for k in tl.static_range(SUB // 8):
                     a0, a1, a2, a3 = _eight(base, c + 8 * k, n, r0, p_ptr, STRIDE_P, offs_w, mask_w,
                                             a0, a1, a2, a3)  # fmt: skip
-                f0 += _fp32(a0, False)
-                f4 += _fp32(a0, True)
-                f1 += _fp32(a1, False)
-                f5 += _fp32(a1, True)
-                f2 += _fp32(a2, False)
-                f6 += _fp32(a2, True)
-                f3 += _fp32(a3, False)
-                f7 += _fp32(a3, True)
+                f0, f1, f2, f3, f4, f5, f6, f7 = _flush(f0, f1, f2, f3, f4, f5, f6, f7,
+                                                        a0, a1, a2, a3)  # fmt: skip
         else:  # the interpreter: the listed rows as one [rows, words] tile
             j = tl.arange(0, ROWS)
             e = tl.load(base + j, mask=j < n, other=0)
@@ -245,14 +256,7 @@ def int4_half2_kernel(
             words = tl.load(p_ptr + rows.to(tl.int64)[:, None] * STRIDE_P + offs_w[None, :],
                             mask=(j < n)[:, None] & mask_w[None, :], other=0)  # fmt: skip
             xh = _half((e >> 16) & 0xFFFF)
-            f0 = _emulated(words, xh, 0, 0)
-            f1 = _emulated(words, xh, 1, 0)
-            f2 = _emulated(words, xh, 2, 0)
-            f3 = _emulated(words, xh, 3, 0)
-            f4 = _emulated(words, xh, 0, 1)
-            f5 = _emulated(words, xh, 1, 1)
-            f6 = _emulated(words, xh, 2, 1)
-            f7 = _emulated(words, xh, 3, 1)
+            f0, f1, f2, f3, f4, f5, f6, f7 = _emulated_word(words, xh)
     elif ASM:  # each thread walks the rows; half2 sums of SUB rows, then fp32
         pw = p_ptr + r0.to(tl.int64) * STRIDE_P + offs_w  # row r0's words; the rest at constants
         px = x_ptr + r0
@@ -283,19 +287,8 @@ def int4_half2_kernel(
                     xh = (xv * inv).to(tl.float16)
                     b = _bits(xh)
                     x2 = (b | (b << 16)) + tl.zeros((NW,), tl.int32)
-                    a0, a1, a2, a3 = tl.inline_asm_elementwise(
-                        _PAIRS, "=r,=r,=r,=r,r,r,r,r,r,r", [words, x2, a0, a1, a2, a3],
-                        dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1,
-                    )  # fmt: skip
-            # pair j holds outputs 8w + j (low half) and 8w + j + 4 (high half)
-            f0 += _fp32(a0, False)
-            f4 += _fp32(a0, True)
-            f1 += _fp32(a1, False)
-            f5 += _fp32(a1, True)
-            f2 += _fp32(a2, False)
-            f6 += _fp32(a2, True)
-            f3 += _fp32(a3, False)
-            f7 += _fp32(a3, True)
+                    a0, a1, a2, a3 = _row(words, x2, a0, a1, a2, a3)
+            f0, f1, f2, f3, f4, f5, f6, f7 = _flush(f0, f1, f2, f3, f4, f5, f6, f7, a0, a1, a2, a3)
     else:  # the interpreter: the same decode and centring on a [ROWS, words] tile at once
         offs_r = r0 + tl.arange(0, ROWS)
         if MODE == 1:
@@ -305,14 +298,7 @@ def int4_half2_kernel(
         words = tl.load(p_ptr + offs_r.to(tl.int64)[:, None] * STRIDE_P + offs_w[None, :],
                         mask=use, other=0)  # fmt: skip
         xh = (xs * inv).to(tl.float16)
-        f0 = _emulated(words, xh, 0, 0)
-        f1 = _emulated(words, xh, 1, 0)
-        f2 = _emulated(words, xh, 2, 0)
-        f3 = _emulated(words, xh, 3, 0)
-        f4 = _emulated(words, xh, 0, 1)
-        f5 = _emulated(words, xh, 1, 1)
-        f6 = _emulated(words, xh, 2, 1)
-        f7 = _emulated(words, xh, 3, 1)
+        f0, f1, f2, f3, f4, f5, f6, f7 = _emulated_word(words, xh)
     # [NW, 2, 2, 2] with output k = 4i + 2j + l of word w at [w, i, j, l], then [NW, 8]
     sums = tl.join(tl.join(tl.join(f0, f4), tl.join(f2, f6)),
                    tl.join(tl.join(f1, f5), tl.join(f3, f7)))  # fmt: skip
