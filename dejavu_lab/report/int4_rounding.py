@@ -103,7 +103,8 @@ def head_sentence(names=HEAD_FILES, variant: str = "teal (uniform)", sparsity: f
     names = [n for n in names if n in recorded]
     if not names:
         return ""
-    t = quality_table(load_quality(names)[0]).reset_index()
+    frame, provs = load_quality(names)
+    t = quality_table(frame).reset_index()
     parts = []
     for model, g in t.groupby("model", sort=False):
         rise = g.set_index(["format", "variant", "sparsity"])["rise over fp dense %"]
@@ -121,6 +122,8 @@ def head_sentence(names=HEAD_FILES, variant: str = "teal (uniform)", sparsity: f
         parts.append(text)
     if not parts:
         return ""
+    shas = ", ".join(sorted({str(p.get("git_sha", "?"))[:7] for p in provs.values()}))
     return ("Rounding the output projection to int4 as well (round-to-nearest, group 128 or the "
             "largest that divides its inputs), against the fp dense model: "
-            + "; ".join(parts) + ".")  # fmt: skip
+            + "; ".join(parts) + f" (recorded on CPU at commit {shas}: "
+            + ", ".join(f"results/{n}.json" for n in names) + ").")  # fmt: skip
