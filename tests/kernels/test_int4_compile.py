@@ -7,7 +7,8 @@ that Triton's CUDA backend ships: batch 1 dense and threshold (the [rows, words,
 tile), a union batch on tensor cores, the kept-row path with per-output word loads; and the
 rows-layout kernel (every row, listed rows, CATS's gate-then-up) at batch 1 and on tensor cores;
 and the one-token tile kernel, dense and threshold; and the half2 kernel's inline PTX (dense,
-threshold, bf16, the kept-row list), which the interpreter never runs.
+threshold, bf16, the kept-row list) and of the rows-layout half2 kernel (every row, listed
+gated rows in bf16, CATS), which the interpreter never runs.
 """
 
 import os
@@ -75,6 +76,18 @@ for mode, scalar, even, dt, compact in [(0, True, True, "fp16", False),
              STRIDE_P=1792)
     triton.compile(ASTSource(half2, sig, constexprs=c), target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": 2, "num_stages": 1})
+from dejavu_lab.kernels.int4.up_half2 import int4_up_half2_kernel as uh
+
+s = {a: "*" + t for a, t in ptr.items()}
+s.update(K="i32", D="i32", UP="i32", stride_s="i32")
+for mode, gated, dt in [(0, False, "fp16"), (1, True, "bf16"), (2, True, "fp16")]:
+    sig = {a: s[a] for a in uh.arg_names if a in s}
+    if dt == "bf16":
+        sig.update(x_ptr="*bf16", s_ptr="*bf16", m_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16")
+    c = dict(MODE=mode, RPI=1, GATED=gated, ACT="silu", HAS_BIAS=mode == 0, GROUP=128,
+             BLOCK_N=32, BLOCK_K=128, BLOCK_X=1024, ASM=True, STRIDE_P=512)
+    triton.compile(ASTSource(uh, sig, constexprs=c), target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": 4, "num_stages": 3})
 print("compiled")
 """
 

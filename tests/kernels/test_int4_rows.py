@@ -41,6 +41,7 @@ VARIANTS = {
     "steps-inside-a-group": {**SMALL, "BLOCK_K": 16},
     "groups-inside-a-step": {**SMALL, "BLOCK_K": 256},
     "wide-rows": {"BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 2},
+    "fp32-tile": {"mode": "tile"},  # one token: the fp32 tile instead of the half2 decode
 }
 
 
@@ -175,15 +176,33 @@ def test_cats_union_batch_masks_each_token_by_its_own_rule(seed):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scale", [1e-3, 300.0])
+def test_one_token_half2_kernels_take_activations_of_any_scale(dtype, scale, seed):
+    # the half2 kernels divide x by its largest magnitude before the fp16 products: tiny and
+    # large activations (and bf16 ones beyond fp16's range) keep their relative accuracy
+    w = rows(dtype, N, 32)
+    x = (torch.randn(1, D) * scale).to(dtype)
+    x[0, 7] = 40 * scale  # one outlier channel, as LLM activations have
+    idx = odd_index(N, 37)
+    got = int4_kept_up(x, w, idx)
+    ref = int4_kept_up_ref(x, w, idx)
+    rel = (got.float() - ref.float()).norm() / ref.float().norm()
+    assert rel < 1e-2, f"seed {seed}: relative error {rel:.2e} at activation scale {scale}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("batch", [1, 5])
-def test_rows_gemv_head_blocks(dtype, batch, seed):
+@pytest.mark.parametrize("path", ["default", "rows"])
+def test_rows_gemv_head_blocks(dtype, batch, path, seed):
     dh = 16
     w = quantize(torch.randn(8 * dh, 80) / 4, group=32, dtype=dtype)  # W_O^T: 8 heads, d = 80
     heads = torch.tensor([5, 0, 2, 7], dtype=torch.int32)
     o = torch.randn(batch, 4 * dh, dtype=dtype)
     out = poisoned(batch, 80, dtype)
-    int4_rows_gemv(o, w, heads, rows_per_index=dh, out=out, config={"BLOCK_R": 16, "BLOCK_D": 32,
-                                                                   "num_warps": 4, "programs": 6})  # fmt: skip
+    cfg = {"BLOCK_R": 16, "BLOCK_D": 32, "num_warps": 4, "programs": 6}
+    if path == "rows":  # one token walks the index list in the GEMV instead of a scatter
+        cfg["mode"] = "rows"
+    int4_rows_gemv(o, w, heads, rows_per_index=dh, out=out, config=cfg)
     ref = int4_rows_gemv_ref(o, w, heads, rows_per_index=dh)
     assert_close(out, ref, dtype, seed)
     rows_of = (heads.long()[:, None] * dh + torch.arange(dh)).reshape(-1)

@@ -46,6 +46,7 @@ from .._common import (
 )
 from .._neurons import FUSED_ACTIVATIONS, act, act_ref, expand_rows
 from .dense import check_int4
+from .up_half2 import UP_HALF2, launch_up_half2
 
 __all__ = ["default_config", "int4_kept_up", "int4_kept_up_ref", "int4_up_kernel", "launch"]
 
@@ -171,16 +172,15 @@ def int4_up_kernel(
 
 
 def default_config(batch: int) -> dict:
-    """The launch configuration for ``batch`` tokens (a copy; not yet tuned on a GPU: the
-    candidates are the :mod:`~dejavu_lab.kernels.cats.up` kernel's, whose rows this layout
-    mirrors at a quarter of the bytes): FMA tiles of 32 rows x 256 inputs (128 code bytes per
-    row) at batch 1, tensor-core tiles of 32 x 128 for union batches.
+    """The launch configuration for ``batch`` tokens (a copy): one token runs the half2 kernel
+    (:mod:`.up_half2`, ``"mode": "half2"``; ``{"mode": "tile"}`` picks this module's fp32 tile,
+    32 rows x 256 inputs), union batches tensor-core tiles of 32 x 128.
 
-    >>> default_config(1)["BLOCK_K"], default_config(8)["BLOCK_K"]
-    (256, 128)
+    >>> default_config(1)["mode"], default_config(8)["BLOCK_K"]
+    ('half2', 128)
     """
     if batch == 1:
-        return {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}
+        return dict(UP_HALF2)
     return {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
 
 
@@ -188,7 +188,7 @@ def launch(xb: torch.Tensor, w: Int4Rows, res2: torch.Tensor, cfg: dict, *, mode
            idx: torch.Tensor | None = None, thr: torch.Tensor | None = None,
            rows_per_index: int = 1, gated: bool = False, activation: str = "none",
            bias: torch.Tensor | None = None) -> None:  # fmt: skip
-    """Run :func:`int4_up_kernel` on checked inputs: ``xb`` [B, in], ``w`` an Int4Rows on xb's
+    """Run :func:`int4_up_kernel` (one token with ``cfg["mode"] == "half2"``: :func:`.up_half2.launch_up_half2`) on checked inputs: ``xb`` [B, in], ``w`` an Int4Rows on xb's
     device and dtype, ``res2`` the [B, K] output; ``mode`` ``"dense"`` (every row, or every
     neuron when ``gated``), ``"rows"`` (``idx`` int32 blocks of ``rows_per_index`` rows) or
     ``"cats"`` (``thr`` fp32 [K]). ``cfg``: ``BLOCK_N``, ``BLOCK_K``, ``num_warps``,
@@ -202,6 +202,11 @@ def launch(xb: torch.Tensor, w: Int4Rows, res2: torch.Tensor, cfg: dict, *, mode
     [[0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]]
     """
     batch, d = xb.shape
+    if batch == 1 and cfg.get("mode") == "half2":
+        launch_up_half2(xb, w, res2, cfg, mode=mode, idx=idx, thr=thr,
+                        rows_per_index=rows_per_index, gated=gated, activation=activation,
+                        bias=bias)  # fmt: skip
+        return
     k = res2.shape[1]
     block_b = batch_block(batch)
     block_n, block_k = int(cfg["BLOCK_N"]), min(int(cfg["BLOCK_K"]), max(16, next_pow2(d)))

@@ -1,0 +1,212 @@
+"""The batch-1 kept-row GEMV over rows-layout int4 codes, decoded into half2 pairs.
+
+:func:`~.up.int4_up_kernel` turns each nibble into an fp32 float and reduces its tile across
+threads at every step: at one token it ran DejaVu's up projection and CATS's gate and up rows
+at about a tenth of the copy ceiling (an H100, Llama-3-8B shapes). Here a row of
+:class:`~dejavu_lab.quant.Int4Rows` (``W[j]``, one 32-bit word per eight consecutive inputs,
+input ``8w + n`` in bits ``4n .. 4n + 3``) is decoded as :mod:`.half2` decodes a column word,
+with the activations paired instead of the outputs: pair ``p`` of word ``w`` holds the centred
+codes of inputs ``8w + p`` and ``8w + p + 4`` (``lop3`` with ``0x64006400``, then ``sub.f16x2``
+of 1032, or for a high nibble ``fma.rn.f16x2`` by 1/16 and -72; all exact), and one
+``fma.rn.f16x2`` by the half2 ``(x[8w + p], x[8w + p + 4])`` adds them to a half2 sum. The
+word's eight products leave the PTX as one fp32 number. Each thread owns whole words, so a
+program's ``BLOCK_N x BLOCK_K / 8`` words need no reduction until the end of the row:
+
+    ``y[j] = p sum_w s[j, g(w)] dot8(w) + sum_w (m[j, g(w)] + 8 s[j, g(w)]) sum_{i in w} x[i]``
+
+with ``x`` divided by its largest magnitude ``p`` before the fp16 products (they cannot
+overflow, whatever the activations' scale or dtype) and one (scale, min) per row and step
+(``BLOCK_K`` divides the group). The modes are :func:`~.up.int4_up_kernel`'s: every row,
+listed rows (blocks of ``RPI``), and CATS (every gate row, then the up rows of the neurons
+whose ``|act(gate)|`` passes the threshold; a program with none skips its up pass).
+Under ``TRITON_INTERPRET=1`` (``ASM=False``) each product is rounded to fp16 and summed in
+fp32, so the CPU tests check the layout, the pairing, the centring and the scales.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .._neurons import act
+from .half2 import _bits
+
+__all__ = ["UP_HALF2", "int4_up_half2_kernel", "launch_up_half2"]
+
+# BLOCK_N rows x BLOCK_K inputs per step (BLOCK_K divides the group); not yet tuned on a GPU
+UP_HALF2 = {"mode": "half2", "BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
+
+
+def _dot8_ptx() -> str:
+    """One word's eight products: ``$0`` their fp32 sum (as b32), ``$1`` the word, ``$2-$5``
+    the half2 activations of pairs 0-3 (inputs ``p`` and ``p + 4`` of the word)."""
+    steps = []
+    for p, src in enumerate(("$1", "$1", "u", "u")):
+        if p % 2 == 0:
+            centre = f"lop3.b32 t, {src}, lo, mag, 0xEA;\nsub.f16x2 t, t, off;\n"
+        else:
+            centre = f"lop3.b32 t, {src}, hi, mag, 0xEA;\nfma.rn.f16x2 t, t, sixteenth, m72;\n"
+        add = f"mul.rn.f16x2 a, t, ${2 + p};\n" if p == 0 else f"fma.rn.f16x2 a, t, ${2 + p}, a;\n"
+        steps.append(centre + add)
+    return ("{\n.reg .b32 t, u, a, lo, hi, mag, off, sixteenth, m72;\n.reg .b16 l, h;\n"
+            ".reg .f32 fl, fh;\nmov.b32 lo, 0x000F000F;\nmov.b32 hi, 0x00F000F0;\n"
+            "mov.b32 mag, 0x64006400;\nmov.b32 off, 0x64086408;\nmov.b32 sixteenth, 0x2C002C00;\n"
+            "mov.b32 m72, 0xD480D480;\nshr.u32 u, $1, 8;\n" + "".join(steps)
+            + "mov.b32 {l, h}, a;\ncvt.f32.f16 fl, l;\ncvt.f32.f16 fh, h;\n"
+            "add.f32 fl, fl, fh;\nmov.b32 $0, fl;\n}\n")  # fmt: skip
+
+
+_DOT8 = tl.constexpr(_dot8_ptx())
+
+
+@triton.jit
+def _pair(a, b):
+    """The half2 ``(a, b)`` of two fp16 vectors, as int32 bits."""
+    return _bits(a) | (_bits(b) << 16)
+
+
+@triton.jit
+def _terms(words, xh, SHIFT: tl.constexpr):
+    """The interpreter's stand-in for the pairs: [rows, words, 4], the centred code of input
+    ``8w + p + SHIFT / 4`` times its fp16 activation ``xh[w, p]``, rounded to fp16, as fp32."""
+    q = (((words[:, :, None] >> (SHIFT + 4 * tl.arange(0, 4))[None, None, :]) & 0xF) - 8)
+    return (q.to(tl.float16) * xh[None, :, :]).to(tl.float32)
+
+
+@triton.jit
+def _rows(p_ptr, s_ptr, m_ptr, rows, use, x_ptr, D, inv, STRIDE_P: tl.constexpr, stride_s,
+          GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+    """[BLOCK_N] fp32: ``dequant(W)[rows] . x`` over x scaled by ``inv``; rows not in ``use``
+    read no bytes (their value is meaningless)."""
+    NW: tl.constexpr = BLOCK_K // 8
+    offs_w = tl.arange(0, NW)
+    offs_8 = tl.arange(0, 8)
+    p_rows = p_ptr + rows.to(tl.int64)[:, None] * STRIDE_P + offs_w[None, :]
+    sm_rows = rows.to(tl.int64) * stride_s
+    accq = tl.zeros((BLOCK_N, NW), tl.float32)
+    accm = tl.zeros((BLOCK_N, NW), tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        words = tl.load(p_rows + k0 // 8, mask=use[:, None], other=0,
+                        eviction_policy="evict_first")  # fmt: skip
+        s = tl.load(s_ptr + sm_rows + k0 // GROUP, mask=use, other=0.0).to(tl.float32)
+        m = tl.load(m_ptr + sm_rows + k0 // GROUP, mask=use, other=0.0).to(tl.float32)
+        # the step's activations, eight per word (one 16-byte load), split into the pairs
+        xt = tl.load(x_ptr + k0 + offs_w[:, None] * 8 + offs_8[None, :]).to(tl.float32)
+        xw = tl.sum(xt, axis=1)  # the word's inputs, summed
+        lo, hi = tl.split(tl.permute(tl.reshape((xt * inv).to(tl.float16), (NW, 2, 4)), (0, 2, 1)))
+        if ASM:
+            e, o = tl.split(tl.reshape(_pair(lo, hi), (NW, 2, 2)))  # pairs 0, 2 and 1, 3
+            p0, p2 = tl.split(e)
+            p1, p3 = tl.split(o)
+            f = tl.inline_asm_elementwise(
+                _DOT8, "=r,r,r,r,r,r", [words, p0[None, :], p1[None, :], p2[None, :], p3[None, :]],
+                dtype=tl.int32, is_pure=True, pack=1,
+            ).to(tl.float32, bitcast=True)  # fmt: skip
+        else:
+            f = tl.sum(_terms(words, lo, 0) + _terms(words, hi, 16), axis=2)
+        accq += f * s[:, None]
+        accm += xw[None, :] * (m + 8.0 * s)[:, None]
+    return tl.sum(accq, axis=1) / inv + tl.sum(accm, axis=1)
+
+
+@triton.jit
+def int4_up_half2_kernel(
+    x_ptr,  # [D] the input token (fp16 or bf16)
+    p_ptr,  # [R, D // 8] codes as int32 words (8 inputs each), one row per output row
+    s_ptr,  # [R, D // GROUP] scales
+    m_ptr,  # [R, D // GROUP] mins
+    idx_ptr,  # MODE 1: [K // RPI] listed rows (blocks of RPI rows), int32
+    thr_ptr,  # MODE 2: [K] fp32 thresholds on |act(gate)|
+    b_ptr,  # [R] bias (HAS_BIAS)
+    out_ptr,  # [K] outputs
+    K,  # outputs: listed rows (MODE 1), every row (0), neurons (2)
+    D,
+    UP,  # GATED: the up row of row r is r + UP
+    stride_s,
+    STRIDE_P: tl.constexpr,  # words per code row (a constant: row offsets become immediates)
+    MODE: tl.constexpr,  # 0 every row, 1 listed rows, 2 CATS (every gate row, kept up rows)
+    RPI: tl.constexpr,  # rows per index (MODE 1)
+    GATED: tl.constexpr,
+    ACT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    GROUP: tl.constexpr,  # inputs per (scale, min)
+    BLOCK_N: tl.constexpr,  # outputs per program
+    BLOCK_K: tl.constexpr,  # inputs per step: divides GROUP
+    BLOCK_X: tl.constexpr,  # inputs per step of the magnitude pass
+    ASM: tl.constexpr,  # the inline PTX (compiled for a GPU) or its emulation (interpreter)
+):
+    offs_j = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_j = offs_j < K
+    if MODE == 1:
+        blk = tl.load(idx_ptr + offs_j // RPI, mask=mask_j, other=0)
+        rows = blk * RPI + offs_j % RPI
+    else:
+        rows = offs_j
+    offs_x = tl.arange(0, BLOCK_X)
+    amax = tl.zeros((BLOCK_X,), tl.float32)
+    for k0 in range(0, D, BLOCK_X):
+        xv = tl.load(x_ptr + k0 + offs_x, mask=k0 + offs_x < D, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(xv))
+    peak = tl.max(amax, axis=0)
+    inv = 1.0 / tl.where(peak > 0, peak, 1.0)
+    g = _rows(p_ptr, s_ptr, m_ptr, rows, mask_j, x_ptr, D, inv, STRIDE_P, stride_s, GROUP,
+              BLOCK_N, BLOCK_K, ASM)  # fmt: skip
+    if HAS_BIAS:
+        g += tl.load(b_ptr + rows, mask=mask_j, other=0.0).to(tl.float32)
+    a = act(g, ACT)
+    if MODE == 2:
+        t = tl.load(thr_ptr + offs_j, mask=mask_j, other=float("inf"))
+        keep = (tl.abs(a) > t) & mask_j
+    else:
+        keep = mask_j
+    h = a
+    if GATED:
+        u = tl.zeros((BLOCK_N,), tl.float32)
+        if tl.max(keep.to(tl.int32), axis=0) > 0:  # CATS: a program with no kept neuron skips
+            u = _rows(p_ptr, s_ptr, m_ptr, rows + UP, keep, x_ptr, D, inv, STRIDE_P, stride_s,
+                      GROUP, BLOCK_N, BLOCK_K, ASM)  # fmt: skip
+            if HAS_BIAS:
+                u += tl.load(b_ptr + rows + UP, mask=keep, other=0.0).to(tl.float32)
+        h = a * u
+    if MODE == 2:
+        h = tl.where(keep, h, 0.0)
+    tl.store(out_ptr + offs_j, h.to(out_ptr.dtype.element_ty), mask=mask_j)
+
+
+def launch_up_half2(xb: torch.Tensor, w, res2: torch.Tensor, cfg: dict, *, mode: str,
+                    idx: torch.Tensor | None = None, thr: torch.Tensor | None = None,
+                    rows_per_index: int = 1, gated: bool = False, activation: str = "none",
+                    bias: torch.Tensor | None = None) -> None:  # fmt: skip
+    """Run :func:`int4_up_half2_kernel` on checked inputs: ``xb`` [1, in], ``w`` an Int4Rows on
+    xb's device and dtype, ``res2`` the [1, K] output; ``mode`` ``"dense"``, ``"rows"`` (``idx``
+    int32 blocks of ``rows_per_index`` rows) or ``"cats"`` (``thr`` fp32 [K]). ``cfg``:
+    ``BLOCK_N`` (a power of two), ``BLOCK_K`` (a power of two >= 8 dividing the group; capped
+    at it), ``num_warps``, ``num_stages``.
+
+    >>> from dejavu_lab.quant import quantize_rows
+    >>> w = quantize_rows(torch.eye(32)[:8], group=32, dtype=torch.float16)  # W [8, 32]
+    >>> x, out = torch.arange(32.0).half()[None], torch.empty(1, 8, dtype=torch.float16)
+    >>> launch_up_half2(x, w, out, UP_HALF2, mode="dense")  # CPU: under TRITON_INTERPRET=1
+    >>> out.tolist()
+    [[0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]]
+    """
+    if xb.shape[0] != 1:
+        raise ValueError("the half2 kept-row kernel runs one token; pass x of shape [1, d].")
+    d = xb.shape[1]
+    k = res2.shape[1]
+    block_n, block_k = int(cfg["BLOCK_N"]), min(int(cfg["BLOCK_K"]), w.group)
+    if block_n & (block_n - 1) or block_k & (block_k - 1) or block_k < 8 or w.group % block_k:
+        raise ValueError(f"config BLOCK_N={block_n} and BLOCK_K={block_k} must be powers of two "
+                         f"(BLOCK_K >= 8, dividing the group {w.group}).")  # fmt: skip
+    codes = w.packed.view(torch.int32)
+    int4_up_half2_kernel[(triton.cdiv(max(k, 1), block_n),)](
+        xb, codes, w.scales, w.mins, idx if idx is not None else codes,
+        thr if thr is not None else w.scales, bias if bias is not None else w.scales, res2,
+        k, d, w.shape[0] // 2 if gated else 0, w.scales.stride(0), codes.stride(0),
+        MODE={"dense": 0, "rows": 1, "cats": 2}[mode], RPI=rows_per_index, GATED=gated,
+        ACT=activation, HAS_BIAS=bias is not None, GROUP=w.group, BLOCK_N=block_n,
+        BLOCK_K=block_k, BLOCK_X=min(1024, triton.next_power_of_2(d)),
+        ASM=xb.device.type == "cuda", num_warps=int(cfg["num_warps"]),
+        num_stages=int(cfg.get("num_stages", 2)),
+    )  # fmt: skip
