@@ -70,7 +70,7 @@ def _pair(a, b):
 def _terms(words, xh, SHIFT: tl.constexpr):
     """The interpreter's stand-in for the pairs: [rows, words, 4], the centred code of input
     ``8w + p + SHIFT / 4`` times its fp16 activation ``xh[w, p]``, rounded to fp16, as fp32."""
-    q = (((words[:, :, None] >> (SHIFT + 4 * tl.arange(0, 4))[None, None, :]) & 0xF) - 8)
+    q = ((words[:, :, None] >> (SHIFT + 4 * tl.arange(0, 4))[None, None, :]) & 0xF) - 8
     return (q.to(tl.float16) * xh[None, :, :]).to(tl.float32)
 
 
