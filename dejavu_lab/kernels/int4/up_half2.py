@@ -29,10 +29,11 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import _workspace
 from .._neurons import act
 from .half2 import _bits
 
-__all__ = ["UP_HALF2", "int4_up_half2_kernel", "launch_up_half2"]
+__all__ = ["UP_HALF2", "int4_pairs_kernel", "int4_up_half2_kernel", "launch_up_half2"]
 
 # BLOCK_N rows x BLOCK_K inputs per step (BLOCK_K divides the group); not yet tuned on a GPU
 UP_HALF2 = {"mode": "half2", "BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
@@ -67,21 +68,54 @@ def _pair(a, b):
 
 
 @triton.jit
-def _terms(words, xh, SHIFT: tl.constexpr):
-    """The interpreter's stand-in for the pairs: [rows, words, 4], the centred code of input
-    ``8w + p + SHIFT / 4`` times its fp16 activation ``xh[w, p]``, rounded to fp16, as fp32."""
-    q = ((words[:, :, None] >> (SHIFT + 4 * tl.arange(0, 4))[None, None, :]) & 0xF) - 8
-    return (q.to(tl.float16) * xh[None, :, :]).to(tl.float32)
+def _emul(words, pair, P: tl.constexpr):
+    """The interpreter's stand-in for pair ``P`` of :data:`_DOT8` over a [rows, words] tile:
+    the centred codes of inputs ``8w + P`` and ``8w + P + 4`` times their fp16 activations
+    (the halves of ``pair``), each product rounded to fp16, summed in fp32."""
+    lo = (pair & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)[None, :]
+    hi = ((pair >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)[None, :]
+    q_lo = (((words >> (4 * P)) & 0xF) - 8).to(tl.float16)
+    q_hi = (((words >> (4 * P + 16)) & 0xF) - 8).to(tl.float16)
+    return (q_lo * lo).to(tl.float32) + (q_hi * hi).to(tl.float32)
 
 
 @triton.jit
-def _rows(p_ptr, s_ptr, m_ptr, rows, use, x_ptr, D, inv, STRIDE_P: tl.constexpr, stride_s,
-          GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
-    """[BLOCK_N] fp32: ``dequant(W)[rows] . x`` over x scaled by ``inv``; rows not in ``use``
-    read no bytes (their value is meaningless)."""
-    NW: tl.constexpr = BLOCK_K // 8
-    offs_w = tl.arange(0, NW)
+def int4_pairs_kernel(x_ptr, xp_ptr, xw_ptr, inv_ptr, D, BLOCK_W: tl.constexpr):
+    """One program, once per token: ``x`` divided by its largest magnitude, as the four half2
+    pairs of each word (``xp[p, w] = (x'[8w + p], x'[8w + p + 4])``), each word's eight inputs
+    summed (``xw``, unscaled fp32), and the divisor's inverse (``inv``)."""
+    NW = D // 8
+    offs_w = tl.arange(0, BLOCK_W)
     offs_8 = tl.arange(0, 8)
+    amax = tl.zeros((BLOCK_W, 8), tl.float32)
+    for w0 in range(0, NW, BLOCK_W):
+        m = (w0 + offs_w < NW)[:, None]
+        xt = tl.load(x_ptr + (w0 + offs_w)[:, None] * 8 + offs_8[None, :], mask=m, other=0.0)
+        amax = tl.maximum(amax, tl.abs(xt.to(tl.float32)))
+    peak = tl.max(tl.max(amax, axis=1), axis=0)
+    inv = 1.0 / tl.where(peak > 0, peak, 1.0)
+    for w0 in range(0, NW, BLOCK_W):
+        mw = w0 + offs_w < NW
+        xt = tl.load(x_ptr + (w0 + offs_w)[:, None] * 8 + offs_8[None, :], mask=mw[:, None],
+                     other=0.0).to(tl.float32)  # fmt: skip
+        tl.store(xw_ptr + w0 + offs_w, tl.sum(xt, axis=1), mask=mw)
+        xh = tl.permute(tl.reshape((xt * inv).to(tl.float16), (BLOCK_W, 2, 4)), (0, 2, 1))
+        lo, hi = tl.split(xh)  # [words, 4]: inputs 8w + p and 8w + p + 4
+        pairs = _bits(lo) | (_bits(hi) << 16)
+        offs_p = tl.arange(0, 4)
+        tl.store(xp_ptr + offs_p[None, :] * NW + (w0 + offs_w)[:, None], pairs, mask=mw[:, None])
+    tl.store(inv_ptr + tl.arange(0, 1), inv + tl.zeros((1,), tl.float32))
+
+
+@triton.jit
+def _rows(p_ptr, s_ptr, m_ptr, rows, use, xp_ptr, xw_ptr, D, STRIDE_P: tl.constexpr, stride_s,
+          GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+    """[BLOCK_N, 2] fp32 sums of ``dequant(W)[rows] . x``: the codes times the scaled pairs
+    (to multiply by the magnitude) and the mins times the word sums; rows not in ``use`` read
+    no bytes (their value is meaningless)."""
+    NW: tl.constexpr = BLOCK_K // 8
+    n_words = D // 8
+    offs_w = tl.arange(0, NW)
     p_rows = p_ptr + rows.to(tl.int64)[:, None] * STRIDE_P + offs_w[None, :]
     sm_rows = rows.to(tl.int64) * stride_s
     accq = tl.zeros((BLOCK_N, NW), tl.float32)
@@ -91,28 +125,34 @@ def _rows(p_ptr, s_ptr, m_ptr, rows, use, x_ptr, D, inv, STRIDE_P: tl.constexpr,
                         eviction_policy="evict_first")  # fmt: skip
         s = tl.load(s_ptr + sm_rows + k0 // GROUP, mask=use, other=0.0).to(tl.float32)
         m = tl.load(m_ptr + sm_rows + k0 // GROUP, mask=use, other=0.0).to(tl.float32)
-        # the step's activations, eight per word (one 16-byte load), split into the pairs
-        xt = tl.load(x_ptr + k0 + offs_w[:, None] * 8 + offs_8[None, :]).to(tl.float32)
-        xw = tl.sum(xt, axis=1)  # the word's inputs, summed
-        lo, hi = tl.split(tl.permute(tl.reshape((xt * inv).to(tl.float16), (NW, 2, 4)), (0, 2, 1)))
+        w = k0 // 8 + offs_w
+        p0 = tl.load(xp_ptr + w)
+        p1 = tl.load(xp_ptr + n_words + w)
+        p2 = tl.load(xp_ptr + 2 * n_words + w)
+        p3 = tl.load(xp_ptr + 3 * n_words + w)
+        xw = tl.load(xw_ptr + w)
         if ASM:
-            e, o = tl.split(tl.reshape(_pair(lo, hi), (NW, 2, 2)))  # pairs 0, 2 and 1, 3
-            p0, p2 = tl.split(e)
-            p1, p3 = tl.split(o)
             f = tl.inline_asm_elementwise(
                 _DOT8, "=r,r,r,r,r,r", [words, p0[None, :], p1[None, :], p2[None, :], p3[None, :]],
                 dtype=tl.int32, is_pure=True, pack=1,
             ).to(tl.float32, bitcast=True)  # fmt: skip
         else:
-            f = tl.sum(_terms(words, lo, 0) + _terms(words, hi, 16), axis=2)
+            f = (
+                _emul(words, p0, 0)
+                + _emul(words, p1, 1)
+                + _emul(words, p2, 2)
+                + _emul(words, p3, 3)
+            )
         accq += f * s[:, None]
         accm += xw[None, :] * (m + 8.0 * s)[:, None]
-    return tl.sum(accq, axis=1) / inv + tl.sum(accm, axis=1)
+    return tl.sum(accq, axis=1), tl.sum(accm, axis=1)
 
 
 @triton.jit
 def int4_up_half2_kernel(
-    x_ptr,  # [D] the input token (fp16 or bf16)
+    xp_ptr,  # [4, D // 8] int32: the half2 pairs of x (int4_pairs_kernel)
+    xw_ptr,  # [D // 8] fp32: each word's inputs summed
+    inv_ptr,  # [1] fp32: 1 / the largest |x|
     p_ptr,  # [R, D // 8] codes as int32 words (8 inputs each), one row per output row
     s_ptr,  # [R, D // GROUP] scales
     m_ptr,  # [R, D // GROUP] mins
@@ -133,7 +173,6 @@ def int4_up_half2_kernel(
     GROUP: tl.constexpr,  # inputs per (scale, min)
     BLOCK_N: tl.constexpr,  # outputs per program
     BLOCK_K: tl.constexpr,  # inputs per step: divides GROUP
-    BLOCK_X: tl.constexpr,  # inputs per step of the magnitude pass
     ASM: tl.constexpr,  # the inline PTX (compiled for a GPU) or its emulation (interpreter)
 ):
     offs_j = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -143,15 +182,10 @@ def int4_up_half2_kernel(
         rows = blk * RPI + offs_j % RPI
     else:
         rows = offs_j
-    offs_x = tl.arange(0, BLOCK_X)
-    amax = tl.zeros((BLOCK_X,), tl.float32)
-    for k0 in range(0, D, BLOCK_X):
-        xv = tl.load(x_ptr + k0 + offs_x, mask=k0 + offs_x < D, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(xv))
-    peak = tl.max(amax, axis=0)
-    inv = 1.0 / tl.where(peak > 0, peak, 1.0)
-    g = _rows(p_ptr, s_ptr, m_ptr, rows, mask_j, x_ptr, D, inv, STRIDE_P, stride_s, GROUP,
-              BLOCK_N, BLOCK_K, ASM)  # fmt: skip
+    peak = 1.0 / tl.load(inv_ptr)
+    gq, gm = _rows(p_ptr, s_ptr, m_ptr, rows, mask_j, xp_ptr, xw_ptr, D, STRIDE_P, stride_s,
+                   GROUP, BLOCK_N, BLOCK_K, ASM)  # fmt: skip
+    g = gq * peak + gm
     if HAS_BIAS:
         g += tl.load(b_ptr + rows, mask=mask_j, other=0.0).to(tl.float32)
     a = act(g, ACT)
@@ -164,8 +198,9 @@ def int4_up_half2_kernel(
     if GATED:
         u = tl.zeros((BLOCK_N,), tl.float32)
         if tl.max(keep.to(tl.int32), axis=0) > 0:  # CATS: a program with no kept neuron skips
-            u = _rows(p_ptr, s_ptr, m_ptr, rows + UP, keep, x_ptr, D, inv, STRIDE_P, stride_s,
-                      GROUP, BLOCK_N, BLOCK_K, ASM)  # fmt: skip
+            uq, um = _rows(p_ptr, s_ptr, m_ptr, rows + UP, keep, xp_ptr, xw_ptr, D, STRIDE_P,
+                           stride_s, GROUP, BLOCK_N, BLOCK_K, ASM)  # fmt: skip
+            u = uq * peak + um
             if HAS_BIAS:
                 u += tl.load(b_ptr + rows + UP, mask=keep, other=0.0).to(tl.float32)
         h = a * u
@@ -200,13 +235,19 @@ def launch_up_half2(xb: torch.Tensor, w, res2: torch.Tensor, cfg: dict, *, mode:
         raise ValueError(f"config BLOCK_N={block_n} and BLOCK_K={block_k} must be powers of two "
                          f"(BLOCK_K >= 8, dividing the group {w.group}).")  # fmt: skip
     codes = w.packed.view(torch.int32)
+    nw = d // 8  # the pairs, the word sums and 1 / max|x|, one workspace
+    ws = _workspace.buffer(xb.device, "int4_pairs", 5 * nw + 1, torch.int32)
+    xp, xw, inv = ws[: 4 * nw], ws[4 * nw : 5 * nw].view(torch.float32), ws[5 * nw : 5 * nw + 1]
+    inv = inv.view(torch.float32)
+    int4_pairs_kernel[(1,)](xb, xp, xw, inv, d, BLOCK_W=min(512, triton.next_power_of_2(d // 8)),
+                            num_warps=4)  # fmt: skip
     int4_up_half2_kernel[(triton.cdiv(max(k, 1), block_n),)](
-        xb, codes, w.scales, w.mins, idx if idx is not None else codes,
+        xp, xw, inv, codes, w.scales, w.mins, idx if idx is not None else codes,
         thr if thr is not None else w.scales, bias if bias is not None else w.scales, res2,
         k, d, w.shape[0] // 2 if gated else 0, w.scales.stride(0), codes.stride(0),
         MODE={"dense": 0, "rows": 1, "cats": 2}[mode], RPI=rows_per_index, GATED=gated,
         ACT=activation, HAS_BIAS=bias is not None, GROUP=w.group, BLOCK_N=block_n,
-        BLOCK_K=block_k, BLOCK_X=min(1024, triton.next_power_of_2(d)),
+        BLOCK_K=block_k,
         ASM=xb.device.type == "cuda", num_warps=int(cfg["num_warps"]),
         num_stages=int(cfg.get("num_stages", 2)),
     )  # fmt: skip
