@@ -36,12 +36,23 @@ COLUMNS = [("shape", "shape", "11s"), ("provider", "provider", "15s"), ("path", 
 
 
 def candidates() -> list[dict]:
-    """Tilings of the half2 up kernel: rows per program, warps, pipeline stages."""
+    """Tilings of the half2 up kernel: rows per program, inputs per step, warps, stages."""
     out = []
-    for bn, warps in ((16, 1), (32, 1), (32, 2), (64, 2), (64, 4), (128, 4), (128, 8), (256, 8)):
-        for stages in (2, 3, 4):
-            out.append({**UP_HALF2, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages})
-    out.append({**UP_HALF2, "BLOCK_K": 64, "BLOCK_N": 64, "num_warps": 2, "num_stages": 4})
+    for bn, bk, warps in (
+        (16, 128, 1),
+        (16, 256, 1),
+        (16, 512, 2),
+        (32, 128, 2),
+        (32, 256, 2),
+        (32, 512, 4),
+        (8, 512, 1),
+        (8, 1024, 2),
+        (64, 128, 4),
+        (64, 256, 4),
+    ):
+        for stages in (2, 3):
+            out.append({**UP_HALF2, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps,
+                        "num_stages": stages})  # fmt: skip
     return out
 
 

@@ -87,7 +87,7 @@ for mode, gated, dt in [(0, False, "fp16"), (1, True, "bf16"), (2, True, "fp16")
     if dt == "bf16":
         sig.update(s_ptr="*bf16", m_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16")
     c = dict(MODE=mode, RPI=1, GATED=gated, ACT="silu", HAS_BIAS=mode == 0, GROUP=128,
-             BLOCK_N=32, BLOCK_K=128, ASM=True, STRIDE_P=512)
+             BLOCK_N=32, BLOCK_K=128 if mode else 512, ASM=True, STRIDE_P=512)
     triton.compile(ASTSource(uh, sig, constexprs=c), target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": 4, "num_stages": 3})
     pk = uh_pairs

@@ -16,7 +16,7 @@ program's ``BLOCK_N x BLOCK_K / 8`` words need no reduction until the end of the
 
 with ``x`` divided by its largest magnitude ``p`` before the fp16 products (they cannot
 overflow, whatever the activations' scale or dtype) and one (scale, min) per row and step
-(``BLOCK_K`` divides the group). The modes are :func:`~.up.int4_up_kernel`'s: every row,
+(a step of ``BLOCK_K`` inputs inside one group; a longer step gathers each word's). The modes are :func:`~.up.int4_up_kernel`'s: every row,
 listed rows (blocks of ``RPI``), and CATS (every gate row, then the up rows of the neurons
 whose ``|act(gate)|`` passes the threshold; a program with none skips its up pass).
 Under ``TRITON_INTERPRET=1`` (``ASM=False``) each product is rounded to fp16 and summed in
@@ -121,11 +121,19 @@ def _rows(p_ptr, s_ptr, m_ptr, rows, use, xp_ptr, xw_ptr, D, STRIDE_P: tl.conste
     accq = tl.zeros((BLOCK_N, NW), tl.float32)
     accm = tl.zeros((BLOCK_N, NW), tl.float32)
     for k0 in range(0, D, BLOCK_K):
-        words = tl.load(p_rows + k0 // 8, mask=use[:, None], other=0,
-                        eviction_policy="evict_first")  # fmt: skip
-        s = tl.load(s_ptr + sm_rows + k0 // GROUP, mask=use, other=0.0).to(tl.float32)
-        m = tl.load(m_ptr + sm_rows + k0 // GROUP, mask=use, other=0.0).to(tl.float32)
         w = k0 // 8 + offs_w
+        if BLOCK_K <= GROUP:  # one (scale, min) per row in a step
+            words = tl.load(p_rows + k0 // 8, mask=use[:, None], other=0,
+                            eviction_policy="evict_first")  # fmt: skip
+            s = tl.load(s_ptr + sm_rows + k0 // GROUP, mask=use, other=0.0).to(tl.float32)[:, None]
+            m = tl.load(m_ptr + sm_rows + k0 // GROUP, mask=use, other=0.0).to(tl.float32)[:, None]
+        else:  # several groups per step: each word's (scale, min), gathered (cached)
+            mask = use[:, None] & (w < n_words)[None, :]
+            words = tl.load(p_rows + k0 // 8, mask=mask, other=0, eviction_policy="evict_first")
+            sm = sm_rows[:, None] + ((k0 + 8 * offs_w) // GROUP)[None, :]
+            s = tl.load(s_ptr + sm, mask=mask, other=0.0).to(tl.float32)
+            m = tl.load(m_ptr + sm, mask=mask, other=0.0).to(tl.float32)
+            w = tl.where(w < n_words, w, 0)
         p0 = tl.load(xp_ptr + w)
         p1 = tl.load(xp_ptr + n_words + w)
         p2 = tl.load(xp_ptr + 2 * n_words + w)
@@ -143,8 +151,8 @@ def _rows(p_ptr, s_ptr, m_ptr, rows, use, xp_ptr, xw_ptr, D, STRIDE_P: tl.conste
                 + _emul(words, p2, 2)
                 + _emul(words, p3, 3)
             )
-        accq += f * s[:, None]
-        accm += xw[None, :] * (m + 8.0 * s)[:, None]
+        accq += f * s
+        accm += xw[None, :] * (m + 8.0 * s)
     return tl.sum(accq, axis=1), tl.sum(accm, axis=1)
 
 
@@ -172,7 +180,7 @@ def int4_up_half2_kernel(
     HAS_BIAS: tl.constexpr,
     GROUP: tl.constexpr,  # inputs per (scale, min)
     BLOCK_N: tl.constexpr,  # outputs per program
-    BLOCK_K: tl.constexpr,  # inputs per step: divides GROUP
+    BLOCK_K: tl.constexpr,  # inputs per step: a power of two (several groups, or part of one)
     ASM: tl.constexpr,  # the inline PTX (compiled for a GPU) or its emulation (interpreter)
 ):
     offs_j = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -183,8 +191,16 @@ def int4_up_half2_kernel(
     else:
         rows = offs_j
     peak = 1.0 / tl.load(inv_ptr)
-    gq, gm = _rows(p_ptr, s_ptr, m_ptr, rows, mask_j, xp_ptr, xw_ptr, D, STRIDE_P, stride_s,
-                   GROUP, BLOCK_N, BLOCK_K, ASM)  # fmt: skip
+    if GATED and MODE != 2:  # gate and up rows in one walk: twice the loads in flight per step
+        rows2 = tl.reshape(tl.join(rows, rows + UP), (2 * BLOCK_N,))
+        use2 = tl.reshape(tl.join(mask_j, mask_j), (2 * BLOCK_N,))
+        q2, m2 = _rows(p_ptr, s_ptr, m_ptr, rows2, use2, xp_ptr, xw_ptr, D, STRIDE_P, stride_s,
+                       GROUP, 2 * BLOCK_N, BLOCK_K, ASM)  # fmt: skip
+        gq, uq = tl.split(tl.reshape(q2, (BLOCK_N, 2)))
+        gm, um = tl.split(tl.reshape(m2, (BLOCK_N, 2)))
+    else:
+        gq, gm = _rows(p_ptr, s_ptr, m_ptr, rows, mask_j, xp_ptr, xw_ptr, D, STRIDE_P, stride_s,
+                       GROUP, BLOCK_N, BLOCK_K, ASM)  # fmt: skip
     g = gq * peak + gm
     if HAS_BIAS:
         g += tl.load(b_ptr + rows, mask=mask_j, other=0.0).to(tl.float32)
@@ -196,13 +212,16 @@ def int4_up_half2_kernel(
         keep = mask_j
     h = a
     if GATED:
-        u = tl.zeros((BLOCK_N,), tl.float32)
-        if tl.max(keep.to(tl.int32), axis=0) > 0:  # CATS: a program with no kept neuron skips
-            uq, um = _rows(p_ptr, s_ptr, m_ptr, rows + UP, keep, xp_ptr, xw_ptr, D, STRIDE_P,
-                           stride_s, GROUP, BLOCK_N, BLOCK_K, ASM)  # fmt: skip
+        if MODE == 2:  # CATS: the up rows of the kept neurons; a program with none skips them
+            u = tl.zeros((BLOCK_N,), tl.float32)
+            if tl.max(keep.to(tl.int32), axis=0) > 0:
+                uq, um = _rows(p_ptr, s_ptr, m_ptr, rows + UP, keep, xp_ptr, xw_ptr, D, STRIDE_P,
+                               stride_s, GROUP, BLOCK_N, BLOCK_K, ASM)  # fmt: skip
+                u = uq * peak + um
+        else:
             u = uq * peak + um
-            if HAS_BIAS:
-                u += tl.load(b_ptr + rows + UP, mask=keep, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            u += tl.load(b_ptr + rows + UP, mask=keep, other=0.0).to(tl.float32)
         h = a * u
     if MODE == 2:
         h = tl.where(keep, h, 0.0)
@@ -230,10 +249,11 @@ def launch_up_half2(xb: torch.Tensor, w, res2: torch.Tensor, cfg: dict, *, mode:
         raise ValueError("the half2 kept-row kernel runs one token; pass x of shape [1, d].")
     d = xb.shape[1]
     k = res2.shape[1]
-    block_n, block_k = int(cfg["BLOCK_N"]), min(int(cfg["BLOCK_K"]), w.group)
-    if block_n & (block_n - 1) or block_k & (block_k - 1) or block_k < 8 or w.group % block_k:
+    block_n = int(cfg["BLOCK_N"])
+    block_k = min(int(cfg["BLOCK_K"]), max(w.group, triton.next_power_of_2(d)))
+    if block_n & (block_n - 1) or block_k & (block_k - 1) or block_k < 8:
         raise ValueError(f"config BLOCK_N={block_n} and BLOCK_K={block_k} must be powers of two "
-                         f"(BLOCK_K >= 8, dividing the group {w.group}).")  # fmt: skip
+                         "(BLOCK_K >= 8).")  # fmt: skip
     codes = w.packed.view(torch.int32)
     nw = d // 8  # the pairs, the word sums and 1 / max|x|, one workspace
     ws = _workspace.buffer(xb.device, "int4_pairs", 5 * nw + 1, torch.int32)
