@@ -106,7 +106,8 @@ def main(argv=None) -> int:
                          "vs_dense": (dense_us / us) if dense_us else math.nan})  # fmt: skip
     print_rows([r for r in rows if r["kind"] == "time"], COLUMNS)
     name = args.name or ("int4_rows_b1_smoke" if args.smoke else "int4_rows_b1")
-    command = " ".join(["python kernels/bench_int4_rows.py", *sys.argv[1:]])
+    given = sys.argv[1:] if argv is None else list(argv)
+    command = " ".join(["python kernels/bench_int4_rows.py", *given])
     path = results.save(name, rows, command=command,
                         extra={"copy_tbps": ceiling, "half2_up_pick": pick})  # fmt: skip
     print(f"wrote {path}")

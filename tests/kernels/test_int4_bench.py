@@ -43,3 +43,32 @@ def test_smoke_run_records_every_provider(tmp_path, monkeypatch):
     # both smoke candidates passed their check: per batch, dense at 1.0 and threshold at 2 kept
     assert len(swept) == 2 * 2 * (1 + 2)
     assert {r["op"] for r in swept} == {"int4_gemv_g32", "int4_threshold_gemv_g32"}
+
+
+ROWS_SCRIPT = SCRIPT.parent / "bench_int4_rows.py"
+
+
+@pytest.mark.skipif(
+    DEVICE != "cpu", reason="the smoke run is the CPU check; the GPU runs the bench"
+)
+def test_rows_smoke_run_checks_and_records_every_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("DEJAVU_LAB_RESULTS", str(tmp_path))
+    spec = importlib.util.spec_from_file_location("bench_int4_rows", ROWS_SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_int4_rows", bench)
+    spec.loader.exec_module(bench)
+    bench.main(["--smoke", "--no-sweep", "--kept", "0.5", "--name", "rows_smoke"])
+    data = json.loads((tmp_path / "rows_smoke.json").read_text())
+    assert data["provenance"]["command"].endswith("--kept 0.5 --name rows_smoke")
+    timed = [r for r in data["rows"] if r["kind"] == "time"]
+    got = {(r["provider"], r["path"]) for r in timed}
+    assert got == {("up_columns", "half2"), ("up_rows", "half2"), ("up_dejavu", "half2"),
+                   ("up_dejavu", "tile"), ("up_cats", "half2"), ("up_cats", "tile"),
+                   ("down_rows", "scatter"), ("down_rows", "walk"),
+                   ("down_threshold", "half2")}  # fmt: skip
+    # every path computed its function (the check ran before the clock) and read fewer bytes
+    # where it keeps fewer rows
+    assert all(r["relerr"] < 1e-2 and r["us"] > 0 for r in timed), timed
+    mb = {(r["provider"], r["path"]): r["mb"] for r in timed}
+    assert mb[("up_dejavu", "half2")] == pytest.approx(mb[("up_rows", "half2")] / 2)
+    assert mb[("up_dejavu", "half2")] < mb[("up_cats", "half2")] < mb[("up_rows", "half2")]

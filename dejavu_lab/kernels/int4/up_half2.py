@@ -35,8 +35,12 @@ from .half2 import _bits
 
 __all__ = ["UP_HALF2", "int4_pairs_kernel", "int4_up_half2_kernel", "launch_up_half2"]
 
-# BLOCK_N rows x BLOCK_K inputs per step (BLOCK_K divides the group); not yet tuned on a GPU
-UP_HALF2 = {"mode": "half2", "BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
+# BLOCK_N rows (gated: BLOCK_N gate and BLOCK_N up rows) x BLOCK_K inputs per step. Chosen by
+# kernels/bench_int4_rows.py on an H100 (results/int4_rows_b1.json, group 128, fp16, CUDA-graph
+# replay, cold weights): DejaVu's up projection over half of Llama-3-8B's 14336 neurons in
+# 34.3 µs (the fastest tiling, 8 x 512 on one warp, 33.5; the fp32 tile kernel 93.0), Llama-2-13B's
+# in 35.6; one warp per program and many programs, as each program's walk is latency-bound.
+UP_HALF2 = {"mode": "half2", "BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 1, "num_stages": 3}
 
 
 def _dot8_ptx() -> str:
