@@ -9,6 +9,7 @@ the chapter is :mod:`dejavu_lab.report.int4`.
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -357,3 +358,60 @@ def listed_rows_sentence(name: str = DECODE_FILE) -> str:
             "kept rows and then walks the list, eight rows' loads in flight at a time, against "
             "the one that masks every row and branches past the dropped ones: "
             + "; ".join(parts) + ".")  # fmt: skip
+
+
+def kept_rows_sentence(kernels: str = "int4_rows_b1", engine: str = "engine_int4_8b_rows",
+                       table: str = "engine_int4_8b") -> str:  # fmt: skip
+    """What ``results/<kernels>.json`` (``kernels/bench_int4_rows.py``) and ``results/<engine>
+    .json`` show about DejaVu's and CATS's MLP on int4 weights at one token: the half2 kept-row
+    kernel against the fp32 tile it replaced and the dense int4 up projection, and the engine's
+    int4 DejaVu and CATS steps against int4 dense (naming the commit of ``results/<table>.json``
+    when the engine table was recorded at another one); or '' when either recording is missing.
+
+    >>> s = kept_rows_sentence()
+    >>> s == "" or "kept" in s
+    True
+    >>> kept_rows_sentence("no_such_recording")
+    ''
+    """
+    try:
+        kf, kprov = results.load(kernels)
+        ef, eprov = results.load(engine)
+    except ResultsError:
+        return ""
+    k = kf[kf["kind"] == "time"]
+    k = k[k["shape"] == k["shape"].iloc[0]]  # the first shape: Llama-3-8B's, as the engine's
+    half = k[(k["kept"] == 0.5) | (k["provider"] == "up_columns")]
+
+    def us(provider, path):
+        got = half.loc[(half["provider"] == provider) & (half["path"] == path), "us"]
+        return float(got.iloc[0]) if len(got) else math.nan
+
+    e = ef[(ef["kind"] == "e2e") & (ef["weights"] == "int4")]
+    ms = {r["engine"]: r["ms_per_token"] for _, r in e.iterrows() if r["sparsity"] in (0.0, 0.5)}
+    if not {"dense", "dejavu", "cats"} <= set(ms) or not len(half):
+        return ""
+    shape = half["shape"].iloc[0]
+    try:
+        older = results.load(table)[1].get("git_sha")
+    except ResultsError:
+        older = None
+    note = ""
+    if older and older != eprov.get("git_sha"):
+        note = f" (the engine table above is from commit {older}, before these kernels)"
+    return (
+        f"On an {kprov.get('gpu', 'GPU')} (results/{kernels}.json, commit "
+        f"{kprov.get('git_sha', '?')}), DejaVu's up projection over half of the {shape} MLP's "
+        f"neurons in int4 takes {us('up_dejavu', 'half2'):.1f} µs with the half2 kept-row kernel, "
+        f"against {us('up_dejavu', 'tile'):.1f} µs for the fp32 tile kernel it replaced and "
+        f"{us('up_columns', 'half2'):.1f} µs for the dense int4 up projection over every neuron; "
+        f"CATS's gate rows and kept up rows take {us('up_cats', 'half2'):.1f} µs, and the down "
+        f"projection over the kept rows {us('down_rows', 'scatter'):.1f} µs (the index walk it "
+        f"replaced: {us('down_rows', 'walk'):.1f}). End to end ({eprov.get('gpu', 'GPU')}, "
+        f"results/{engine}.json, commit {eprov.get('git_sha', '?')}), int4 DejaVu at 50% runs "
+        f"{ms['dejavu']:.2f} ms per token and int4 CATS {ms['cats']:.2f}, against "
+        f"{ms['dense']:.2f} for int4 dense{note}: "
+        + ("on 4-bit weights the kept-row methods do not yet beat the dense step."
+           if min(ms["dejavu"], ms["cats"]) >= ms["dense"] else
+           "the kept-row methods beat the dense step on 4-bit weights.")
+    )  # fmt: skip
