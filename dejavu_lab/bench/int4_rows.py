@@ -52,7 +52,15 @@ PROVIDERS = ("up_columns", "up_rows", "up_dejavu", "up_cats", "down_rows", "down
 
 
 class Int4RowsCase:
-    """A gated MLP of ``d`` inputs and ``n`` neurons in int4 (module docstring)."""
+    """A gated MLP of ``d`` inputs and ``n`` neurons in int4 (module docstring).
+
+    >>> case = Int4RowsCase(64, 32, group=32, device="cpu", max_copies=1)
+    >>> idx = case.idx(0.25)  # 8 of the 32 neurons, sorted, the same list every time
+    >>> len(case.calls("down_rows", 0.25)), idx.numel(), bool((idx.diff() > 0).all())
+    (1, 8, True)
+    >>> torch.equal(idx, case.idx(0.25))
+    True
+    """
 
     def __init__(self, d: int, n: int, *, group: int = 128, dtype=torch.float16, device=None,
                  max_copies: int = 64, seed: int = 0):  # fmt: skip
