@@ -144,12 +144,22 @@ def bench_int4(preset: str, *, prompt: int, new_tokens: int, group: int, sparsit
     quant_err = math.nan
     if w is not None:
         quant_err = relerr(dense4, _logits(Decoder(w, max_seq_len=n_check + 1), check, n_prompt))
-    w4r = {m: quantize_weights(w4, group, m) for m in ROWS if m in methods}  # rows layouts
+    held = {}  # one rows layout at a time: two would not fit beside Llama-3-70B on an 80 GB GPU
+
+    def rows_of(m, base=w4):
+        if m not in held:
+            held.clear()
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            held[m] = quantize_weights(base, group, m)
+        return held[m]
+
     everything = {"dejavu": SparseConfig(mlp_sparsity=0.0),
                   "cats": SparseConfig(method="cats", thresholds=keep_all(w4, "cats"))}  # fmt: skip
     keep_rows = {f"keep_all_{m}_vs_dense": relerr(_logits(
-        Decoder(w4r[m], max_seq_len=n_check + 1, sparse=everything[m]), check, n_prompt), dense4)
-        for m in w4r}  # fmt: skip
+        Decoder(rows_of(m), max_seq_len=n_check + 1, sparse=everything[m]), check, n_prompt),
+        dense4) for m in ROWS if m in methods}  # fmt: skip
     say(f"{preset}: int4 TEAL keep-all vs int4 dense {keep_err:.1e}; "
           f"int4 vs fp16 dense {quant_err:.1e} (the format's own error); "
           + "; ".join(f"{k} {v:.1e}" for k, v in keep_rows.items()))  # fmt: skip
@@ -171,7 +181,8 @@ def bench_int4(preset: str, *, prompt: int, new_tokens: int, group: int, sparsit
             elif method != "dense":
                 thr = calibrate_thresholds(w if w is not None else w4, ids, sparsity, method=method)
                 sparse = SparseConfig(method=method, thresholds=thr)
-            weights_of = {"int4": w4r.get(method, w4), "int4+head": w4h}.get(weights, w)
+            four = rows_of(method) if method in ROWS else w4
+            weights_of = {"int4": four, "int4+head": w4h}.get(weights, w)
             dec = Decoder(weights_of, max_seq_len=prompt + new_tokens, sparse=sparse)
             if method == "dejavu":
                 random_sets(dec, seed=0)
@@ -204,7 +215,8 @@ def bench_int4(preset: str, *, prompt: int, new_tokens: int, group: int, sparsit
         say(f"{preset:>12} {weights} {method:>6} {sparsity:4.2f}: {ms:8.3f} ms/token, "
               f"{row['tbps']:.2f} TB/s, x{row.get('vs_fp16_dense', float('nan')):.2f} over fp16 "
               f"dense")  # fmt: skip
-    del w, w4, w4r, w4h
+    held.clear()
+    del w, w4, w4h, rows_of
     gc.collect()
     if cuda():
         torch.cuda.empty_cache()
