@@ -36,7 +36,8 @@ COLUMNS = [("shape", "shape", "11s"), ("provider", "provider", "15s"), ("path", 
 
 
 def candidates() -> list[dict]:
-    """Tilings of the half2 up kernel: rows per program, inputs per step, warps, stages."""
+    """Tilings of the half2 up kernel: rows per program, inputs per step, warps, stages, and
+    programs along the inputs (``SPLIT``: partial sums and a finishing launch)."""
     out = []
     for bn, bk, warps in (
         (16, 128, 1),
@@ -53,6 +54,16 @@ def candidates() -> list[dict]:
         for stages in (2, 3):
             out.append({**UP_HALF2, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps,
                         "num_stages": stages})  # fmt: skip
+    for bn, bk, warps, split in (
+        (16, 128, 1, 2),
+        (16, 128, 1, 4),
+        (32, 128, 1, 4),
+        (32, 256, 2, 4),
+        (64, 128, 2, 8),
+        (16, 512, 2, 2),
+    ):
+        out.append({**UP_HALF2, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps,
+                    "num_stages": 3, "SPLIT": split})  # fmt: skip
     return out
 
 

@@ -80,14 +80,15 @@ from dejavu_lab.kernels.int4.up_half2 import int4_up_half2_kernel as uh
 from dejavu_lab.kernels.int4.up_half2 import int4_pairs_kernel as uh_pairs
 
 s = {a: "*" + t for a, t in ptr.items()}
-s.update(K="i32", D="i32", UP="i32", stride_s="i32", xp_ptr="*i32", xw_ptr="*fp32",
+s.update(K="i32", D="i32", UP="i32", stride_s="i32", xp_ptr="*i32", xw_ptr="*fp32", ws_ptr="*fp32",
          inv_ptr="*fp32")
 for mode, gated, dt in [(0, False, "fp16"), (1, True, "bf16"), (2, True, "fp16")]:
     sig = {a: s[a] for a in uh.arg_names if a in s}
     if dt == "bf16":
         sig.update(s_ptr="*bf16", m_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16")
     c = dict(MODE=mode, RPI=1, GATED=gated, ACT="silu", HAS_BIAS=mode == 0, GROUP=128,
-             BLOCK_N=32, BLOCK_K=128 if mode else 512, ASM=True, STRIDE_P=512)
+             BLOCK_N=32, BLOCK_K=128 if mode else 512, ASM=True, STRIDE_P=512,
+             SPLIT=4 if mode == 1 else 1)
     triton.compile(ASTSource(uh, sig, constexprs=c), target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": 4, "num_stages": 3})
     pk = uh_pairs

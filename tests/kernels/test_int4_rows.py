@@ -42,6 +42,8 @@ VARIANTS = {
     "groups-inside-a-step": {**SMALL, "BLOCK_K": 256},
     "wide-rows": {"BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 2},
     "fp32-tile": {"mode": "tile"},  # one token: the fp32 tile instead of the half2 decode
+    "split-inputs": {**SMALL, "SPLIT": 2},  # one token: partial sums over two input halves
+    "split-four": {"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT": 4, "num_warps": 1},
 }
 
 

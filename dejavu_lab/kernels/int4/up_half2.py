@@ -32,6 +32,7 @@ import triton.language as tl
 from .. import _workspace
 from .._neurons import act
 from .half2 import _bits
+from .tile import finish
 
 __all__ = ["UP_HALF2", "int4_pairs_kernel", "int4_up_half2_kernel", "launch_up_half2"]
 
@@ -112,11 +113,12 @@ def int4_pairs_kernel(x_ptr, xp_ptr, xw_ptr, inv_ptr, D, BLOCK_W: tl.constexpr):
 
 
 @triton.jit
-def _rows(p_ptr, s_ptr, m_ptr, rows, use, xp_ptr, xw_ptr, D, STRIDE_P: tl.constexpr, stride_s,
-          GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
-    """[BLOCK_N, 2] fp32 sums of ``dequant(W)[rows] . x``: the codes times the scaled pairs
-    (to multiply by the magnitude) and the mins times the word sums; rows not in ``use`` read
-    no bytes (their value is meaningless)."""
+def _rows(p_ptr, s_ptr, m_ptr, rows, use, xp_ptr, xw_ptr, D, k_lo, k_hi, STRIDE_P: tl.constexpr,
+          stride_s, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+          ASM: tl.constexpr):  # fmt: skip
+    """Two [BLOCK_N] fp32 sums of ``dequant(W)[rows] . x`` over inputs ``k_lo`` to ``k_hi``:
+    the codes times the scaled pairs (to multiply by the magnitude) and the mins times the
+    word sums; rows not in ``use`` read no bytes (their value is meaningless)."""
     NW: tl.constexpr = BLOCK_K // 8
     n_words = D // 8
     offs_w = tl.arange(0, NW)
@@ -124,7 +126,7 @@ def _rows(p_ptr, s_ptr, m_ptr, rows, use, xp_ptr, xw_ptr, D, STRIDE_P: tl.conste
     sm_rows = rows.to(tl.int64) * stride_s
     accq = tl.zeros((BLOCK_N, NW), tl.float32)
     accm = tl.zeros((BLOCK_N, NW), tl.float32)
-    for k0 in range(0, D, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         w = k0 // 8 + offs_w
         if BLOCK_K <= GROUP:  # one (scale, min) per row in a step
             words = tl.load(p_rows + k0 // 8, mask=use[:, None], other=0,
@@ -172,6 +174,7 @@ def int4_up_half2_kernel(
     thr_ptr,  # MODE 2: [K] fp32 thresholds on |act(gate)|
     b_ptr,  # [R] bias (HAS_BIAS)
     out_ptr,  # [K] outputs
+    ws_ptr,  # SPLIT > 1: fp32 [K] sums ([2K] gated: gate, then up), zero between launches
     K,  # outputs: listed rows (MODE 1), every row (0), neurons (2)
     D,
     UP,  # GATED: the up row of row r is r + UP
@@ -185,6 +188,7 @@ def int4_up_half2_kernel(
     GROUP: tl.constexpr,  # inputs per (scale, min)
     BLOCK_N: tl.constexpr,  # outputs per program
     BLOCK_K: tl.constexpr,  # inputs per step: a power of two (several groups, or part of one)
+    SPLIT: tl.constexpr,  # programs along the inputs (not CATS): > 1 adds fp32 partial sums
     ASM: tl.constexpr,  # the inline PTX (compiled for a GPU) or its emulation (interpreter)
 ):
     offs_j = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -195,41 +199,53 @@ def int4_up_half2_kernel(
     else:
         rows = offs_j
     peak = 1.0 / tl.load(inv_ptr)
+    span = D // SPLIT  # a multiple of BLOCK_K
+    k_lo = tl.program_id(1) * span
+    k_hi = k_lo + span
     if GATED and MODE != 2:  # gate and up rows in one walk: twice the loads in flight per step
         rows2 = tl.reshape(tl.join(rows, rows + UP), (2 * BLOCK_N,))
         use2 = tl.reshape(tl.join(mask_j, mask_j), (2 * BLOCK_N,))
-        q2, m2 = _rows(p_ptr, s_ptr, m_ptr, rows2, use2, xp_ptr, xw_ptr, D, STRIDE_P, stride_s,
-                       GROUP, 2 * BLOCK_N, BLOCK_K, ASM)  # fmt: skip
+        q2, m2 = _rows(p_ptr, s_ptr, m_ptr, rows2, use2, xp_ptr, xw_ptr, D, k_lo, k_hi, STRIDE_P,
+                       stride_s, GROUP, 2 * BLOCK_N, BLOCK_K, ASM)  # fmt: skip
         gq, uq = tl.split(tl.reshape(q2, (BLOCK_N, 2)))
         gm, um = tl.split(tl.reshape(m2, (BLOCK_N, 2)))
     else:
-        gq, gm = _rows(p_ptr, s_ptr, m_ptr, rows, mask_j, xp_ptr, xw_ptr, D, STRIDE_P, stride_s,
-                       GROUP, BLOCK_N, BLOCK_K, ASM)  # fmt: skip
+        gq, gm = _rows(p_ptr, s_ptr, m_ptr, rows, mask_j, xp_ptr, xw_ptr, D, k_lo, k_hi,
+                       STRIDE_P, stride_s, GROUP, BLOCK_N, BLOCK_K, ASM)  # fmt: skip
     g = gq * peak + gm
     if HAS_BIAS:
-        g += tl.load(b_ptr + rows, mask=mask_j, other=0.0).to(tl.float32)
-    a = act(g, ACT)
-    if MODE == 2:
-        t = tl.load(thr_ptr + offs_j, mask=mask_j, other=float("inf"))
-        keep = (tl.abs(a) > t) & mask_j
-    else:
-        keep = mask_j
-    h = a
-    if GATED:
-        if MODE == 2:  # CATS: the up rows of the kept neurons; a program with none skips them
-            u = tl.zeros((BLOCK_N,), tl.float32)
-            if tl.max(keep.to(tl.int32), axis=0) > 0:
-                uq, um = _rows(p_ptr, s_ptr, m_ptr, rows + UP, keep, xp_ptr, xw_ptr, D, STRIDE_P,
-                               stride_s, GROUP, BLOCK_N, BLOCK_K, ASM)  # fmt: skip
-                u = uq * peak + um
-        else:
+        first = (tl.program_id(1) == 0).to(tl.float32)  # the bias once, in the first split
+        g += first * tl.load(b_ptr + rows, mask=mask_j, other=0.0).to(tl.float32)
+    if SPLIT > 1:  # partial sums; the finishing launch applies the activation (and the gate)
+        tl.atomic_add(ws_ptr + offs_j, g, mask=mask_j, sem="relaxed")
+        if GATED:
             u = uq * peak + um
-        if HAS_BIAS:
-            u += tl.load(b_ptr + rows + UP, mask=keep, other=0.0).to(tl.float32)
-        h = a * u
-    if MODE == 2:
-        h = tl.where(keep, h, 0.0)
-    tl.store(out_ptr + offs_j, h.to(out_ptr.dtype.element_ty), mask=mask_j)
+            if HAS_BIAS:
+                u += first * tl.load(b_ptr + rows + UP, mask=mask_j, other=0.0).to(tl.float32)
+            tl.atomic_add(ws_ptr + K + offs_j, u, mask=mask_j, sem="relaxed")
+    else:
+        a = act(g, ACT)
+        if MODE == 2:
+            t = tl.load(thr_ptr + offs_j, mask=mask_j, other=float("inf"))
+            keep = (tl.abs(a) > t) & mask_j
+        else:
+            keep = mask_j
+        h = a
+        if GATED:
+            if MODE == 2:  # CATS: the up rows of the kept neurons; a program with none skips them
+                u = tl.zeros((BLOCK_N,), tl.float32)
+                if tl.max(keep.to(tl.int32), axis=0) > 0:
+                    uq, um = _rows(p_ptr, s_ptr, m_ptr, rows + UP, keep, xp_ptr, xw_ptr, D, k_lo,
+                                   k_hi, STRIDE_P, stride_s, GROUP, BLOCK_N, BLOCK_K, ASM)  # fmt: skip
+                    u = uq * peak + um
+            else:
+                u = uq * peak + um
+            if HAS_BIAS:
+                u += tl.load(b_ptr + rows + UP, mask=keep, other=0.0).to(tl.float32)
+            h = a * u
+        if MODE == 2:
+            h = tl.where(keep, h, 0.0)
+        tl.store(out_ptr + offs_j, h.to(out_ptr.dtype.element_ty), mask=mask_j)
 
 
 def launch_up_half2(xb: torch.Tensor, w, res2: torch.Tensor, cfg: dict, *, mode: str,
@@ -239,8 +255,9 @@ def launch_up_half2(xb: torch.Tensor, w, res2: torch.Tensor, cfg: dict, *, mode:
     """Run :func:`int4_up_half2_kernel` on checked inputs: ``xb`` [1, in], ``w`` an Int4Rows on
     xb's device and dtype, ``res2`` the [1, K] output; ``mode`` ``"dense"``, ``"rows"`` (``idx``
     int32 blocks of ``rows_per_index`` rows) or ``"cats"`` (``thr`` fp32 [K]). ``cfg``:
-    ``BLOCK_N`` (a power of two), ``BLOCK_K`` (a power of two >= 8 dividing the group; capped
-    at it), ``num_warps``, ``num_stages``.
+    ``BLOCK_N`` (a power of two), ``BLOCK_K`` (a power of two >= 8), ``num_warps``,
+    ``num_stages``; optional ``SPLIT`` (programs along the inputs, halved until they divide
+    them into whole steps; CATS runs 1): fp32 partial sums, then :func:`~.tile.finish`.
 
     >>> from dejavu_lab.quant import quantize_rows
     >>> w = quantize_rows(torch.eye(32)[:8], group=32, dtype=torch.float16)  # W [8, 32]
@@ -265,13 +282,18 @@ def launch_up_half2(xb: torch.Tensor, w, res2: torch.Tensor, cfg: dict, *, mode:
     inv = inv.view(torch.float32)
     int4_pairs_kernel[(1,)](xb, xp, xw, inv, d, BLOCK_W=min(512, triton.next_power_of_2(d // 8)),
                             num_warps=4)  # fmt: skip
-    int4_up_half2_kernel[(triton.cdiv(max(k, 1), block_n),)](
+    split = 1 if mode == "cats" else max(1, int(cfg.get("SPLIT", 1)))
+    while split > 1 and d % (split * block_k):
+        split //= 2
+    sums = _workspace.sums(xb.device, 2 * k if gated else k)
+    int4_up_half2_kernel[(triton.cdiv(max(k, 1), block_n), split)](
         xp, xw, inv, codes, w.scales, w.mins, idx if idx is not None else codes,
-        thr if thr is not None else w.scales, bias if bias is not None else w.scales, res2,
+        thr if thr is not None else w.scales, bias if bias is not None else w.scales, res2, sums,
         k, d, w.shape[0] // 2 if gated else 0, w.scales.stride(0), codes.stride(0),
         MODE={"dense": 0, "rows": 1, "cats": 2}[mode], RPI=rows_per_index, GATED=gated,
         ACT=activation, HAS_BIAS=bias is not None, GROUP=w.group, BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        ASM=xb.device.type == "cuda", num_warps=int(cfg["num_warps"]),
-        num_stages=int(cfg.get("num_stages", 2)),
+        BLOCK_K=block_k, SPLIT=split, ASM=xb.device.type == "cuda",
+        num_warps=int(cfg["num_warps"]), num_stages=int(cfg.get("num_stages", 2)),
     )  # fmt: skip
+    if split > 1:
+        finish(sums, res2, None, activation, gated)
