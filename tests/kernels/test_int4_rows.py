@@ -249,3 +249,25 @@ def test_rows_layout_and_columns_layout_hold_the_same_numbers(seed):
     c = quantize(w.T, group=64, dtype=torch.float16)
     assert torch.equal(r.dequantize(), c.dequantize().T)
     assert torch.equal(r.columns().packed, c.packed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pairs_kernel_lays_out_x_as_the_decode_reads_it(dtype, seed):
+    import triton
+
+    from dejavu_lab.kernels.int4.up_half2 import int4_pairs_kernel
+
+    x = torch.randn(1, D, dtype=dtype)
+    x[0, 5] = -9.0  # the largest magnitude, negative
+    nw = D // 8
+    xp = torch.full((4 * nw,), -1, dtype=torch.int32)
+    xw = torch.full((nw,), float("nan"))
+    inv = torch.full((1,), float("nan"))
+    int4_pairs_kernel[(1,)](x, xp, xw, inv, D, BLOCK_W=triton.next_power_of_2(nw) // 2)
+    inv9 = torch.tensor(1.0) / torch.tensor(9.0)  # the kernel's fp32 inverse, then a product
+    xs = (x[0].float() * inv9).half().view(nw, 2, 4)  # input 8w + 4h + p
+    bits = xs.view(torch.int16).int() & 0xFFFF
+    want = (bits[:, 0, :] | (bits[:, 1, :] << 16)).T.reshape(-1)  # pair p of word w at [p, w]
+    assert torch.equal(xp, want.to(torch.int32)), f"seed {seed}"
+    assert torch.allclose(xw, x[0].float().view(nw, 8).sum(1), atol=1e-4), f"seed {seed}"
+    assert inv.item() == pytest.approx(1 / 9.0), f"seed {seed}"
