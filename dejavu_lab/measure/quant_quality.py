@@ -62,6 +62,7 @@ __all__ = [
     "SPARSITIES",
     "VARIANTS",
     "format_weights",
+    "gguf_source",
     "input_moments",
     "main",
     "quant_frontier",
@@ -337,6 +338,27 @@ def _gguf_title(path) -> str | None:
     return f"{title} ({os.path.basename(path)})"
 
 
+def gguf_source(spec: str):
+    """Where the 'gguf' format reads the blocks of model ``spec``: the pinned asset of the demo
+    model or of a named checkpoint (fetched and verified on use), the GGUF file a path names,
+    or None (a model that is not a GGUF: the format is refused in one sentence).
+
+    >>> from dejavu_lab.models import NAMED
+    >>> gguf_source("qwen2.5-0.5b").filename == NAMED["qwen2.5-0.5b"]
+    True
+    >>> gguf_source("demo").filename.endswith(".gguf"), gguf_source("facebook/opt-125m")
+    (True, None)
+    """
+    from .. import assets
+    from ..models import DEMO_ASSET, NAMED, gguf_file
+
+    if spec == "demo":
+        return assets.ASSETS[DEMO_ASSET]
+    if spec in NAMED:
+        return assets.ASSETS[NAMED[spec]]
+    return gguf_file(spec)
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m dejavu_lab.measure.quant_quality``: run the study; print it or record it.
 
@@ -349,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     (0, ['format', 'variant', 'sparsity', 'perplexity', 'vs_fp_pct', 'bytes_vs_fp16'])
     """
     ap = argparse.ArgumentParser(prog="python -m dejavu_lab.measure.quant_quality")
-    ap.add_argument("--model", default="demo", help="'demo' or a GGUF file (load_model's spec)")
+    ap.add_argument("--model", default="demo",
+                    help="'demo', a named checkpoint (qwen2.5-0.5b, qwen2.5-1.5b) or a GGUF file")  # fmt: skip
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     forms = f"{', '.join(FORMATS)}; a rounding format may end in '+head'"
     ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS + HEAD_FORMATS,
@@ -366,11 +389,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from .. import assets
-    from ..models import DEMO_ASSET, DEMO_NAME, gguf_file, load_model
+    from ..models import DEMO_NAME, load_model
 
     dtype = getattr(torch, args.dtype) if args.dtype else None
     model, tok, _ = load_model(args.model, dtype=dtype)
-    gguf = assets.fetch(DEMO_ASSET) if args.model == "demo" else gguf_file(args.model)
+    source = gguf_source(args.model)
+    gguf = assets.fetch(source) if isinstance(source, assets.Asset | assets.SplitAsset) else source
     kw = {}
     if args.calibration_tokens:
         kw["calibration_tokens"] = args.calibration_tokens
