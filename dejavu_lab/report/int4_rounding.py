@@ -16,8 +16,8 @@ import pandas as pd
 from .. import results
 from .int4 import load_quality, quality_table
 
-__all__ = ["FILES", "HEAD_FILES", "KINDS", "head_sentence", "load_rounding", "rounding_sentence",
-           "rounding_table"]  # fmt: skip
+__all__ = ["FILES", "HEAD_FILES", "KINDS", "LONG_FILES", "head_sentence", "load_rounding",
+           "longer_text_sentence", "rounding_sentence", "rounding_table"]  # fmt: skip
 
 #: the recordings that ran the three roundings side by side, one per model
 FILES = (
@@ -27,6 +27,12 @@ FILES = (
 )
 #: the recordings that ran round-to-nearest with and without the output projection in int4
 HEAD_FILES = ("quant_quality_head_demo", "quant_quality_head_qwen2.5-0.5b")
+#: the recordings of every format on twice the held-out text (8 windows of 512 tokens)
+LONG_FILES = (
+    "quant_quality_demo_w8",
+    "quant_quality_qwen2.5-0.5b_w8",
+    "quant_quality_qwen2.5-1.5b_w8",
+)
 KINDS = {"rtn": "round-to-nearest", "mse": "least weight error", "act": "activation-weighted"}
 
 
@@ -126,4 +132,38 @@ def head_sentence(names=HEAD_FILES, variant: str = "teal (uniform)", sparsity: f
     return ("Rounding the output projection to int4 as well (round-to-nearest, group 128 or the "
             "largest that divides its inputs), against the fp dense model: "
             + "; ".join(parts) + f" (recorded on CPU at commit {shas}: "
+            + ", ".join(f"results/{n}.json" for n in names) + ").")  # fmt: skip
+
+
+def longer_text_sentence(names=LONG_FILES, variant: str = "teal (uniform)",
+                         sparsity: float = 0.4) -> str:  # fmt: skip
+    """What ``variant`` at ``sparsity`` costs over each weight format's own dense model, against
+    the same on the fp weights (in points), from the recordings of ``names`` that exist (every
+    format on 8 held-out windows), or '' when none does.
+
+    >>> s = longer_text_sentence()
+    >>> s.startswith("On 4,096 held-out tokens, teal (uniform) at 40% raises"), "points" in s
+    (True, True)
+    >>> longer_text_sentence(("no_such_recording",))
+    ''
+    """
+    recorded = set(results.list_results())
+    names = [n for n in names if n in recorded]
+    if not names:
+        return ""
+    frame, provs = load_quality(names)
+    t = quality_table(frame).reset_index()
+    t = t[(t["variant"] == variant) & (t["sparsity"] == sparsity)]
+    counts = sorted({int(p.get("tokens", 0) or 0) for p in provs.values()} - {0})
+    parts = []
+    for model, g in t.groupby("model", sort=False):
+        fp = float(g["same on fp %"].iloc[0])
+        each = [f"{f} {r:+.1f}% ({r - fp:+.1f} points)" for f, r in
+                zip(g["format"], g["rise over own dense %"], strict=True) if f != "fp"]  # fmt: skip
+        parts.append(f"{model.split(' (')[0]}: fp {fp:+.1f}%, " + ", ".join(each))
+    shas = ", ".join(sorted({str(p.get("git_sha", "?"))[:7] for p in provs.values()}))
+    tokens = "/".join(f"{c:,}" for c in counts) or "the"
+    return (f"On {tokens} held-out tokens, {variant} at {sparsity:.0%} raises perplexity over each "
+            "format's own dense model by (points against the same on fp): " + "; ".join(parts)
+            + f" (recorded on CPU at commit {shas}: "
             + ", ".join(f"results/{n}.json" for n in names) + ").")  # fmt: skip
