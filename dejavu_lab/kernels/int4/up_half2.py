@@ -15,10 +15,15 @@ program's ``BLOCK_N x BLOCK_K / 8`` words need no reduction until the end of the
     ``y[j] = p sum_w s[j, g(w)] dot8(w) + sum_w (m[j, g(w)] + 8 s[j, g(w)]) sum_{i in w} x[i]``
 
 with ``x`` divided by its largest magnitude ``p`` before the fp16 products (they cannot
-overflow, whatever the activations' scale or dtype) and one (scale, min) per row and step
-(a step of ``BLOCK_K`` inputs inside one group; a longer step gathers each word's). The modes are :func:`~.up.int4_up_kernel`'s: every row,
-listed rows (blocks of ``RPI``), and CATS (every gate row, then the up rows of the neurons
-whose ``|act(gate)|`` passes the threshold; a program with none skips its up pass).
+overflow, whatever the activations' scale or dtype). :func:`int4_pairs_kernel` does that once
+per token: it writes x's half2 pairs, each word's input sum and ``1 / p`` to a workspace that
+every program reads. A step of ``BLOCK_K`` inputs inside one group takes one (scale, min) per
+row; a longer step gathers each word's. Gated rows (DejaVu, dense) walk their gate and up rows
+together, twice the loads in flight per step; ``SPLIT`` programs along the inputs add fp32
+partial sums and leave the activation to the finishing launch of :mod:`.tile`. The modes are
+:func:`~.up.int4_up_kernel`'s: every row, listed rows (blocks of ``RPI``), and CATS (every gate
+row, then the up rows of the neurons whose ``|act(gate)|`` passes the threshold; a program
+with none skips its up pass; one program along the inputs).
 Under ``TRITON_INTERPRET=1`` (``ASM=False``) each product is rounded to fp16 and summed in
 fp32, so the CPU tests check the layout, the pairing, the centring and the scales.
 """
