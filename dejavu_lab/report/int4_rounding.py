@@ -30,7 +30,9 @@ HEAD_FILES = ("quant_quality_head_demo", "quant_quality_head_qwen2.5-0.5b")
 #: the recordings of every format on twice the held-out text (8 windows of 512 tokens)
 LONG_FILES = (
     "quant_quality_demo_w8",
+    "quant_quality_demo_w8_g32",
     "quant_quality_qwen2.5-0.5b_w8",
+    "quant_quality_qwen2.5-0.5b_w8_g32",
     "quant_quality_qwen2.5-1.5b_w8",
 )
 KINDS = {"rtn": "round-to-nearest", "mse": "least weight error", "act": "activation-weighted"}
@@ -151,17 +153,21 @@ def longer_text_sentence(names=LONG_FILES, variant: str = "teal (uniform)",
     names = [n for n in names if n in recorded]
     if not names:
         return ""
-    frame, provs = load_quality(names)
-    t = quality_table(frame).reset_index()
-    t = t[(t["variant"] == variant) & (t["sparsity"] == sparsity)]
-    counts = sorted({int(p.get("tokens", 0) or 0) for p in provs.values()} - {0})
-    parts = []
-    for model, g in t.groupby("model", sort=False):
-        fp = float(g["same on fp %"].iloc[0])
-        each = [f"{f} {r:+.1f}% ({r - fp:+.1f} points)" for f, r in
-                zip(g["format"], g["rise over own dense %"], strict=True) if f != "fp"]  # fmt: skip
-        parts.append(f"{model.split(' (')[0]}: fp {fp:+.1f}%, " + ", ".join(each))
+    parts, provs, seen = [], {}, set()
+    for name in names:  # each recording against its own fp run (threads move fp's last digits)
+        frame, prov = load_quality([name])
+        provs.update(prov)
+        t = quality_table(frame).reset_index()
+        t = t[(t["variant"] == variant) & (t["sparsity"] == sparsity)]
+        for model, g in t.groupby("model", sort=False):
+            fp = float(g["same on fp %"].iloc[0])
+            each = [f"{f} {r:+.1f}% ({r - fp:+.1f} points)" for f, r in
+                    zip(g["format"], g["rise over own dense %"], strict=True) if f != "fp"]  # fmt: skip
+            label = model.split(" (")[0] + (" (another run)" if model in seen else "")
+            seen.add(model)
+            parts.append(f"{label}: fp {fp:+.1f}%, " + ", ".join(each))
     shas = ", ".join(sorted({str(p.get("git_sha", "?"))[:7] for p in provs.values()}))
+    counts = sorted({int(p.get("tokens", 0) or 0) for p in provs.values()} - {0})
     tokens = "/".join(f"{c:,}" for c in counts) or "the"
     return (f"On {tokens} held-out tokens, {variant} at {sparsity:.0%} raises perplexity over each "
             "format's own dense model by (points against the same on fp): " + "; ".join(parts)
