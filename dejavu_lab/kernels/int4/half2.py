@@ -49,7 +49,8 @@ from .. import _workspace
 from .._reduce import split_reduce
 from .tile import finish
 
-__all__ = ["HALF2", "HALF2_OPS", "int4_half2_kernel", "launch_half2"]
+__all__ = ["DECODE_CONSTANTS", "DECODE_REGS", "HALF2", "HALF2_OPS", "centre_ptx", "int4_half2_kernel",
+           "launch_half2"]  # fmt: skip
 
 # ROWS x BLOCK_D per program, SUB rows per fp16 sum. Chosen by kernels/bench_int4.py on an H100
 # (results/int4_gemv_g128_b1.json, group 128, CUDA-graph replay, cold weights): at
@@ -66,23 +67,36 @@ HALF2_OPS = {
 }
 
 
+#: the registers and constants of the half2 decode (:func:`centre_ptx`), as PTX
+DECODE_REGS = "t, u, lo, hi, mag, off, sixteenth, m72"
+DECODE_CONSTANTS = ("mov.b32 lo, 0x000F000F;\nmov.b32 hi, 0x00F000F0;\nmov.b32 mag, 0x64006400;\n"
+                    "mov.b32 off, 0x64086408;\nmov.b32 sixteenth, 0x2C002C00;\n"
+                    "mov.b32 m72, 0xD480D480;\n")  # fmt: skip
+
+
+def centre_ptx(j: int, src: str) -> str:
+    """PTX leaving in ``t`` centred half2 code pair ``j`` of a word (``src``: the word for pairs 0
+    and 1, ``u`` = the word shifted right by 8 for pairs 2 and 3): nibbles ``j`` and ``j + 4``.
+    Pairs 0 and 2 (the low nibble of a byte): ``lop3`` (mask | 0x6400) gives ``1024 + q`` and
+    ``sub.f16x2`` of 1032 leaves ``q - 8``. Pairs 1 and 3 (the high nibble): the mask keeps
+    ``16 q`` and ``fma.rn.f16x2`` turns ``1024 + 16 q`` into ``(1024 + 16 q) / 16 - 72 = q - 8``;
+    both exact (:data:`DECODE_CONSTANTS` sets the masks and constants).
+
+    >>> centre_ptx(1, "$4").splitlines()
+    ['lop3.b32 t, $4, hi, mag, 0xEA;', 'fma.rn.f16x2 t, t, sixteenth, m72;']
+    """
+    if j % 2 == 0:
+        return f"lop3.b32 t, {src}, lo, mag, 0xEA;\nsub.f16x2 t, t, off;\n"
+    return f"lop3.b32 t, {src}, hi, mag, 0xEA;\nfma.rn.f16x2 t, t, sixteenth, m72;\n"
+
+
 def _pairs_ptx() -> str:
     """The four half2 steps of one word: $0-$3 the half2 sums out, $4 the word, $5 ``(x, x)``
-    as half2, $6-$9 the sums in. Pair ``j`` holds the codes of outputs ``j`` and ``j + 4``.
-    Pairs 0 and 2 (the low nibble of a byte, of the word and of the word shifted right by 8):
-    ``lop3`` (mask | 0x6400) gives ``1024 + q`` and ``sub.f16x2`` of 1032 leaves ``q - 8``.
-    Pairs 1 and 3 (the high nibble): the mask keeps ``16 q`` and ``fma.rn.f16x2`` turns
-    ``1024 + 16 q`` into ``(1024 + 16 q) / 16 - 72 = q - 8``; both exact. One shift per word."""
-    steps = []
-    for j, src in enumerate(("$4", "$4", "u", "u")):
-        if j % 2 == 0:
-            centre = f"lop3.b32 t, {src}, lo, mag, 0xEA;\nsub.f16x2 t, t, off;\n"
-        else:
-            centre = f"lop3.b32 t, {src}, hi, mag, 0xEA;\nfma.rn.f16x2 t, t, sixteenth, m72;\n"
-        steps.append(centre + f"fma.rn.f16x2 ${j}, t, $5, ${6 + j};\n")
-    return ("{\n.reg .b32 t, u, lo, hi, mag, off, sixteenth, m72;\nmov.b32 lo, 0x000F000F;\n"
-            "mov.b32 hi, 0x00F000F0;\nmov.b32 mag, 0x64006400;\nmov.b32 off, 0x64086408;\n"
-            "mov.b32 sixteenth, 0x2C002C00;\nmov.b32 m72, 0xD480D480;\nshr.u32 u, $4, 8;\n"
+    as half2, $6-$9 the sums in. Pair ``j`` holds the codes of outputs ``j`` and ``j + 4``
+    (:func:`centre_ptx`); one shift per word."""
+    steps = [centre_ptx(j, src) + f"fma.rn.f16x2 ${j}, t, $5, ${6 + j};\n"
+             for j, src in enumerate(("$4", "$4", "u", "u"))]  # fmt: skip
+    return ("{\n.reg .b32 " + DECODE_REGS + ";\n" + DECODE_CONSTANTS + "shr.u32 u, $4, 8;\n"
             + "".join(steps) + "}\n")  # fmt: skip
 
 

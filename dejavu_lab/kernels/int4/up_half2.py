@@ -36,7 +36,7 @@ import triton.language as tl
 
 from .. import _workspace
 from .._neurons import act
-from .half2 import _bits
+from .half2 import DECODE_CONSTANTS, DECODE_REGS, _bits, _half, centre_ptx
 from .tile import finish
 
 __all__ = ["UP_HALF2", "int4_pairs_kernel", "int4_up_half2_kernel", "launch_up_half2"]
@@ -51,19 +51,14 @@ UP_HALF2 = {"mode": "half2", "BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 1, "num
 
 def _dot8_ptx() -> str:
     """One word's eight products: ``$0`` their fp32 sum (as b32), ``$1`` the word, ``$2-$5``
-    the half2 activations of pairs 0-3 (inputs ``p`` and ``p + 4`` of the word)."""
+    the half2 activations of pairs 0-3 (inputs ``p`` and ``p + 4`` of the word; the pairs
+    decoded as :mod:`.half2` decodes them, :func:`~.half2.centre_ptx`)."""
     steps = []
     for p, src in enumerate(("$1", "$1", "u", "u")):
-        if p % 2 == 0:
-            centre = f"lop3.b32 t, {src}, lo, mag, 0xEA;\nsub.f16x2 t, t, off;\n"
-        else:
-            centre = f"lop3.b32 t, {src}, hi, mag, 0xEA;\nfma.rn.f16x2 t, t, sixteenth, m72;\n"
         add = f"mul.rn.f16x2 a, t, ${2 + p};\n" if p == 0 else f"fma.rn.f16x2 a, t, ${2 + p}, a;\n"
-        steps.append(centre + add)
-    return ("{\n.reg .b32 t, u, a, lo, hi, mag, off, sixteenth, m72;\n.reg .b16 l, h;\n"
-            ".reg .f32 fl, fh;\nmov.b32 lo, 0x000F000F;\nmov.b32 hi, 0x00F000F0;\n"
-            "mov.b32 mag, 0x64006400;\nmov.b32 off, 0x64086408;\nmov.b32 sixteenth, 0x2C002C00;\n"
-            "mov.b32 m72, 0xD480D480;\nshr.u32 u, $1, 8;\n" + "".join(steps)
+        steps.append(centre_ptx(p, src) + add)
+    return ("{\n.reg .b32 " + DECODE_REGS + ", a;\n.reg .b16 l, h;\n.reg .f32 fl, fh;\n"
+            + DECODE_CONSTANTS + "shr.u32 u, $1, 8;\n" + "".join(steps)
             + "mov.b32 {l, h}, a;\ncvt.f32.f16 fl, l;\ncvt.f32.f16 fh, h;\n"
             "add.f32 fl, fl, fh;\nmov.b32 $0, fl;\n}\n")  # fmt: skip
 
@@ -82,8 +77,8 @@ def _emul(words, pair, P: tl.constexpr):
     """The interpreter's stand-in for pair ``P`` of :data:`_DOT8` over a [rows, words] tile:
     the centred codes of inputs ``8w + P`` and ``8w + P + 4`` times their fp16 activations
     (the halves of ``pair``), each product rounded to fp16, summed in fp32."""
-    lo = (pair & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)[None, :]
-    hi = ((pair >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)[None, :]
+    lo = _half(pair)[None, :]
+    hi = _half(pair >> 16)[None, :]
     q_lo = (((words >> (4 * P)) & 0xF) - 8).to(tl.float16)
     q_hi = (((words >> (4 * P + 16)) & 0xF) - 8).to(tl.float16)
     return (q_lo * lo).to(tl.float32) + (q_hi * hi).to(tl.float32)
@@ -111,7 +106,7 @@ def int4_pairs_kernel(x_ptr, xp_ptr, xw_ptr, inv_ptr, D, BLOCK_W: tl.constexpr):
         tl.store(xw_ptr + w0 + offs_w, tl.sum(xt, axis=1), mask=mw)
         xh = tl.permute(tl.reshape((xt * inv).to(tl.float16), (BLOCK_W, 2, 4)), (0, 2, 1))
         lo, hi = tl.split(xh)  # [words, 4]: inputs 8w + p and 8w + p + 4
-        pairs = _bits(lo) | (_bits(hi) << 16)
+        pairs = _pair(lo, hi)
         offs_p = tl.arange(0, 4)
         tl.store(xp_ptr + offs_p[None, :] * NW + (w0 + offs_w)[:, None], pairs, mask=mw[:, None])
     tl.store(inv_ptr + tl.arange(0, 1), inv + tl.zeros((1,), tl.float32))
