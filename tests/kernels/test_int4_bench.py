@@ -1,4 +1,4 @@
-"""kernels/bench_int4.py's plumbing on the CPU (``--smoke``, kernels under TRITON_INTERPRET=1):
+"""kernels/bench_int4.py's and kernels/bench_int4_rows.py's plumbing on the CPU (``--smoke``, kernels under TRITON_INTERPRET=1):
 every provider runs, the sweep checks its candidates, and the rows are recorded with
 provenance, so the one GPU call that times them does not fail on a typo."""
 
@@ -10,19 +10,27 @@ from pathlib import Path
 import pytest
 from helpers import DEVICE
 
-SCRIPT = Path(__file__).resolve().parents[2] / "kernels" / "bench_int4.py"
-
-
-@pytest.mark.skipif(
+KERNELS = Path(__file__).resolve().parents[2] / "kernels"
+ON_CPU_ONLY = pytest.mark.skipif(
     DEVICE != "cpu", reason="the smoke run is the CPU check; the GPU runs the bench"
 )
-def test_smoke_run_records_every_provider(tmp_path, monkeypatch):
+
+
+def _bench(name, tmp_path, monkeypatch):
+    """kernels/<name>.py as a module, writing its results under ``tmp_path``."""
     monkeypatch.setenv("DEJAVU_LAB_RESULTS", str(tmp_path))
-    spec = importlib.util.spec_from_file_location("bench_int4", SCRIPT)
+    spec = importlib.util.spec_from_file_location(name, KERNELS / f"{name}.py")
     bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_int4", bench)
+    monkeypatch.setitem(sys.modules, name, bench)
     spec.loader.exec_module(bench)
-    bench.main(["--smoke", "--batch", "1,3", "--name", "int4_smoke"])
+    return bench
+
+
+@ON_CPU_ONLY
+def test_smoke_run_records_every_provider(tmp_path, monkeypatch):
+    _bench("bench_int4", tmp_path, monkeypatch).main(
+        ["--smoke", "--batch", "1,3", "--name", "int4_smoke"]
+    )
     data = json.loads((tmp_path / "int4_smoke.json").read_text())
     assert data["provenance"]["command"].endswith("--smoke --batch 1,3 --name int4_smoke")
     rows = data["rows"]
@@ -45,19 +53,11 @@ def test_smoke_run_records_every_provider(tmp_path, monkeypatch):
     assert {r["op"] for r in swept} == {"int4_gemv_g32", "int4_threshold_gemv_g32"}
 
 
-ROWS_SCRIPT = SCRIPT.parent / "bench_int4_rows.py"
-
-
-@pytest.mark.skipif(
-    DEVICE != "cpu", reason="the smoke run is the CPU check; the GPU runs the bench"
-)
+@ON_CPU_ONLY
 def test_rows_smoke_run_checks_and_records_every_path(tmp_path, monkeypatch):
-    monkeypatch.setenv("DEJAVU_LAB_RESULTS", str(tmp_path))
-    spec = importlib.util.spec_from_file_location("bench_int4_rows", ROWS_SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_int4_rows", bench)
-    spec.loader.exec_module(bench)
-    bench.main(["--smoke", "--no-sweep", "--kept", "0.5", "--name", "rows_smoke"])
+    _bench("bench_int4_rows", tmp_path, monkeypatch).main(
+        ["--smoke", "--no-sweep", "--kept", "0.5", "--name", "rows_smoke"]
+    )
     data = json.loads((tmp_path / "rows_smoke.json").read_text())
     assert data["provenance"]["command"].endswith("--kept 0.5 --name rows_smoke")
     timed = [r for r in data["rows"] if r["kind"] == "time"]
