@@ -48,7 +48,8 @@ from .._neurons import FUSED_ACTIVATIONS, act, act_ref, expand_rows
 from .dense import check_int4
 from .up_half2 import UP_HALF2, launch_up_half2
 
-__all__ = ["default_config", "int4_kept_up", "int4_kept_up_ref", "int4_up_kernel", "launch"]
+__all__ = ["configured", "default_config", "int4_kept_up", "int4_kept_up_ref", "int4_up_kernel",
+           "launch"]  # fmt: skip
 
 
 @triton.jit
@@ -171,17 +172,30 @@ def int4_up_kernel(
     tl.store(o_ptrs, h.to(out_ptr.dtype.element_ty), mask=m2)
 
 
-def default_config(batch: int) -> dict:
+def default_config(batch: int, mode: str = "half2") -> dict:
     """The launch configuration for ``batch`` tokens (a copy): one token runs the half2 kernel
-    (:mod:`.up_half2`, ``"mode": "half2"``; ``{"mode": "tile"}`` picks this module's fp32 tile,
-    32 rows x 256 inputs), union batches tensor-core tiles of 32 x 128.
+    (:mod:`.up_half2`, ``mode="half2"``) or this module's fp32 tile (``mode="tile"``: 32 rows x
+    256 inputs, its tiles before the half2 kernel), union batches tensor-core tiles of 32 x 128.
 
-    >>> default_config(1)["mode"], default_config(8)["BLOCK_K"]
-    ('half2', 128)
+    >>> default_config(1)["mode"], default_config(1, "tile")["BLOCK_K"], default_config(8)["BLOCK_K"]
+    ('half2', 256, 128)
     """
     if batch == 1:
+        if mode == "tile":
+            return {"mode": "tile", "BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}
         return dict(UP_HALF2)
     return {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
+
+
+def configured(batch: int, config: dict | None) -> dict:
+    """The defaults of ``batch`` tokens and of the one-token kernel ``config`` names (its
+    ``"mode"``), overridden by ``config``.
+
+    >>> configured(1, {"mode": "tile", "num_warps": 8})["BLOCK_N"], configured(1, None)["mode"]
+    (32, 'half2')
+    """
+    config = config or {}
+    return {**default_config(batch, config.get("mode", "half2")), **config}
 
 
 def launch(xb: torch.Tensor, w: Int4Rows, res2: torch.Tensor, cfg: dict, *, mode: str,
@@ -297,7 +311,7 @@ def int4_kept_up(x: torch.Tensor, w: Int4Rows, idx: torch.Tensor | None = None, 
         res2.copy_(int4_kept_up_ref(xb, w, idx, activation=activation, gated=gated, bias=bias,
                                     rows_per_index=rows_per_index))  # fmt: skip
         return res
-    launch(xb, w, res2, {**default_config(xb.shape[0]), **(config or {})},
+    launch(xb, w, res2, configured(xb.shape[0], config),
            mode="dense" if idx is None else "rows",
            idx=None if idx is None else idx.to(torch.int32), rows_per_index=rows_per_index,
            gated=gated, activation=activation, bias=bias)  # fmt: skip
