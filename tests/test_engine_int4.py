@@ -135,3 +135,30 @@ def test_int4_head_matches_the_dequantised_head_and_is_refused_without_int4_laye
         Decoder(m, max_seq_len=16, head="int4")
     with pytest.raises(EngineError, match="head="):
         Decoder(m, max_seq_len=16, weights="int4", head="int8")
+
+
+@pytest.mark.parametrize("method", ["dense", "teal"])
+def test_fused_int4_step_takes_the_sums_and_gives_the_plain_steps_logits(case, method):
+    """One token's int4 products leave fp32 sums that the rotation and the residual add + norm
+    take (no finishing launch): the same logits as the plain step, and a clean workspace."""
+    m, w4, _ = case
+    ids = ids_of(9, seed=7)
+    sparse = None
+    if method == "teal":
+        sparse = SparseConfig(method="teal", thresholds=calibrate_thresholds(
+            w4, ids_of(32, seed=8), 0.5, method="teal"))  # fmt: skip
+    dec = Decoder(w4, max_seq_len=16, sparse=sparse)
+    x = torch.randn(1, m.config.hidden_size, generator=torch.Generator().manual_seed(0)).half()
+    assert dec._fusable(x)
+    with torch.no_grad():
+        src, bias, sums = dec.attn[0].o_src(x[:, : dec.attn[0].lw.w_o_t.shape[0]])
+        assert sums and src.dtype == torch.float32
+        src.zero_()  # what the residual epilogue does
+        fused = decode_logits(dec, ids, 5).float()
+        dec.fuse_epilogues = False
+        plain = decode_logits(dec, ids, 5).float()
+        dec.fuse_epilogues = True
+        again = decode_logits(dec, ids, 5).float()
+    # one rounding fewer per block output: a threshold may flip an entry at its edge
+    assert relerr(fused, plain) < 3e-2
+    assert relerr(again, fused) < 1e-3  # the epilogues left the workspace at zero

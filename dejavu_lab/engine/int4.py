@@ -13,9 +13,11 @@ changes which bytes it can skip, never the weights. The blocks then
 run the int4 kernels (:mod:`dejavu_lab.kernels.int4`): :class:`Int4Attention` and
 :class:`Int4MLP` are the dense blocks with each product an :func:`~dejavu_lab.kernels.int4.
 int4_gemv`, or an :func:`~dejavu_lab.kernels.int4.int4_threshold_gemv` at the sites with a
-threshold — the input channels below it skip their code bytes. Their outputs are finished
-tensors, so the fused one-token step (:mod:`~dejavu_lab.engine.fused_step`) adds and norms
-them as it does cuBLAS's. The dense prefill multiplies by the dequantised matrices
+threshold — the input channels below it skip their code bytes. In the fused one-token step
+(:mod:`~dejavu_lab.engine.fused_step`) the products of ``W_QKV``, ``W_O`` and ``W2`` leave
+their fp32 sums (:func:`~dejavu_lab.kernels.int4.sums.int4_sums`) for the rotation and the
+residual add + norm to finish, as the fp16 threshold GEMV's are: three finishing launches
+fewer per layer. The dense prefill multiplies by the dequantised matrices
 (:func:`~dejavu_lab.engine.weights.linear_t`).
 
 ``Decoder(model, ..., weights="int4", group=...)`` builds this for every method; DejaVu's and
@@ -37,9 +39,11 @@ import dataclasses
 
 import torch
 
+from ..kernels import rope_sums
 from ..kernels._common import use_triton
 from ..kernels.int4 import int4_gemv, int4_threshold_gemv
 from ..kernels.int4.dense import activated
+from ..kernels.int4.sums import int4_sums
 from ..quant import GROUPS, Int4Rows, Int4Weight, quantize, rows_layout
 from .attention import DenseAttention
 from .config import EngineError
@@ -274,6 +278,14 @@ def _product(x: torch.Tensor, w4: Int4Weight | Int4Rows, b, t, activation: str =
     return y if activation == "none" and not gated else activated(y, activation, gated)
 
 
+def _sums(x: torch.Tensor, w4: Int4Weight | Int4Rows, t) -> torch.Tensor | None:
+    """One token's product over the columns layout left as fp32 sums (:func:`int4_sums`),
+    thresholded at ``t`` (a Threshold, or None: dense); None where it does not run."""
+    if not isinstance(w4, Int4Weight):
+        return None
+    return int4_sums(x, w4, None if t is None else t.at(x))
+
+
 class Int4Attention(DenseAttention):
     """Every head over int4 ``W_QKV^T`` and ``W_O^T``, thresholded at ``t_in`` (attn_in) and
     ``t_o`` (o_in) where given (TEAL / WINA), else dense.
@@ -297,6 +309,20 @@ class Int4Attention(DenseAttention):
 
     def out(self, o: torch.Tensor) -> torch.Tensor:
         return _product(o, self.lw.w_o_t, self.lw.b_o, self.t_o)
+
+    def qkv_rot(self, x: torch.Tensor) -> torch.Tensor:
+        """One token's q/k/v sums finished inside the rotation (:func:`rope_sums`)."""
+        st, lw = self.st, self.lw
+        ws = _sums(x, lw.w_qkv_t, self.t_in) if st.cos is not None else None
+        if ws is None:
+            return super().qkv_rot(x)
+        out = torch.empty((1, ws.numel()), dtype=x.dtype, device=x.device)
+        return rope_sums(ws, lw.b_qkv, out, st.cos, st.sin, st.positions, n_rot=st.H + st.Hkv)
+
+    def o_src(self, o: torch.Tensor) -> tuple:
+        """``W_O`` 's sums, finished in the residual add and norm of the fused step."""
+        ws = _sums(o, self.lw.w_o_t, self.t_o)
+        return (self.out(o), None, False) if ws is None else (ws, self.lw.b_o, True)
 
 
 class Int4MLP(DenseMLP):
@@ -326,6 +352,14 @@ class Int4MLP(DenseMLP):
 
     def torch(self, x: torch.Tensor) -> torch.Tensor:
         return self(x)
+
+    def src(self, x: torch.Tensor, fuse_hidden: bool) -> tuple:
+        """The down projection's sums, finished in the residual add and norm of the fused step."""
+        h = self.hidden(x)
+        ws = _sums(h, self.lw.w_down_t, self.t_down)
+        if ws is None:
+            return _product(h, self.lw.w_down_t, self.lw.b_down, self.t_down), None, False, None
+        return ws, self.lw.b_down, True, None
 
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
         lw = self.lw

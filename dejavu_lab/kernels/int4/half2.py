@@ -332,15 +332,17 @@ def int4_half2_kernel(
         tl.atomic_add(ws_ptr + offs_d, y, mask=(offs_d < D) | EVEN_D, sem="relaxed")
 
 
-def launch_half2(xb: torch.Tensor, w, res2: torch.Tensor, cfg: dict, *, mode: str, thr=None,
-                 bias: torch.Tensor | None = None, activation: str = "none",
-                 gated: bool = False) -> None:  # fmt: skip
+def launch_half2(xb: torch.Tensor, w, res2: torch.Tensor | None, cfg: dict, *, mode: str,
+                 thr=None, bias: torch.Tensor | None = None, activation: str = "none",
+                 gated: bool = False) -> torch.Tensor | None:  # fmt: skip
     """Run :func:`int4_half2_kernel` and the finishing launch on checked inputs: ``xb`` [1, K],
     ``w`` an Int4Weight on xb's device and dtype with ``d_out % 8 == 0``, ``res2`` the [1, D]
     output ([1, D / 2] when ``gated``: :func:`~.tile.finish`); ``mode`` dense or threshold (``thr`` a float or fp32 [K]). ``cfg``: ``ROWS`` (a
     power of two dividing the group), ``SUB`` (dividing ``ROWS``), ``BLOCK_D`` (a power of two
     >= 8), ``num_warps``; optional ``compact`` (threshold mode: walk a list of the kept rows,
-    ``SUB`` a multiple of 8) and ``fused`` (no finishing launch).
+    ``SUB`` a multiple of 8) and ``fused`` (no finishing launch). ``res2=None`` skips the
+    finishing launch and returns the fp32 sums' [D] view of the workspace, for the next launch
+    to take and zero (:func:`~.sums.int4_sums`).
 
     >>> from dejavu_lab.quant import quantize
     >>> w = quantize(torch.eye(32)[:, :8], group=32, dtype=torch.float16)  # w_t [32, 8]
@@ -369,16 +371,20 @@ def launch_half2(xb: torch.Tensor, w, res2: torch.Tensor, cfg: dict, *, mode: st
     lists = _workspace.rows(xb.device, grid[0] * grid[1] * rows) if compact else ws
     # the fused epilogue rounds each column tile alone: an activation (gated: of two tiles) needs
     # the finishing launch
-    fused = bool(cfg.get("fused", 0)) and activation == "none" and not gated
+    fused = bool(cfg.get("fused", 0)) and activation == "none" and not gated and res2 is not None
     counts = _workspace.counters(xb.device, grid[0]) if fused else ws
     int4_half2_kernel[grid](
         xb, codes, w.scales, w.mins, thr if isinstance(thr, torch.Tensor) else ws,
-        float(thr) if scalar else 0.0, ws, lists, counts, bias if bias is not None else ws, res2,
+        float(thr) if scalar else 0.0, ws, lists, counts, bias if bias is not None else ws,
+        ws if res2 is None else res2,
         d_out, codes.stride(0),  # STRIDE_P
         MODE=1 if mode == "threshold" else 0, THR_SCALAR=scalar, EVEN_D=d_out % block_d == 0,
         GROUP=w.group, ROWS=rows,
         SUB=sub, BLOCK_D=block_d, ASM=xb.device.type == "cuda", COMPACT=compact, FUSED=fused,
         HAS_BIAS=bias is not None, num_warps=int(cfg["num_warps"]), num_stages=1,
     )  # fmt: skip
+    if res2 is None:
+        return ws[:d_out]
     if not fused:
         finish(ws, res2, bias, activation, gated)
+    return None

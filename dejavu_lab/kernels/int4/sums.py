@@ -1,0 +1,50 @@
+"""One token's int4 product left as fp32 sums for the decode step's epilogues.
+
+The one-token int4 GEMVs (:mod:`.half2`) add their products into an fp32 workspace, and a
+finishing launch rounds the sums into the output. In the decode step that output is read
+once, by a rotation or by the residual add and the next norm, which can take the sums
+themselves (:func:`~dejavu_lab.kernels.rope_sums`, :func:`~dejavu_lab.kernels.residual_norm`
+with ``from_sums``): :func:`int4_sums` runs the product without its finishing launch, as
+:func:`~dejavu_lab.kernels.threshold_sums` does for the fp16 threshold GEMV.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...quant import Int4Weight
+from .._common import use_triton
+from .half2 import launch_half2
+from .kernel import default_config
+
+__all__ = ["int4_sums"]
+
+
+def int4_sums(x: torch.Tensor, w: Int4Weight, thr=None) -> torch.Tensor | None:
+    """``x @ dequant(w)`` for one token (``thr`` a float or fp32 [d_in]: TEAL / WINA's
+    thresholded product, as :func:`~dejavu_lab.kernels.int4.int4_threshold_gemv`; None: dense)
+    left as fp32 sums [d_out] in the per-device workspace, with no bias and no finishing
+    launch. The caller's next launch must take them and leave zeros, or the next product into
+    the workspace is wrong. Returns None where the half2 kernel would not run (a batch, the CPU
+    without the interpreter, ``d_out`` not a multiple of 8, a tuned table that picks another
+    kernel): call the GEMV instead. No input checks (the engine calls it inside a CUDA graph).
+
+    >>> from dejavu_lab.kernels.int4 import int4_gemv_ref
+    >>> from dejavu_lab.quant import quantize
+    >>> _ = torch.manual_seed(0)
+    >>> w = quantize(torch.randn(64, 32) / 8, group=32, dtype=torch.float16)
+    >>> x = torch.randn(1, 64, dtype=torch.float16)
+    >>> ws = int4_sums(x, w)  # CPU: under TRITON_INTERPRET=1
+    >>> torch.allclose(ws.half(), int4_gemv_ref(x, w)[0], atol=1e-2)
+    True
+    >>> _ = ws.zero_()  # what the epilogues do
+    """
+    xb = x.view(1, -1) if x.dim() == 1 else x
+    if xb.shape[0] != 1 or not use_triton(x.device) or w.shape[1] % 8:
+        return None
+    op = "int4_gemv" if thr is None else "int4_threshold_gemv"
+    cfg = default_config(1, *w.shape, group=w.group, op=op, device=x.device)
+    if cfg.get("mode") != "half2":
+        return None
+    mode = "dense" if thr is None else "threshold"
+    return launch_half2(xb, w, None, cfg, mode=mode, thr=thr)
