@@ -137,10 +137,11 @@ def test_int4_head_matches_the_dequantised_head_and_is_refused_without_int4_laye
         Decoder(m, max_seq_len=16, weights="int4", head="int8")
 
 
-@pytest.mark.parametrize("method", ["dense", "teal"])
-def test_fused_int4_step_takes_the_sums_and_gives_the_plain_steps_logits(case, method):
+@pytest.mark.parametrize("method,hidden", [("dense", True), ("teal", False), ("teal", True)])
+def test_fused_int4_step_takes_the_sums_and_gives_the_plain_steps_logits(case, method, hidden):
     """One token's int4 products leave fp32 sums that the rotation and the residual add + norm
-    take (no finishing launch): the same logits as the plain step, and a clean workspace."""
+    take, and (``fuse_hidden``) the down GEMV finishes the gate/up sums in its loads (no
+    finishing launch): the same logits as the plain step, and a clean workspace."""
     m, w4, _ = case
     ids = ids_of(9, seed=7)
     sparse = None
@@ -148,12 +149,18 @@ def test_fused_int4_step_takes_the_sums_and_gives_the_plain_steps_logits(case, m
         sparse = SparseConfig(method="teal", thresholds=calibrate_thresholds(
             w4, ids_of(32, seed=8), 0.5, method="teal"))  # fmt: skip
     dec = Decoder(w4, max_seq_len=16, sparse=sparse)
+    dec.fuse_hidden = hidden
     x = torch.randn(1, m.config.hidden_size, generator=torch.Generator().manual_seed(0)).half()
     assert dec._fusable(x)
     with torch.no_grad():
         src, bias, sums = dec.attn[0].o_src(x[:, : dec.attn[0].lw.w_o_t.shape[0]])
         assert sums and src.dtype == torch.float32
         src.zero_()  # what the residual epilogue does
+        src, bias, sums, gu = dec.mlp[0].src(x, hidden)
+        assert sums and (gu is not None) == hidden
+        src.zero_()
+        if gu is not None:
+            gu.zero_()
         fused = decode_logits(dec, ids, 5).float()
         dec.fuse_epilogues = False
         plain = decode_logits(dec, ids, 5).float()

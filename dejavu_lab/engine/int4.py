@@ -16,8 +16,9 @@ int4_gemv`, or an :func:`~dejavu_lab.kernels.int4.int4_threshold_gemv` at the si
 threshold — the input channels below it skip their code bytes. In the fused one-token step
 (:mod:`~dejavu_lab.engine.fused_step`) the products of ``W_QKV``, ``W_O`` and ``W2`` leave
 their fp32 sums (:func:`~dejavu_lab.kernels.int4.sums.int4_sums`) for the rotation and the
-residual add + norm to finish, as the fp16 threshold GEMV's are: three finishing launches
-fewer per layer. The dense prefill multiplies by the dequantised matrices
+residual add + norm to finish, as the fp16 threshold GEMV's are, and the down projection
+finishes the gate/up sums as it loads them (``Decoder.fuse_hidden``): no finishing launch at
+all. The dense prefill multiplies by the dequantised matrices
 (:func:`~dejavu_lab.engine.weights.linear_t`).
 
 ``Decoder(model, ..., weights="int4", group=...)`` builds this for every method; DejaVu's and
@@ -278,12 +279,13 @@ def _product(x: torch.Tensor, w4: Int4Weight | Int4Rows, b, t, activation: str =
     return y if activation == "none" and not gated else activated(y, activation, gated)
 
 
-def _sums(x: torch.Tensor, w4: Int4Weight | Int4Rows, t) -> torch.Tensor | None:
+def _sums(x: torch.Tensor, w4, t, kind: str = "sums") -> torch.Tensor | None:
     """One token's product over the columns layout left as fp32 sums (:func:`int4_sums`),
-    thresholded at ``t`` (a Threshold, or None: dense); None where it does not run."""
+    thresholded at ``t`` (a Threshold, or None: dense); None where it does not run (a
+    rows-layout ``w4`` included)."""
     if not isinstance(w4, Int4Weight):
         return None
-    return int4_sums(x, w4, None if t is None else t.at(x))
+    return int4_sums(x, w4, None if t is None else t.at(x), kind=kind)
 
 
 class Int4Attention(DenseAttention):
@@ -354,7 +356,19 @@ class Int4MLP(DenseMLP):
         return self(x)
 
     def src(self, x: torch.Tensor, fuse_hidden: bool) -> tuple:
-        """The down projection's sums, finished in the residual add and norm of the fused step."""
+        """The down projection's sums, finished in the residual add and norm of the fused step;
+        with ``fuse_hidden`` the down GEMV also finishes the gate/up sums as it loads them,
+        act(gate) * up, so the hidden activations cost no launch (the residual epilogue then
+        zeroes those sums)."""
+        lw = self.lw
+        gu = _sums(x, lw.w_in_t, self.t_in, kind="hidden") if fuse_hidden else None
+        if gu is not None:
+            t = self.t_down
+            ws = int4_sums(gu, lw.w_down_t, None if t is None else t.at(x), x_act=self.activation,
+                           x_gated=self.gated, x_bias=lw.b_in)  # fmt: skip
+            if ws is not None:
+                return ws, lw.b_down, True, gu
+            gu.zero_()  # not reached: both products take the half2 kernel when the first does
         h = self.hidden(x)
         ws = _sums(h, self.lw.w_down_t, self.t_down)
         if ws is None:

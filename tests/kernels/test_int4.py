@@ -34,6 +34,7 @@ from dejavu_lab.kernels.int4 import (
 from dejavu_lab.kernels.int4.dense import activated
 from dejavu_lab.kernels.int4.half2 import HALF2
 from dejavu_lab.kernels.int4.kernel import default_config, int4_gemv_kernel
+from dejavu_lab.kernels.int4.sums import int4_sums
 from dejavu_lab.kernels.int4.tile import TILE, int4_tile_kernel
 from dejavu_lab.quant import GROUPS
 
@@ -178,6 +179,32 @@ def test_activation_in_the_epilogue(dtype, batch, seed):
             assert_close(got, activated(full, activation, gated), dtype, seed)
     with pytest.raises(ValueError, match="activation="):
         int4_gemv(x, w, activation="swish")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kept", [1.0, 0.5])
+def test_sums_left_for_the_epilogue_and_read_back_finished(dtype, kept, seed):
+    # one token's product left as fp32 sums (no finishing launch); a second product reads them
+    # as its input, finished in its loads (act(gate + b) * (up + b), rounded to dtype): the
+    # MLP's hidden activations with no launch of their own
+    w_in = weight(dtype, 64, d_out=2 * D_IN)  # gate | up of D_IN neurons
+    w_down = weight(dtype, 64)
+    x = torch.randn(1, D_IN, dtype=dtype)
+    b_in = torch.randn(2 * D_IN, dtype=dtype) / 4
+    gu = int4_sums(x, w_in, kind="hidden")
+    assert gu.dtype == torch.float32
+    assert_close(gu[None].to(dtype), int4_gemv_ref(x, w_in), dtype, seed)
+    for bias, gated, a in ((b_in, True, "silu"), (None, False, "gelu")):
+        full = gu[None].float() + (0 if bias is None else bias.float())
+        h = activated(full, a, True) if gated else activated(full[:, :D_IN], a, False)
+        thr = None if kept == 1.0 else threshold_keeping(h, kept)
+        got = int4_sums(gu, w_down, thr, x_act=a, x_gated=gated, x_bias=bias)
+        ref = int4_gemv_ref(h.to(dtype), w_down) if thr is None else int4_threshold_gemv_ref(
+            h.to(dtype), w_down, thr)  # fmt: skip
+        assert_close(got[None].to(dtype), ref, dtype, seed)
+        got.zero_()
+    assert bool((gu != 0).any())  # the reader left x's sums for the caller to zero
+    gu.zero_()
 
 
 @pytest.mark.parametrize("d_out", [84, 6])  # int16 words (4 codes), bytes (2 codes)

@@ -63,7 +63,7 @@ for mode, scalar, even in [(0, True, True), (1, True, False), (1, False, True)]:
                    target=GPUTarget("cuda", 90, 32), options={"num_warps": 2, "num_stages": 1})
 from dejavu_lab.kernels.int4.half2 import int4_half2_kernel as half2
 
-s.update(list_ptr="*i32", count_ptr="*i32", b_ptr="*fp16", out_ptr="*fp16")
+s.update(list_ptr="*i32", count_ptr="*i32", b_ptr="*fp16", out_ptr="*fp16", xb_ptr="*fp16", K="i32")
 for mode, scalar, even, dt, compact in [(0, True, True, "fp16", False),
                                         (1, True, False, "fp16", False),
                                         (1, False, True, "bf16", False),
@@ -73,7 +73,15 @@ for mode, scalar, even, dt, compact in [(0, True, True, "fp16", False),
         sig.update(x_ptr="*bf16", s_ptr="*bf16", m_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16")
     c = dict(MODE=mode, THR_SCALAR=scalar, EVEN_D=even, GROUP=128, ROWS=64, SUB=32,
              BLOCK_D=512, ASM=True, COMPACT=compact, FUSED=compact or not even, HAS_BIAS=even,
-             STRIDE_P=1792)
+             STRIDE_P=1792, ACT_X="", GATED_X=False, HAS_XBIAS=False)
+    triton.compile(ASTSource(half2, sig, constexprs=c), target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": 2, "num_stages": 1})
+for mode, compact in [(0, False), (1, True)]:  # x: the previous product's sums, finished here
+    sig = {a: s[a] for a in half2.arg_names if a in s}
+    sig["x_ptr"] = "*fp32"
+    c = dict(MODE=mode, THR_SCALAR=True, EVEN_D=True, GROUP=128, ROWS=64, SUB=32 if mode == 0
+             else 16, BLOCK_D=512, ASM=True, COMPACT=compact, FUSED=False, HAS_BIAS=False,
+             STRIDE_P=512, ACT_X="silu", GATED_X=True, HAS_XBIAS=True)
     triton.compile(ASTSource(half2, sig, constexprs=c), target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": 2, "num_stages": 1})
 from dejavu_lab.kernels.int4.up_half2 import int4_up_half2_kernel as uh

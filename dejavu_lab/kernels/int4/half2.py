@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from .. import _workspace
+from .._neurons import act
 from .._reduce import split_reduce
 from .tile import finish
 
@@ -194,6 +195,26 @@ def _fp32(acc, HIGH: tl.constexpr):
 
 
 @triton.jit
+def _x_of(x_ptr, xb_ptr, offs, K, ACT_X: tl.constexpr, GATED_X: tl.constexpr,
+          HAS_XBIAS: tl.constexpr, ty: tl.constexpr):  # fmt: skip
+    """x at ``offs`` in fp32: the input token, or (``ACT_X``) a previous launch's fp32 sums
+    finished here, ``act(gate + b)`` (``GATED_X``: times ``up + b``, the sums' halves [2K]),
+    rounded to ``ty`` as a finishing launch would store it."""
+    if ACT_X == "":
+        return tl.load(x_ptr + offs).to(tl.float32)
+    a = tl.load(x_ptr + offs)
+    if HAS_XBIAS:
+        a += tl.load(xb_ptr + offs).to(tl.float32)
+    a = act(a, ACT_X)
+    if GATED_X:
+        u = tl.load(x_ptr + K + offs)
+        if HAS_XBIAS:
+            u += tl.load(xb_ptr + K + offs).to(tl.float32)
+        a = a * u
+    return a.to(ty).to(tl.float32)
+
+
+@triton.jit
 def int4_half2_kernel(
     x_ptr,  # [K] the input token (fp16 or bf16)
     p_ptr,  # [K, D // 8] codes, int32 words of 8 nibbles (output 8j + k in bits 4k..4k+3)
@@ -202,7 +223,8 @@ def int4_half2_kernel(
     thr_ptr,  # MODE 1: [K] fp32 thresholds (THR_SCALAR: unused)
     thr_value,  # MODE 1 with THR_SCALAR: the one threshold
     ws_ptr,  # [D] fp32 sums, zero between launches
-    list_ptr,  # COMPACT: int32 [programs * ROWS] kept-row lists, one slice per program
+    list_ptr,  # COMPACT: int32 [programs * ROWS] kept-row lists, one slice per program (ACT_X:
+    # each program's finished x, as fp32 bits)
     count_ptr,  # FUSED: int32 arrival counters [>= column tiles], zero between launches
     b_ptr,  # FUSED with HAS_BIAS: [D] bias
     out_ptr,  # FUSED: [D] output
@@ -219,14 +241,20 @@ def int4_half2_kernel(
     COMPACT: tl.constexpr,  # MODE 1: walk a list of the kept rows instead of masking every row
     FUSED: tl.constexpr,  # the last program of a column tile writes the output (no 2nd launch)
     HAS_BIAS: tl.constexpr,
+    xb_ptr=None,  # ACT_X with HAS_XBIAS: [K] (GATED_X: [2K]) the bias of x's sums
+    K=0,  # ACT_X: the rows (GATED_X: the up half of x's sums starts at K)
+    ACT_X: tl.constexpr = "",  # x is fp32 sums [K] (GATED_X: [gate | up]): act(x + xb) first
+    GATED_X: tl.constexpr = False,
+    HAS_XBIAS: tl.constexpr = False,
 ):
     NW: tl.constexpr = BLOCK_D // 8
+    ty: tl.constexpr = s_ptr.dtype.element_ty
     pid_d = tl.program_id(0)
     r0 = tl.program_id(1) * ROWS
     offs_w = pid_d * NW + tl.arange(0, NW)
     mask_w = (offs_w * 8 < D) | EVEN_D
     offs_x = r0 + tl.arange(0, ROWS)
-    xs = tl.load(x_ptr + offs_x).to(tl.float32)
+    xs = _x_of(x_ptr, xb_ptr, offs_x, K, ACT_X, GATED_X, HAS_XBIAS, ty)
     if MODE == 1:
         if THR_SCALAR:
             xs = tl.where(tl.abs(xs) > thr_value, xs, 0.0)
@@ -274,6 +302,10 @@ def int4_half2_kernel(
     elif ASM:  # each thread walks the rows; half2 sums of SUB rows, then fp32
         pw = p_ptr + r0.to(tl.int64) * STRIDE_P + offs_w  # row r0's words; the rest at constants
         px = x_ptr + r0
+        if ACT_X != "":  # the finished x stashed once (its fp32 bits), then read a row at a time
+            stash = list_ptr + (tl.program_id(1) * tl.num_programs(0) + pid_d) * ROWS
+            tl.store(stash + tl.arange(0, ROWS), xs.to(tl.int32, bitcast=True))
+            tl.debug_barrier()
         for c in tl.static_range(ROWS // SUB):
             a0 = tl.zeros((NW,), tl.int32)  # half2 (0, 0)
             a1 = tl.zeros((NW,), tl.int32)
@@ -281,7 +313,10 @@ def int4_half2_kernel(
             a3 = tl.zeros((NW,), tl.int32)
             for i in tl.static_range(SUB):
                 row = r0 + c * SUB + i
-                xv = tl.load(px + c * SUB + i).to(tl.float32)
+                if ACT_X == "":
+                    xv = tl.load(px + c * SUB + i).to(tl.float32)
+                else:
+                    xv = tl.load(stash + c * SUB + i).to(tl.float32, bitcast=True)
                 if MODE == 1:
                     if THR_SCALAR:
                         keep = tl.abs(xv) > thr_value
@@ -334,7 +369,8 @@ def int4_half2_kernel(
 
 def launch_half2(xb: torch.Tensor, w, res2: torch.Tensor | None, cfg: dict, *, mode: str,
                  thr=None, bias: torch.Tensor | None = None, activation: str = "none",
-                 gated: bool = False) -> torch.Tensor | None:  # fmt: skip
+                 gated: bool = False, kind: str = "sums", x_act: str = "",
+                 x_gated: bool = False, x_bias=None) -> torch.Tensor | None:  # fmt: skip
     """Run :func:`int4_half2_kernel` and the finishing launch on checked inputs: ``xb`` [1, K],
     ``w`` an Int4Weight on xb's device and dtype with ``d_out % 8 == 0``, ``res2`` the [1, D]
     output ([1, D / 2] when ``gated``: :func:`~.tile.finish`); ``mode`` dense or threshold (``thr`` a float or fp32 [K]). ``cfg``: ``ROWS`` (a
@@ -342,7 +378,9 @@ def launch_half2(xb: torch.Tensor, w, res2: torch.Tensor | None, cfg: dict, *, m
     >= 8), ``num_warps``; optional ``compact`` (threshold mode: walk a list of the kept rows,
     ``SUB`` a multiple of 8) and ``fused`` (no finishing launch). ``res2=None`` skips the
     finishing launch and returns the fp32 sums' [D] view of the workspace, for the next launch
-    to take and zero (:func:`~.sums.int4_sums`).
+    to take and zero (:func:`~.sums.int4_sums`); ``kind`` names that workspace. ``x_act``: xb
+    is a previous launch's fp32 sums, finished as each program loads them,
+    ``x_act(xb + x_bias)`` (``x_gated``: ``act(gate) * up`` of its halves [1, 2K]).
 
     >>> from dejavu_lab.quant import quantize
     >>> w = quantize(torch.eye(32)[:, :8], group=32, dtype=torch.float16)  # w_t [32, 8]
@@ -365,10 +403,11 @@ def launch_half2(xb: torch.Tensor, w, res2: torch.Tensor | None, cfg: dict, *, m
     if xb.shape[0] != 1 or d_out % 8:
         raise ValueError("the half2 kernel runs one token with d_out a multiple of 8.")
     codes = w.packed.view(torch.int32)
-    ws = _workspace.sums(xb.device, d_out)
+    ws = _workspace.buffer(xb.device, kind, d_out, torch.float32)
     scalar = mode == "threshold" and not isinstance(thr, torch.Tensor)
     grid = (triton.cdiv(d_out, block_d), d_in // rows)
-    lists = _workspace.rows(xb.device, grid[0] * grid[1] * rows) if compact else ws
+    stash = compact or bool(x_act)  # kept-row lists, or the finished x of each program
+    lists = _workspace.rows(xb.device, grid[0] * grid[1] * rows) if stash else ws
     # the fused epilogue rounds each column tile alone: an activation (gated: of two tiles) needs
     # the finishing launch
     fused = bool(cfg.get("fused", 0)) and activation == "none" and not gated and res2 is not None
@@ -381,7 +420,9 @@ def launch_half2(xb: torch.Tensor, w, res2: torch.Tensor | None, cfg: dict, *, m
         MODE=1 if mode == "threshold" else 0, THR_SCALAR=scalar, EVEN_D=d_out % block_d == 0,
         GROUP=w.group, ROWS=rows,
         SUB=sub, BLOCK_D=block_d, ASM=xb.device.type == "cuda", COMPACT=compact, FUSED=fused,
-        HAS_BIAS=bias is not None, num_warps=int(cfg["num_warps"]), num_stages=1,
+        HAS_BIAS=bias is not None, xb_ptr=x_bias if x_bias is not None else ws, K=d_in,
+        ACT_X=x_act, GATED_X=x_gated, HAS_XBIAS=x_bias is not None,
+        num_warps=int(cfg["num_warps"]), num_stages=1,
     )  # fmt: skip
     if res2 is None:
         return ws[:d_out]

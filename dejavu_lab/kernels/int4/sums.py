@@ -20,7 +20,8 @@ from .kernel import default_config
 __all__ = ["int4_sums"]
 
 
-def int4_sums(x: torch.Tensor, w: Int4Weight, thr=None) -> torch.Tensor | None:
+def int4_sums(x: torch.Tensor, w: Int4Weight, thr=None, *, kind: str = "sums", x_act: str = "",
+              x_gated: bool = False, x_bias=None) -> torch.Tensor | None:  # fmt: skip
     """``x @ dequant(w)`` for one token (``thr`` a float or fp32 [d_in]: TEAL / WINA's
     thresholded product, as :func:`~dejavu_lab.kernels.int4.int4_threshold_gemv`; None: dense)
     left as fp32 sums [d_out] in the per-device workspace, with no bias and no finishing
@@ -28,16 +29,26 @@ def int4_sums(x: torch.Tensor, w: Int4Weight, thr=None) -> torch.Tensor | None:
     the workspace is wrong. Returns None where the half2 kernel would not run (a batch, the CPU
     without the interpreter, ``d_out`` not a multiple of 8, a tuned table that picks another
     kernel): call the GEMV instead. No input checks (the engine calls it inside a CUDA graph).
+    ``kind`` names the workspace (two sums may be alive at once). With ``x_act`` (an
+    activation) x is itself a previous call's sums, finished as the kernel loads them:
+    ``x_act(x + x_bias)``, or with ``x_gated`` ``act(gate) * up`` of x's halves, rounded to
+    w's dtype before the threshold — the MLP's hidden activations without a launch of their
+    own (the caller then zeroes x).
 
-    >>> from dejavu_lab.kernels.int4 import int4_gemv_ref
+    >>> from dejavu_lab.kernels.int4 import int4_gemv_ref, int4_threshold_gemv_ref
     >>> from dejavu_lab.quant import quantize
     >>> _ = torch.manual_seed(0)
-    >>> w = quantize(torch.randn(64, 32) / 8, group=32, dtype=torch.float16)
+    >>> w = quantize(torch.randn(64, 64) / 8, group=32, dtype=torch.float16)  # gate | up
     >>> x = torch.randn(1, 64, dtype=torch.float16)
     >>> ws = int4_sums(x, w)  # CPU: under TRITON_INTERPRET=1
     >>> torch.allclose(ws.half(), int4_gemv_ref(x, w)[0], atol=1e-2)
     True
-    >>> _ = ws.zero_()  # what the epilogues do
+    >>> w2 = quantize(torch.randn(32, 8) / 4, group=32, dtype=torch.float16)  # 32 neurons
+    >>> h = (torch.nn.functional.silu(ws[:32]) * ws[32:]).half()[None]
+    >>> y = int4_sums(ws, w2, 0.1, x_act="silu", x_gated=True, kind="down")
+    >>> torch.allclose(y.half(), int4_threshold_gemv_ref(h, w2, 0.1)[0], atol=1e-2)
+    True
+    >>> _ = ws.zero_(), y.zero_()  # what the epilogues do
     """
     xb = x.view(1, -1) if x.dim() == 1 else x
     if xb.shape[0] != 1 or not use_triton(x.device) or w.shape[1] % 8:
@@ -47,4 +58,5 @@ def int4_sums(x: torch.Tensor, w: Int4Weight, thr=None) -> torch.Tensor | None:
     if cfg.get("mode") != "half2":
         return None
     mode = "dense" if thr is None else "threshold"
-    return launch_half2(xb, w, None, cfg, mode=mode, thr=thr)
+    return launch_half2(xb, w, None, cfg, mode=mode, thr=thr, kind=kind, x_act=x_act,
+                        x_gated=x_gated, x_bias=x_bias)  # fmt: skip
