@@ -105,12 +105,15 @@ def _logits(dec: Decoder, ids: torch.Tensor, n_prompt: int) -> torch.Tensor:
 
 def bench_int4(preset: str, *, prompt: int, new_tokens: int, group: int, sparsities, methods,
                device: str, ceiling: float, rows: list[dict], check_tokens=(32, 8),
-               quiet: bool = False, int4_only: bool = False, head: bool = False) -> None:  # fmt: skip
+               quiet: bool = False, int4_only: bool = False, head: bool = False,
+               plain: bool = False) -> None:  # fmt: skip
     """Time fp16 and int4 decoders of ``preset`` (see module doc) and append their rows
     (``check_tokens``: the checks' prompt and decoded tokens; ``quiet``: print nothing;
     ``int4_only``: int4 weights built without the fp16 model, :func:`~dejavu_lab.engine.int4.
     random_int4_weights`, for shapes fp16 cannot fit: no fp16 rows, no WINA; ``head``: also
-    int4 dense and TEAL with ``lm_head`` in int4, weights ``"int4+head"``).
+    int4 dense and TEAL with ``lm_head`` in int4, weights ``"int4+head"``; ``plain``: also int4
+    dense and TEAL on the plain step, each product finished by its own launch: rows of kind
+    ``"plain"``, ``fused_over_plain`` the ratio of the speeds).
 
     >>> rows = []
     >>> bench_int4("tiny-llama", prompt=4, new_tokens=3, group=64, sparsities=[0.5],
@@ -171,9 +174,14 @@ def bench_int4(preset: str, *, prompt: int, new_tokens: int, group: int, sparsit
     if head:
         plan += [("int4+head", "dense", 0.0)]
         plan += [("int4+head", "teal", s) for s in sparsities if "teal" in methods]
+    plan = [(*p, "fused") for p in plan]
+    if plain:  # the same int4 steps with each product finished by its own launch
+        plan += [("int4", "dense", 0.0, "plain")]
+        plan += [("int4", "teal", s, "plain") for s in sparsities if "teal" in methods]
     times = {}
-    for weights, method, sparsity in plan:
-        row = {**base, "kind": "e2e", "weights": weights, "engine": method, "sparsity": sparsity}
+    for weights, method, sparsity, step in plan:
+        row = {**base, "kind": "e2e" if step == "fused" else "plain", "weights": weights,
+               "engine": method, "sparsity": sparsity}  # fmt: skip
         try:
             sparse = None
             if method == "dejavu":
@@ -184,6 +192,7 @@ def bench_int4(preset: str, *, prompt: int, new_tokens: int, group: int, sparsit
             four = rows_of(method) if method in ROWS else w4
             weights_of = {"int4": four, "int4+head": w4h}.get(weights, w)
             dec = Decoder(weights_of, max_seq_len=prompt + new_tokens, sparse=sparse)
+            dec.fuse_epilogues = step == "fused"
             if method == "dejavu":
                 random_sets(dec, seed=0)
             row.update(ms_per_token(dec, ids, new_tokens))
@@ -206,6 +215,12 @@ def bench_int4(preset: str, *, prompt: int, new_tokens: int, group: int, sparsit
         ms = row["ms_per_token"]
         row.update(bytes_per_token=nbytes, tbps=nbytes / (ms * 1e-3) / 1e12)
         row["of_ceiling"] = row["tbps"] / ceiling
+        if step == "plain":
+            row["fused_over_plain"] = ms / times.get((weights, method, sparsity), math.nan)
+            rows.append(row)
+            say(f"{preset:>12} {weights} {method:>6} {sparsity:4.2f} plain step: {ms:8.3f} "
+                f"ms/token ({row['fused_over_plain']:.3f}x the fused step's speed)")  # fmt: skip
+            continue
         times[(weights, method, sparsity)] = ms
         if ("fp16", "dense", 0.0) in times:
             row["vs_fp16_dense"] = times[("fp16", "dense", 0.0)] / ms
