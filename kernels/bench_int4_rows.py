@@ -38,7 +38,7 @@ COLUMNS = [("shape", "shape", "11s"), ("provider", "provider", "15s"), ("path", 
 def candidates() -> list[dict]:
     """Tilings of the half2 up kernel: rows per program, inputs per step, warps, stages, and
     programs along the inputs (``SPLIT``: partial sums and a finishing launch)."""
-    out = []
+    out, base = [], {k: v for k, v in UP_HALF2.items() if k != "SPLIT"}
     for bn, bk, warps in (
         (16, 128, 1),
         (16, 256, 1),
@@ -52,7 +52,7 @@ def candidates() -> list[dict]:
         (64, 256, 4),
     ):
         for stages in (2, 3):
-            out.append({**UP_HALF2, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps,
+            out.append({**base, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps,
                         "num_stages": stages})  # fmt: skip
     for bn, bk, warps, split in (
         (16, 128, 1, 2),
@@ -62,7 +62,7 @@ def candidates() -> list[dict]:
         (64, 128, 2, 8),
         (16, 512, 2, 2),
     ):
-        out.append({**UP_HALF2, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps,
+        out.append({**base, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps,
                     "num_stages": 3, "SPLIT": split})  # fmt: skip
     return out
 
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
         plan = [("up_columns", 1.0, None, "half2"), ("up_rows", 1.0, pick, "half2")]
         for k in kepts:
             plan += [("up_dejavu", k, pick, "half2"), ("up_dejavu", k, {"mode": "tile"}, "tile"),
-                     ("up_cats", k, pick, "half2"), ("up_cats", k, {"mode": "tile"}, "tile"),
+                     ("up_cats", k, None, "half2"), ("up_cats", k, {"mode": "tile"}, "tile"),
                      ("down_rows", k, None, "scatter"), ("down_rows", k, {"mode": "rows"}, "walk"),
                      ("down_threshold", k, None, "half2")]  # fmt: skip
         for provider, k, cfg, path in plan:

@@ -22,11 +22,12 @@ import torch.nn.functional as F
 from ..kernels import (
     kv_window_write,
     qkv_rope,
+    rope_,
     sparse_attention_core,
     sparse_mlp_down,
     sparse_mlp_up,
 )
-from .attention import StepState, rotate
+from .attention import StepState
 
 __all__ = ["KeptHeads"]
 
@@ -100,13 +101,11 @@ class KeptHeads:
 
     def _unfused(self, xb: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
         """The kept heads' QKV gather-GEMV, RoPE, the window's K/V write and attention apart."""
-        st, dh = self.st, self.st.dh
+        st = self.st
         k, nkv = self.sets.k_heads, self.sets.n_kv_sel
         qkv = self._qkv_rows(xb)  # [B, (k + 2 nkv) dh]
-        if st.cos is not None:  # row b sits at positions[b]
-            blocks = qkv.view(xb.shape[0], k + 2 * nkv, dh)
-            cos, sin = st.cos[st.positions, None], st.sin[st.positions, None]
-            blocks[:, : k + nkv] = rotate(blocks[:, : k + nkv], cos, sin)
+        if st.cos is not None:  # row b sits at positions[b]; one launch, in place
+            rope_(qkv, st.cos, st.sin, st.positions, n_rot=k + nkv)
         if st.window:  # the kept heads' K/V over the whole window, then this token's row
             kv_window_write(qkv, self.kv[0], self.kv[1], heads, st.base_t, n_q=k)
             qkv = qkv.index_select(0, st.slot)  # [1, (k + 2 nkv) dh]
@@ -115,7 +114,8 @@ class KeptHeads:
     def flush(self, base: int, blocks: torch.Tensor | None, positions: torch.Tensor | None):
         """Dense K/V of every head for the window's tokens (from position ``base``): the step's
         own kernel over every K/V block (``blocks``, rows at ``positions``), so both write the
-        same numbers; the unfused step rotates in torch, and so does its flush."""
+        same numbers; the unfused step rotates with :func:`~dejavu_lab.kernels.rope_`, and so
+        does its flush."""
         st, lw, kv, hwin = self.st, self.lw, self.kv, self.st.hwin[self.i]
         if self.fused:
             qkv_rope(hwin, lw.w_qkv, blocks, n_heads=st.H, n_kv_heads=st.Hkv,
@@ -123,9 +123,9 @@ class KeptHeads:
                      k_cache=kv[0], v_cache=kv[1])  # fmt: skip
             return
         Hkv, dh, W, b = st.Hkv, st.dh, st.window, base
-        new = self._kv_rows(hwin).view(W, 2, Hkv, dh)
-        kk = new[:, 0]
-        if st.cos is not None:
-            kk = rotate(kk, st.cos[b : b + W, None], st.sin[b : b + W, None])
-        kv[0, :, b : b + W] = kk.transpose(0, 1)
+        new = self._kv_rows(hwin)  # [W, 2 Hkv dh]: every K block, then every V block
+        if st.cos is not None:  # the K blocks, row w at position b + w, as the step turns them
+            rope_(new, st.cos, st.sin, st.base_t + torch.arange(W, device=new.device), n_rot=Hkv)
+        new = new.view(W, 2, Hkv, dh)
+        kv[0, :, b : b + W] = new[:, 0].transpose(0, 1)
         kv[1, :, b : b + W] = new[:, 1].transpose(0, 1)

@@ -92,6 +92,6 @@ def int4_cats_up(x: torch.Tensor, w: Int4Rows, thr: torch.Tensor, *, activation:
     if not use_triton(device) or n == 0:
         res2.copy_(int4_cats_up_ref(xb, w, thr, activation=activation, bias=bias))
         return res
-    launch(xb, w, res2, configured(xb.shape[0], config), mode="cats", thr=thr,
+    launch(xb, w, res2, configured(xb.shape[0], config, "cats"), mode="cats", thr=thr,
            gated=rows == 2 * n, activation=activation, bias=bias)  # fmt: skip
     return res

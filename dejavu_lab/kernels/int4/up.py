@@ -46,7 +46,7 @@ from .._common import (
 )
 from .._neurons import FUSED_ACTIVATIONS, act, act_ref, expand_rows
 from .dense import check_int4
-from .up_half2 import UP_HALF2, launch_up_half2
+from .up_half2 import CATS_HALF2, UP_HALF2, launch_up_half2
 
 __all__ = ["configured", "default_config", "int4_kept_up", "int4_kept_up_ref", "int4_up_kernel",
            "launch"]  # fmt: skip
@@ -172,30 +172,33 @@ def int4_up_kernel(
     tl.store(o_ptrs, h.to(out_ptr.dtype.element_ty), mask=m2)
 
 
-def default_config(batch: int, mode: str = "half2") -> dict:
+def default_config(batch: int, mode: str = "half2", op: str = "kept") -> dict:
     """The launch configuration for ``batch`` tokens (a copy): one token runs the half2 kernel
-    (:mod:`.up_half2`, ``mode="half2"``) or this module's fp32 tile (``mode="tile"``: 32 rows x
-    256 inputs, its tiles before the half2 kernel), union batches tensor-core tiles of 32 x 128.
+    (:mod:`.up_half2`, ``mode="half2"``; ``op="cats"``: CATS's tiles, which cannot split the
+    inputs) or this module's fp32 tile (``mode="tile"``: 32 rows x 256 inputs, its tiles before
+    the half2 kernel), union batches tensor-core tiles of 32 x 128.
 
     >>> default_config(1)["mode"], default_config(1, "tile")["BLOCK_K"], default_config(8)["BLOCK_K"]
     ('half2', 256, 128)
+    >>> default_config(1)["SPLIT"], default_config(1, op="cats").get("SPLIT", 1)
+    (4, 1)
     """
     if batch == 1:
         if mode == "tile":
             return {"mode": "tile", "BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}
-        return dict(UP_HALF2)
+        return dict(CATS_HALF2 if op == "cats" else UP_HALF2)
     return {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
 
 
-def configured(batch: int, config: dict | None) -> dict:
-    """The defaults of ``batch`` tokens and of the one-token kernel ``config`` names (its
-    ``"mode"``), overridden by ``config``.
+def configured(batch: int, config: dict | None, op: str = "kept") -> dict:
+    """The defaults of ``batch`` tokens, ``op`` (``"kept"``, ``"cats"``) and the one-token
+    kernel ``config`` names (its ``"mode"``), overridden by ``config``.
 
     >>> configured(1, {"mode": "tile", "num_warps": 8})["BLOCK_N"], configured(1, None)["mode"]
     (32, 'half2')
     """
     config = config or {}
-    return {**default_config(batch, config.get("mode", "half2")), **config}
+    return {**default_config(batch, config.get("mode", "half2"), op), **config}
 
 
 def launch(xb: torch.Tensor, w: Int4Rows, res2: torch.Tensor, cfg: dict, *, mode: str,
