@@ -125,6 +125,16 @@ def log_path() -> Path:
     return (Path(folder).expanduser() if folder else ROOT / "results") / "gpu_check.log"
 
 
+def _code_sha() -> str:
+    """The commit checked: ``DEJAVU_LAB_GIT_SHA`` (a copied tree), else git's short HEAD."""
+    sha = os.environ.get("DEJAVU_LAB_GIT_SHA")
+    if sha:
+        return sha
+    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True)  # fmt: skip
+    return done.stdout.strip() or "unknown"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("chapters", nargs="*", default=list(CHAPTERS),
@@ -133,7 +143,8 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per cell")
     ap.add_argument("--save", type=Path, default=None, help="write the executed .ipynb here")
     args = ap.parse_args(argv)
-    log = [f"gpu_check {time.strftime('%Y-%m-%dT%H:%M:%S%z')} on {os.uname().nodename}"]
+    log = [f"gpu_check {time.strftime('%Y-%m-%dT%H:%M:%S%z')} on {os.uname().nodename}, "
+           f"code at {_code_sha()}"]  # fmt: skip
     failed = False
     if not args.no_tests:
         import torch
