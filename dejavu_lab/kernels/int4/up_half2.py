@@ -47,8 +47,8 @@ __all__ = ["CATS_HALF2", "UP_HALF2", "int4_pairs_kernel", "int4_up_half2_kernel"
 # projection over half of Llama-3-8B's 14336 neurons in 25.3 µs against 36.0 for one program
 # per row block (16 x 128 on one warp) and 28.0 for two; a step spanning two groups (gathering
 # a scale per word) ran 1.7-2x slower at every tiling. CATS, whose up rows wait on the gate's
-# sums in the same program, cannot split: it keeps 16 x 128 on one warp (45.8 µs for the gate
-# and half the up rows of Llama-3-8B in the sweep before, 62 at 32 rows).
+# sums in the same program, cannot split: it keeps 16 x 128 on one warp (55.4 µs for the gate
+# and half the up rows of Llama-3-8B at 7515a91, against 62.2 at 32 rows in the sweep's run).
 UP_HALF2 = {"mode": "half2", "BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 1, "num_stages": 3,
             "SPLIT": 4}  # fmt: skip
 CATS_HALF2 = {"mode": "half2", "BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 1, "num_stages": 3}
