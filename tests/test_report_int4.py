@@ -126,7 +126,7 @@ def test_speed_tables_read_a_real_recording(quality, tmp_path, monkeypatch):
     rows = []
     bench_int4("tiny-llama", prompt=4, new_tokens=3, group=64, sparsities=[0.5],
                methods=["teal"], device="cpu", ceiling=4.2, rows=rows, check_tokens=(4, 2),
-               quiet=True)  # fmt: skip
+               quiet=True, plain=True)  # fmt: skip
     results.save("engine_int4_8b", rows, command="test: bench_int4 tiny-llama")
 
     kframe, kprov, live, kmissing = speed.load_speed("kernels", live=False)
@@ -151,6 +151,16 @@ def test_speed_tables_read_a_real_recording(quality, tmp_path, monkeypatch):
     assert speed.speed_figure(etable, "engine") is not None
     assert speed.speed_figure(ktable, "kernels") is not None
     assert "at tiny-llama int4 dense takes" in speed.speed_sentence(ktable, etable).lower()
+    # the plain step's rows stay out of the table and give the fused step's ratio
+    plain = [r for r in rows if r["kind"] == "plain"]
+    assert [(r["weights"], r["engine"]) for r in plain] == [("int4", "dense"), ("int4", "teal")]
+    for r in plain:
+        fused = next(e for e in e2e if (e["weights"], e["engine"]) == (r["weights"], r["engine"]))
+        assert r["fused_over_plain"] == pytest.approx(r["ms_per_token"] / fused["ms_per_token"])
+    ratios = sorted(r["fused_over_plain"] for r in plain)
+    sentence = speed.fused_step_sentence()
+    assert "results/engine_int4_8b.json" in sentence
+    assert f"{ratios[0]:.2f}" in sentence and f"{ratios[-1]:.2f}" in sentence
 
     # the budget box takes the measured time of a combination the engine timed at that shape
     box = int4.budget_table(quality[2], (2,), engine=etable, shape="tiny-llama")

@@ -416,3 +416,38 @@ def kept_rows_sentence(kernels: str = "int4_rows_b1", engine: str = "engine_int4
            if min(ms["dejavu"], ms["cats"]) >= ms["dense"] else
            "the kept-row methods beat the dense step on 4-bit weights.")
     )  # fmt: skip
+
+
+def fused_step_sentence(names=FILES["engine"]) -> str:
+    """What the engine recordings' ``plain`` rows (``kernels/bench_engine_int4.py --plain``) show:
+    the int4 step whose products leave fp32 sums for the rotation and the residual add + norm
+    against the same step finishing each product in its own launch; or '' when none has them.
+
+    >>> s = fused_step_sentence()
+    >>> s == "" or "launch" in s
+    True
+    >>> fused_step_sentence(["no_such_recording"])
+    ''
+    """
+    ratios, files, shas, gpus = [], [], set(), set()
+    for name in names:
+        try:
+            frame, prov = results.load(name)
+        except ResultsError:
+            continue
+        if "kind" not in frame or not (frame["kind"] == "plain").any():
+            continue
+        r = frame.loc[frame["kind"] == "plain", "fused_over_plain"].dropna()
+        if not len(r):
+            continue
+        ratios += list(r)
+        files.append(f"results/{name}.json")
+        shas.add(prov.get("git_sha", "?"))
+        gpus.add(prov.get("gpu", "GPU"))
+    if not ratios:
+        return ""
+    return (f"Leaving each int4 product's fp32 sums for the next launch to finish — the rotation, "
+            f"the residual add and norm, or the down projection's loads — makes the int4 dense "
+            f"and TEAL steps {_speed(min(ratios), max(ratios))} the same step with a finishing "
+            f"launch after each product ({', '.join(sorted(gpus))}, commit "
+            f"{', '.join(sorted(shas))}: {', '.join(files)}).")  # fmt: skip
