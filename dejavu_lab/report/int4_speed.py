@@ -27,6 +27,7 @@ __all__ = [
     "FILES",
     "LIVE_ARGS",
     "decode_sentence",
+    "fused_step_sentence",
     "kept_rows_sentence",
     "listed_rows_sentence",
     "engine_table",
