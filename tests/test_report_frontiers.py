@@ -95,6 +95,19 @@ def test_oracle_is_never_the_pick():
     assert frontiers.best_at(cross).variant.tolist() == ["teal (greedy)"]
 
 
+def test_oracle_sentence_sets_the_oracle_beside_the_best_pick():
+    cross = pd.DataFrame({"model": ["m"] * 4 + ["n"] * 2,
+                          "variant": ["oracle", "teal (greedy)"] * 3,
+                          "fraction": [0.6, 0.6, 0.5, 0.5, 0.5, 0.5],
+                          "ratio": [1.3, 1.08, 1.6, 1.2, math.nan, 1.1]})  # fmt: skip
+    said = frontiers.oracle_sentence(cross, frontiers.best_at(cross), names=str)
+    assert "on m +30.0% against +8.0% at 60% of the bytes, +60.0% against +20.0% at 50%" in said
+    assert "on n" not in said  # no oracle crossing there
+    assert (
+        frontiers.oracle_sentence(cross[cross.variant != "oracle"], frontiers.best_at(cross)) == ""
+    )
+
+
 def test_figure_has_one_trace_per_model_and_variant():
     frame, provs = frontiers.load_frontiers()
     fig = frontiers.frontiers_figure(frame, "caption")

@@ -47,6 +47,7 @@ __all__ = [
     "frontiers_figure",
     "load_frontiers",
     "missing_models",
+    "oracle_sentence",
     "pickable",
     "text_clause",
     "title",
@@ -311,6 +312,31 @@ def consensus(best: pd.DataFrame, fraction: float) -> tuple[list[str], int, int]
 
 def _pct(r: float) -> str:
     return f"{r - 1:+.1%}"
+
+
+def oracle_sentence(cross: pd.DataFrame, best: pd.DataFrame, names=title) -> str:
+    """Where :func:`crossing_table` has the oracle (DejaVu's ideal neuron and head sets): its
+    rise at each byte fraction per model beside the best deployable variant's (:func:`best_at`);
+    '' when no model has both.
+
+    >>> cross = pd.DataFrame({"model": "a", "variant": ["oracle", "x"], "fraction": 0.5,
+    ...                       "ratio": [1.4, 1.25]})
+    >>> oracle_sentence(cross, best_at(cross), names=str)
+    "DejaVu's oracle sets, chosen from the true activations, against the best threshold or rotation variant at equal bytes: on a +40.0% against +25.0% at 50% of the bytes."
+    """
+    parts = []
+    for model, g in (
+        cross[cross.variant == "oracle"].dropna(subset=["ratio"]).groupby("model", sort=False)
+    ):
+        b = best[(best.model == model) & best.variant.notna()].set_index("fraction").ratio
+        at = [f"{_pct(r)} against {_pct(b[f])} at {f:.0%} of the bytes"
+              for f, r in zip(g.fraction, g.ratio, strict=True) if f in b.index]  # fmt: skip
+        if at:
+            parts.append(f"on {names(model)} " + ", ".join(at))
+    if not parts:
+        return ""
+    return ("DejaVu's oracle sets, chosen from the true activations, against the best threshold "
+            "or rotation variant at equal bytes: " + "; ".join(parts) + ".")  # fmt: skip
 
 
 def decision(best: pd.DataFrame, names=title) -> list[str]:
