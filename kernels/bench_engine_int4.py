@@ -55,6 +55,12 @@ def main(argv=None):
         action="store_true",
         help="also int4 dense and TEAL on the plain step (each product finished by its own launch)",
     )
+    ap.add_argument(
+        "--kv-window",
+        type=int,
+        default=None,
+        help="DejaVu's deferred K/V window in tokens (0: every head's K/V each step; default 16)",
+    )
     ap.add_argument("--quick", action="store_true", help="tiny model on the CPU (plumbing)")
     ap.add_argument("--name", default="", help="results file (default engine_int4[_quick])")
     args = ap.parse_args(argv)
@@ -80,7 +86,7 @@ def main(argv=None):
         bench_int4(preset, prompt=prompt, new_tokens=new, group=group, sparsities=sparsities,
                    methods=methods, device=device, ceiling=ceiling, rows=rows,
                    check_tokens=check, int4_only=preset in int4_only and preset not in models,
-                   head=args.head, plain=args.plain)  # fmt: skip
+                   head=args.head, plain=args.plain, kv_window=args.kv_window)  # fmt: skip
     print()
     print_rows([r for r in rows if r["kind"] == "e2e" and "error" not in r], COLUMNS)
     name = args.name or ("engine_int4_quick" if args.quick else "engine_int4")

@@ -64,3 +64,21 @@ def test_cats_gate_bench_quick_checks_every_variant(capsys):
     out = capsys.readouterr().out
     for variant in ("cublas_fp32", "cublas_fp16", "rows_sums", "hidden_cublas", "mlp_rows_sums"):
         assert variant in out, variant
+
+
+def test_int4_bench_times_dejavu_at_the_window_asked():
+    """``--kv-window``: the DejaVu rows carry the window the decoder ran (0: every head's K/V
+    each step; default: SparseConfig's), and a window of 0 decodes."""
+    import torch
+
+    from dejavu_lab.bench.engine_int4 import bench_int4
+    from dejavu_lab.engine import SparseConfig
+
+    for window, want in ((0, 0), (None, SparseConfig().kv_window)):
+        rows = []
+        bench_int4("tiny-llama", prompt=4, new_tokens=3, group=64, sparsities=[0.5],
+                   methods=["dejavu"], device="cpu", ceiling=float("nan"), rows=rows,
+                   check_tokens=(4, 2), quiet=True, kv_window=window)  # fmt: skip
+        dv = [r for r in rows if r["kind"] == "e2e" and r["engine"] == "dejavu"]
+        assert len(dv) == 1 and "error" not in dv[0], dv
+        assert dv[0]["kv_window"] == want and torch.isfinite(torch.tensor(dv[0]["ms_per_token"]))

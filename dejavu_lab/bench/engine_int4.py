@@ -106,14 +106,15 @@ def _logits(dec: Decoder, ids: torch.Tensor, n_prompt: int) -> torch.Tensor:
 def bench_int4(preset: str, *, prompt: int, new_tokens: int, group: int, sparsities, methods,
                device: str, ceiling: float, rows: list[dict], check_tokens=(32, 8),
                quiet: bool = False, int4_only: bool = False, head: bool = False,
-               plain: bool = False) -> None:  # fmt: skip
+               plain: bool = False, kv_window: int | None = None) -> None:  # fmt: skip
     """Time fp16 and int4 decoders of ``preset`` (see module doc) and append their rows
     (``check_tokens``: the checks' prompt and decoded tokens; ``quiet``: print nothing;
     ``int4_only``: int4 weights built without the fp16 model, :func:`~dejavu_lab.engine.int4.
     random_int4_weights`, for shapes fp16 cannot fit: no fp16 rows, no WINA; ``head``: also
     int4 dense and TEAL with ``lm_head`` in int4, weights ``"int4+head"``; ``plain``: also int4
     dense and TEAL on the plain step, each product finished by its own launch: rows of kind
-    ``"plain"``, ``fused_over_plain`` the ratio of the speeds).
+    ``"plain"``, ``fused_over_plain`` the ratio of the speeds; ``kv_window``: DejaVu's deferred
+    K/V window, :class:`~dejavu_lab.engine.SparseConfig`'s default when None).
 
     >>> rows = []
     >>> bench_int4("tiny-llama", prompt=4, new_tokens=3, group=64, sparsities=[0.5],
@@ -185,7 +186,9 @@ def bench_int4(preset: str, *, prompt: int, new_tokens: int, group: int, sparsit
         try:
             sparse = None
             if method == "dejavu":
-                sparse = SparseConfig(mlp_sparsity=sparsity, head_sparsity=sparsity)
+                window = {} if kv_window is None else {"kv_window": kv_window}
+                sparse = SparseConfig(mlp_sparsity=sparsity, head_sparsity=sparsity, **window)
+                row["kv_window"] = sparse.kv_window
             elif method != "dense":
                 thr = calibrate_thresholds(w if w is not None else w4, ids, sparsity, method=method)
                 sparse = SparseConfig(method=method, thresholds=thr)
