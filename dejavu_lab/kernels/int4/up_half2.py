@@ -42,13 +42,13 @@ from .tile import finish
 __all__ = ["CATS_HALF2", "UP_HALF2", "int4_pairs_kernel", "int4_up_half2_kernel", "launch_up_half2"]
 
 # BLOCK_N rows (gated: BLOCK_N gate and BLOCK_N up rows) x BLOCK_K inputs per step, SPLIT
-# programs along the inputs. Chosen by kernels/bench_int4_rows.py on an H100
-# (results/int4_rows_b1.json, group 128, fp16, CUDA-graph replay, cold weights): DejaVu's up
+# programs along the inputs. Chosen by kernels/bench_int4_rows.py's sweep on an H100
+# (results/int4_rows_b1_sweep.json, group 128, fp16, CUDA-graph replay, cold weights): DejaVu's up
 # projection over half of Llama-3-8B's 14336 neurons in 25.3 µs against 36.0 for one program
 # per row block (16 x 128 on one warp) and 28.0 for two; a step spanning two groups (gathering
 # a scale per word) ran 1.7-2x slower at every tiling. CATS, whose up rows wait on the gate's
 # sums in the same program, cannot split: it keeps 16 x 128 on one warp (55.4 µs for the gate
-# and half the up rows of Llama-3-8B at 7515a91, against 62.2 at 32 rows in the sweep's run).
+# and half the up rows of Llama-3-8B in results/int4_rows_b1.json, 62.2 at 32 rows in the sweep's).
 UP_HALF2 = {"mode": "half2", "BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 1, "num_stages": 3,
             "SPLIT": 4}  # fmt: skip
 CATS_HALF2 = {"mode": "half2", "BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 1, "num_stages": 3}
