@@ -20,7 +20,7 @@ from dejavu_lab.step_bytes import step_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised to fp32)"
-QWEN = "Qwen2.5 Coder 0.5B Instruct AWQ (qwen2.5-0.5b.gguf)"
+QWEN = "Qwen2.5 Coder 0.5B Instruct AWQ (qwen2.5-coder-0.5b-instruct-q4_k_m.gguf)"
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def test_bytes_table_is_step_bytes():
 def test_quality_table_matches_the_recordings(quality):
     frame, provs, t = quality
     assert set(provs) == {"quant_quality_demo", "quant_quality_qwen2.5-0.5b"}
-    assert len(t) == len(frame) == 23 + 10
+    assert len(t) == len(frame) == 23 + 31
     for name, prov in provs.items():
         rec, _ = results.load(name)
         mine = t.loc[prov["model"]]

@@ -195,7 +195,7 @@ def load_quality(names=("quant_quality_demo", "quant_quality_qwen2.5-0.5b")):
 
     >>> frame, provs = load_quality()
     >>> sorted(set(frame["file"])), frame.groupby("file").size().tolist()
-    (['quant_quality_demo', 'quant_quality_qwen2.5-0.5b'], [23, 10])
+    (['quant_quality_demo', 'quant_quality_qwen2.5-0.5b'], [23, 31])
     """
     frames, provs = [], {}
     for name in names:
@@ -266,9 +266,9 @@ def quality_figure(table: pd.DataFrame, model: str):
     recording: one colour per variant, one symbol per format, the fp dense line dashed.
 
     >>> t = quality_table(load_quality()[0])
-    >>> fig = quality_figure(t, "Qwen2.5 Coder 0.5B Instruct AWQ (qwen2.5-0.5b.gguf)")
+    >>> fig = quality_figure(t, "Qwen2.5 Coder 0.5B Instruct AWQ (qwen2.5-coder-0.5b-instruct-q4_k_m.gguf)")
     >>> sorted({tr.legendgroup for tr in fig.data})
-    ['dense', 'teal (uniform)']
+    ['cats', 'dense', 'teal (uniform)', 'wina (uniform)']
     """
     import plotly.graph_objects as go
 
@@ -302,8 +302,8 @@ def compound_sentence(table: pd.DataFrame, model: str, fmt: str, variant: str = 
     """Whether ``fmt`` compounds ``variant``'s error on ``model``, at each recorded sparsity.
 
     >>> t = quality_table(load_quality()[0])
-    >>> compound_sentence(t, "Qwen2.5 Coder 0.5B Instruct AWQ (qwen2.5-0.5b.gguf)", "rtn-g32")
-    'On Qwen2.5 Coder 0.5B Instruct AWQ, int4 RTN, group 32 costs +5.8% dense; teal (uniform) adds +19.4% / +42.1% over that (40% / 50% sparse), against +17.4% / +44.7% on fp: interaction +1.7% / -1.8%, the errors multiply, no more.'
+    >>> compound_sentence(t, "Qwen2.5 Coder 0.5B Instruct AWQ (qwen2.5-coder-0.5b-instruct-q4_k_m.gguf)", "rtn-g32")
+    'On Qwen2.5 Coder 0.5B Instruct AWQ, int4 RTN, group 32 costs +5.6% dense; teal (uniform) adds +5.3% / +18.4% / +39.6% over that (25% / 40% / 50% sparse), against +4.6% / +19.5% / +41.8% on fp: interaction +0.7% / -1.0% / -1.6%, the errors multiply, no more.'
     """
     flat = table.reset_index()
     mine = flat[(flat["model"] == model) & (flat["format"] == fmt)]
@@ -401,11 +401,11 @@ def budget_table(quality: pd.DataFrame, budgets=(2, 10, 25, 50, 100), *,
     ``engine`` (:func:`~dejavu_lab.report.int4_speed.engine_table`) timed that combination at that shape.
 
     >>> box = budget_table(quality_table(load_quality()[0]))
-    >>> box.loc[("Qwen2.5 Coder 0.5B Instruct AWQ (qwen2.5-0.5b.gguf)", 10)][["format", "variant", "rise over fp dense %"]]
-    format                    rtn-g128
-    variant                      dense
-    rise over fp dense %      9.690134
-    Name: (Qwen2.5 Coder 0.5B Instruct AWQ (qwen2.5-0.5b.gguf), 10), dtype: object
+    >>> box.loc[("Qwen2.5 Coder 0.5B Instruct AWQ (qwen2.5-coder-0.5b-instruct-q4_k_m.gguf)", 10)][["format", "variant", "rise over fp dense %"]]
+    format                  rtn-g128
+    variant                    dense
+    rise over fp dense %    9.306527
+    Name: (Qwen2.5 Coder 0.5B Instruct AWQ (qwen2.5-coder-0.5b-instruct-q4_k_m.gguf), 10), dtype: object
     """
     arch, vocab = _arch(shape), PRESETS[shape].vocab
     dense16 = step_bytes(arch, vocab=vocab, context=context)["total"]
@@ -474,7 +474,7 @@ def budget_sentence(box: pd.DataFrame) -> str:
     budget and the budget at which activation sparsity first enters.
 
     >>> budget_sentence(budget_table(quality_table(load_quality()[0])))
-    'On SmolLM2-135M-Instruct the smallest budget (≤ 2%) takes int4 RTN, group 32, dense, and sparsity first enters at ≤ 50%; on Qwen2.5 Coder 0.5B Instruct AWQ ... at ≤ 50%.'
+    'On SmolLM2-135M-Instruct the smallest budget (≤ 2%) takes int4 RTN, group 32, dense, and sparsity first enters at ≤ 50%; on Qwen2.5 Coder 0.5B Instruct AWQ ... at ≤ 25%.'
     """
     parts = []
     for model, t in box.groupby(level="model", sort=False):
