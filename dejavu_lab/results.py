@@ -37,6 +37,7 @@ __all__ = [
     "ResultsError",
     "add_repeat",
     "describe",
+    "git_sha",
     "list_results",
     "load",
     "provenance",
@@ -63,7 +64,15 @@ def results_dir() -> Path:
     return Path(__file__).resolve().parent.parent / "results"
 
 
-def _git_sha() -> str:
+def git_sha() -> str:
+    """The commit this tree is at: ``$DEJAVU_LAB_GIT_SHA`` (a copy of the tree, as on a GPU
+    box), else git's HEAD with ``-dirty`` when tracked files changed, else ``"unknown"``.
+
+    >>> from unittest import mock
+    >>> with mock.patch.dict(os.environ, {ENV_SHA: "abc1234"}):
+    ...     git_sha()
+    'abc1234'
+    """
     if os.environ.get(ENV_SHA):  # a copy of the tree (a GPU box) says which commit it is
         return os.environ[ENV_SHA]
     root = Path(__file__).resolve().parent.parent
@@ -97,7 +106,7 @@ def provenance(command: str) -> dict[str, Any]:
         "torch": None,
         "triton": None,
         "cuda": None,
-        "git_sha": _git_sha(),
+        "git_sha": git_sha(),
         "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "command": command,
         "host": platform.node(),

@@ -30,6 +30,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dejavu_lab import results
+
 ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS = ("notebooks/60_sparse_kernels.md", "notebooks/65_int4_weights.md",
             "notebooks/70_end_to_end.md", "notebooks/75_batches.md")  # fmt: skip
@@ -125,16 +127,6 @@ def log_path() -> Path:
     return (Path(folder).expanduser() if folder else ROOT / "results") / "gpu_check.log"
 
 
-def _code_sha() -> str:
-    """The commit checked: ``DEJAVU_LAB_GIT_SHA`` (a copied tree), else git's short HEAD."""
-    sha = os.environ.get("DEJAVU_LAB_GIT_SHA")
-    if sha:
-        return sha
-    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                          text=True)  # fmt: skip
-    return done.stdout.strip() or "unknown"
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("chapters", nargs="*", default=list(CHAPTERS),
@@ -144,7 +136,7 @@ def main(argv=None) -> int:
     ap.add_argument("--save", type=Path, default=None, help="write the executed .ipynb here")
     args = ap.parse_args(argv)
     log = [f"gpu_check {time.strftime('%Y-%m-%dT%H:%M:%S%z')} on {os.uname().nodename}, "
-           f"code at {_code_sha()}"]  # fmt: skip
+           f"code at {results.git_sha()}"]  # fmt: skip
     failed = False
     if not args.no_tests:
         import torch
