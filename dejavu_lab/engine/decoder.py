@@ -326,10 +326,10 @@ class Decoder(DecodeLoop):
 
     def _flush(self) -> None:
         """Dense K/V of every head for the window's tokens, then open a new window (§4.2)."""
-        blocks = positions = None
-        if self.sparse.fused:  # every K/V block, the window's rows at their positions
+        blocks = None
+        positions = self.base_t + self.ar_w  # the window's rows at their positions
+        if self.sparse.fused:  # every K/V block
             blocks = torch.arange(self.H, self.H + 2 * self.Hkv, device=self.w.device)
-            positions = self.base_t + self.ar_w
         for attn in self.attn:
             attn.flush(self.base, blocks, positions)
         self.base += self.window

@@ -111,11 +111,11 @@ class KeptHeads:
             qkv = qkv.index_select(0, st.slot)  # [1, (k + 2 nkv) dh]
         return self._attend(qkv, heads)
 
-    def flush(self, base: int, blocks: torch.Tensor | None, positions: torch.Tensor | None):
-        """Dense K/V of every head for the window's tokens (from position ``base``): the step's
-        own kernel over every K/V block (``blocks``, rows at ``positions``), so both write the
-        same numbers; the unfused step rotates with :func:`~dejavu_lab.kernels.rope_`, and so
-        does its flush."""
+    def flush(self, base: int, blocks: torch.Tensor | None, positions: torch.Tensor):
+        """Dense K/V of every head for the window's tokens (from position ``base``, rows at
+        ``positions``): the step's own kernel over every K/V block (``blocks``), so both write
+        the same numbers; the unfused step rotates with :func:`~dejavu_lab.kernels.rope_`, and
+        so does its flush."""
         st, lw, kv, hwin = self.st, self.lw, self.kv, self.st.hwin[self.i]
         if self.fused:
             qkv_rope(hwin, lw.w_qkv, blocks, n_heads=st.H, n_kv_heads=st.Hkv,
@@ -124,8 +124,8 @@ class KeptHeads:
             return
         Hkv, dh, W, b = st.Hkv, st.dh, st.window, base
         new = self._kv_rows(hwin)  # [W, 2 Hkv dh]: every K block, then every V block
-        if st.cos is not None:  # the K blocks, row w at position b + w, as the step turns them
-            rope_(new, st.cos, st.sin, st.base_t + torch.arange(W, device=new.device), n_rot=Hkv)
+        if st.cos is not None:  # the K blocks, as the step turns them
+            rope_(new, st.cos, st.sin, positions, n_rot=Hkv)
         new = new.view(W, 2, Hkv, dh)
         kv[0, :, b : b + W] = new[:, 0].transpose(0, 1)
         kv[1, :, b : b + W] = new[:, 1].transpose(0, 1)
