@@ -151,7 +151,8 @@ class Method:
         budgets = ("sparsity", "mlp_sparsity", "head_sparsity") if unit else ("sparsity",)
         need = {"static sets": "static", "predictors": "predictors", "calibration": "thresholds"}
         extra = (need[self.needs],) if self.needs in need else ()
-        return budgets + extra + (("allocation",) if self.allocation == "greedy" else ())
+        refit = ("refit",) if self.input_sparse else ()
+        return budgets + extra + (("allocation",) if self.allocation == "greedy" else ()) + refit
 
 
 _TEAL_SITES = ("attn_in", "o_in", "mlp_in", "down_in")

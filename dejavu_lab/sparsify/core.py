@@ -103,6 +103,7 @@ class SparseContext:
     predictors: object = None  # Predictors (method "dejavu")
     thresholds: object = None  # Calibration or Thresholds (the threshold methods)
     allocation: str = "uniform"  # threshold methods: "uniform" or "greedy"
+    refit: object = None  # TEAL/WINA: a Refit (dejavu_lab.sparsify.refit) read after the masks
     record: dict | None = None  # receives masks (unit methods), for inspection and tests
     kept: Kept | None = None  # receives realised kept counts per (layer, site)
     state: dict = field(default_factory=dict)  # per-forward scratch shared by a method's hooks
@@ -133,6 +134,7 @@ def sparsified(
     predictors=None,
     thresholds=None,
     allocation: str = "uniform",
+    refit=None,
     arch: Arch | None = None,
     record: dict | None = None,
     kept: Kept | None = None,
@@ -153,6 +155,8 @@ def sparsified(
     :class:`~dejavu_lab.sparsify.calibration.Thresholds`. ``record``: a dict receiving the unit
     masks, ``record["mlp"][layer]`` [b, p, n] and ``record["heads"][layer]`` [b, p, h].
     ``kept``: a :class:`~dejavu_lab.sparsify.kept.Kept` counting what each site kept.
+    ``refit`` (TEAL, WINA): a :class:`~dejavu_lab.sparsify.refit.Refit` fitted under these
+    thresholds; each refitted site's layers then read ``R x_m`` (the weights ``W R``).
 
     An argument the method does not read (:attr:`dejavu_lab.vocab.Method.options`) is an
     ``InputError``, as is a block inside another on the same model that names a method or a
@@ -177,6 +181,7 @@ def sparsified(
         predictors=predictors,
         thresholds=thresholds,
         allocation=allocation,
+        refit=refit,
         arch=arch,
         record=record,
         kept=kept,
@@ -268,6 +273,7 @@ def _context(
     predictors,
     thresholds,
     allocation,
+    refit,
     arch,
     record,
     kept,
@@ -278,7 +284,8 @@ def _context(
     _check_options(
         spec,
         dict(sparsity=sparsity, mlp_sparsity=mlp_sparsity, head_sparsity=head_sparsity,
-             static=static, predictors=predictors, thresholds=thresholds, allocation=allocation),
+             static=static, predictors=predictors, thresholds=thresholds, allocation=allocation,
+             refit=refit),
     )  # fmt: skip
     L = arch.n_layers
     unit = spec.family not in ("threshold", "topk")  # dense and unit masks: mlp/head budgets
@@ -330,6 +337,7 @@ def _context(
         predictors=predictors,
         thresholds=thresholds,
         allocation=allocation,
+        refit=refit,
         record=record,
         kept=kept,
     )

@@ -89,13 +89,21 @@ def _variants() -> dict[str, dict]:
 
 
 _RUN_KEYS = ("method", "allocation", "sites", "dense_layers", "mlp_sparsity", "head_sparsity",
-             "layers")  # fmt: skip
+             "layers", "refit")  # fmt: skip
 
 
 def _layered(name: str, spec: dict) -> tuple[str, dict]:
     """The variant with its budget spread over the layers by their measured sensitivity."""
     return (f"{name[:-1]}, layers)" if name.endswith(")") else f"{name} (layers)",
             {**spec, "layers": "sensitivity"})  # fmt: skip
+
+
+def _refitted(name: str, spec: dict) -> tuple[str, dict]:
+    """The variant read through least-squares weights (:mod:`~dejavu_lab.sparsify.refit`)."""
+    if not method(spec["method"]).input_sparse:
+        raise ValueError(f"refit applies to teal and wina, not {spec['method']}.")
+    return (f"{name[:-1]}, refit)" if name.endswith(")") else f"{name} (refit)",
+            {**spec, "refit": True})  # fmt: skip
 
 
 # name -> spec: sparse_eval's method plus, for the threshold methods, the allocation over a
@@ -106,6 +114,9 @@ METHOD_VARIANTS: dict[str, dict] = _variants()
 VARIANTS: dict[str, dict] = {**METHOD_VARIANTS, **DESIGNS}  # and the top-k methods' designs
 # per-layer budgets from each layer's sensitivity (:mod:`~dejavu_lab.sparsify.layers`)
 VARIANTS.update(_layered(n, VARIANTS[n]) for n in ("teal (greedy)", "wina (greedy)", "larosa"))
+VARIANTS.update(
+    _refitted(n, VARIANTS[n]) for n in ("teal (greedy, layers)", "wina (greedy, layers)")
+)
 # methods that need no trained predictor (but static sets or a calibration)
 TRAINING_FREE = tuple(m.name for m in METHODS.values() if m.needs in ("static sets", "calibration"))
 
@@ -127,6 +138,8 @@ def parse_variant(text: str) -> tuple[str, dict]:
     text = text.strip()
     if text in VARIANTS:
         return text, dict(VARIANTS[text])
+    if text.endswith("+refit"):  # e.g. wina+layers+refit: least-squares weights
+        return _refitted(*parse_variant(text[: -len("+refit")]))
     if text.endswith("+layers"):  # e.g. teal+layers: per-layer budgets by sensitivity
         return _layered(*parse_variant(text[: -len("+layers")]))
     name, _, allocation = text.partition(":")
@@ -171,8 +184,10 @@ def prepare(model, tokenizer, spec: dict, calib: torch.Tensor, *, arch=None, pro
     """
     arch = arch or get_arch(model)
     ready = _prepare_method(model, tokenizer, spec, calib, arch=arch, progress=progress, **kw)
+    if spec.get("refit"):
+        ready["calib"] = calib  # each budget's refit is fitted under its own thresholds
     if spec.get("layers"):
-        base = {k: v for k, v in spec.items() if k != "layers"}
+        base = {k: v for k, v in spec.items() if k not in ("layers", "refit")}
         ready["layers"] = cached_sensitivity(
             model, calib[:1], lambda b: _kwargs(base, b, ready, model),
             {"spec": base, "calibration": text_hash(calib)}, arch=arch, progress=progress,
@@ -343,6 +358,11 @@ def _kwargs(spec: dict, s: float, ready: dict, model) -> dict:
             dense_layers=kw["dense_layers"],
             sites=spec.get("sites"),
         )
+        if spec.get("refit"):
+            from .refit import fit_refit
+
+            thr = kw["thresholds"].site_thresholds(model)
+            kw["refit"] = fit_refit(model, ready["calib"], thr, progress=False)
     return kw
 
 

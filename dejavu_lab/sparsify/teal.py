@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from .calibration import thresholds_for
 from .core import SparseContext, register, threshold_hooks
+from .refit import refitted
 
 __all__ = ["teal_hooks"]
 
@@ -34,4 +35,5 @@ def teal_hooks(ctx: SparseContext) -> list:
     >>> round(kept.fractions()[(0, "attn_in")], 2)  # layer 0 sees the calibration's inputs
     0.5
     """
-    return threshold_hooks(ctx, thresholds_for(ctx).site_thresholds(ctx.model, ctx.arch))
+    thr = thresholds_for(ctx).site_thresholds(ctx.model, ctx.arch)
+    return refitted(ctx, thr, threshold_hooks(ctx, thr))

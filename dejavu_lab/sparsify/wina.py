@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from .calibration import thresholds_for
 from .core import SparseContext, register, threshold_hooks
+from .refit import refitted
 
 __all__ = ["wina_hooks"]
 
@@ -31,4 +32,5 @@ def wina_hooks(ctx: SparseContext) -> list:
     >>> round(r.bytes_per_token_fraction, 1)  # about half of every site's columns are read
     0.5
     """
-    return threshold_hooks(ctx, thresholds_for(ctx).site_thresholds(ctx.model, ctx.arch))
+    thr = thresholds_for(ctx).site_thresholds(ctx.model, ctx.arch)
+    return refitted(ctx, thr, threshold_hooks(ctx, thr))
