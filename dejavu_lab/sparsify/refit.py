@@ -176,7 +176,8 @@ def _solve(cxm: torch.Tensor, cmm: torch.Tensor, ridge: float) -> torch.Tensor:
 def default_path(fp: dict, text_sha: str, thr_sha: str, ridge: float) -> Path:
     """The cache file :func:`fit_refit` uses (nothing is created).
 
-    >>> p = default_path({"model_type": "llama"}, "ab" * 8, "cd" * 8, 1.0)
+    >>> fp = {"model_type": "llama", "n_layers": 2, "d_model": 64, "weights_sha256": "0" * 64}
+    >>> p = default_path(fp, "ab" * 8, "cd" * 8, 1.0)
     >>> p.parent.name, p.name.endswith("-cdcdcdcdcdcd-r1.safetensors")
     ('calibration', True)
     """
