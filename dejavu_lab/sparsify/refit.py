@@ -307,8 +307,8 @@ def refitted(ctx, thresholds: dict, fns: list) -> list:
     >>> ctx = SparseContext(m.model, m.arch, "teal", mlp=[0.0] * 2, heads=[0.0] * 2)
     >>> ctx.refit = fit_refit(m.model, torch.randint(0, 128, (1, 16)), thr, cache=False,
     ...                       progress=False)
-    >>> [fn.__name__ for _, fn in refitted(ctx, thr, threshold_hooks(ctx, thr))]
-    ['wrapped', 'fn']
+    >>> [fn.__name__ for _, fn in refitted(ctx, thr, threshold_hooks(ctx, thr))]  # down_in, mlp_in
+    ['fn', 'wrapped']
     """
     refit = ctx.refit
     if refit is None:
