@@ -1,7 +1,7 @@
 """A static-KV-cache decoder built from Hugging Face weights, dense or contextually sparse (§5.1).
 
 One module per idea; the imports run one way (``config -> weights -> site_thresholds, sets,
-attention, kept_heads, mlp, plans, lowrank, fused_step, decode_loop -> decoder -> thresholds``;
+attention, kept_heads, mlp, plans, refit, lowrank, fused_step, decode_loop -> decoder -> thresholds``;
 ``sets -> batch_sets``, ``attention -> batch_blocks``, ``decoder -> batch``; ``weights ->
 tp_weights``, ``decoder, tp_weights -> tp``). The bytes a step reads come from
 :mod:`dejavu_lab.step_bytes`; its tables and figures live in :mod:`dejavu_lab.report` (the
@@ -19,7 +19,8 @@ engine imports no pandas or plotly, so it runs on a bare GPU image):
   thresholded and CATS MLPs;
 - :mod:`~dejavu_lab.engine.plans`, :mod:`~dejavu_lab.engine.lowrank` — LaRoSA's and
   R-Sparse's plans as the step runs them: LaRoSA's rotation folded into W_V and W_O, R-Sparse's
-  low-rank term beside TEAL's thresholded product;
+  low-rank term beside TEAL's thresholded product; :mod:`~dejavu_lab.engine.refit` — a TEAL/WINA
+  refit's ``W R`` folded into the weights;
 - :mod:`~dejavu_lab.engine.sets`    — :class:`KeptSets`: the kept neurons/heads per layer, set by
   hand or by DejaVu's lookahead predictors inside the step;
 - :mod:`~dejavu_lab.engine.fused_step` — the one-token step with each block finished in its
@@ -61,6 +62,7 @@ from .plans import (
     random_factors,
     random_rotations,
 )
+from .refit import fold_refit
 from .sets import KeptSets
 from .thresholds import calibrate_thresholds, column_norms, keep_all
 from .tp import NVLS_OFF, TPDecoder, init_tp, split_indices
@@ -85,6 +87,7 @@ __all__ = [
     "decoder_weights",
     "dense_ops",
     "factor_bytes",
+    "fold_refit",
     "fold_residual",
     "fold_rotations",
     "keep_all",

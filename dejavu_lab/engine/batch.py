@@ -99,6 +99,10 @@ class BatchDecoder(Decoder):
         int4 = isinstance(model, DecoderWeights) and is_int4(model)
         if int4 and sparse is not None and sparse.method == "dejavu":
             raise EngineError("DejaVu on int4 weights runs batch 1 only; decode it with Decoder.")
+        if isinstance(model, DecoderWeights) and model.prefill_masks:
+            raise EngineError(
+                "refit weights (fold_refit) run in the batch-1 Decoder only; use Decoder."
+            )
         if sparse is not None and sparse.method == "rsparse":
             raise EngineError(
                 "R-Sparse's low-rank terms run in the batch-1 Decoder only; use Decoder."

@@ -52,10 +52,12 @@ class DecodeLoop:
         pos = self.ar_t[:S]
         x = self._embed(ids, pos)
         tap = self._taps or (lambda i, site, t: None)
+        masked = _prefill_masker(self.w.prefill_masks)
 
         def attn(i, xn):
             lw = self.w.layers[i]
             tap(i, "attn_in", xn)
+            xn = masked(i, "attn_in", xn)
             qkv = lw.qkv(xn).view(S, H + 2 * Hkv, dh)
             q, k, v = qkv[:, :H], qkv[:, H : H + Hkv], qkv[:, H + Hkv :]
             if self.cos is not None:
@@ -68,12 +70,12 @@ class DecodeLoop:
                 is_causal=True, enable_gqa=H != Hkv,
             )[0].transpose(0, 1).reshape(S, H * dh)  # fmt: skip
             tap(i, "o_in", o)
-            return linear_t(o, lw.w_o_t, lw.b_o)
+            return linear_t(masked(i, "o_in", o), lw.w_o_t, lw.b_o)
 
         def mlp(i, xn):
             lw, n = self.w.layers[i], self.arch.d_mlp
             tap(i, "mlp_in", xn)
-            a = lw.mlp_in(xn)
+            a = lw.mlp_in(masked(i, "mlp_in", xn))
             g = gate_act(a, self.w.activation, self.arch.gated, n)  # what CATS thresholds
             h = g * a[:, n:] if self.arch.gated else g
             tap(i, "gate", g)
@@ -179,3 +181,21 @@ class DecodeLoop:
             self.graph = None
         self.decode(max_new_tokens - 1)
         return self.tokens[: S + max_new_tokens][None].clone()
+
+
+def _prefill_masker(masks: dict):
+    """``(layer, site, x) -> x`` with ``|x| <= t`` zeroed where ``masks`` has a threshold (the
+    sites of a folded refit), else ``x`` itself."""
+    if not masks:
+        return lambda i, site, x: x
+    ready: dict = {}
+
+    def masked(i: int, site: str, x: torch.Tensor) -> torch.Tensor:
+        t = masks.get((i, site))
+        if t is None:
+            return x
+        if isinstance(t, torch.Tensor):
+            t = ready.setdefault((i, site), t.to(x.device, torch.float32))
+        return x * (x.abs().float() > t)
+
+    return masked

@@ -220,6 +220,8 @@ class TPDecoder(Decoder):
                 )
         else:
             method = "dense" if sparse is None else sparse.method
+            if isinstance(model, DecoderWeights) and model.prefill_masks:
+                raise EngineError("refit weights (fold_refit) run in the batch-1 Decoder only.")
             full = model if isinstance(model, DecoderWeights) else decoder_weights(
                 model, arch, layout=layout_for(method))  # fmt: skip
             w = shard_weights(

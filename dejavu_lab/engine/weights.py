@@ -22,7 +22,7 @@ HF model, not copied, so building an engine next to a 60 GB model costs the copi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -141,6 +141,9 @@ class DecoderWeights:
     activation: str  # "relu", "gelu" or "silu" (the MLP's, gated or not)
     rotary: nn.Module | None  # HF rotary embedding module (Llama-family), None for OPT
     max_positions: int  # longest sequence the position scheme supports
+    # {(layer, site): threshold} masked in the prefill too: a folded refit (engine.refit) reads
+    # W R, which holds for thresholded inputs only
+    prefill_masks: dict = field(default_factory=dict, repr=False, kw_only=True)
 
     @property
     def layout(self) -> str:
