@@ -15,12 +15,16 @@ per budget (``R`` is fitted under the thresholds it will run with). The engine s
 product. ``x`` is the model's own input at the site, so ``R`` undoes the site's own masking,
 and ``λ = ridge · mean(diag C_mm)`` scales with the site.
 
-Where it pays (Qwen2.5-0.5B, 50% of the bytes, prototype on the frontier's calibration and
-held-out text): attention's and the MLP's inputs, the residual stream after a norm, whose
-channels are correlated. The MLP's inner input (``down_in``, after an elementwise product) got
-worse: its n × n fit over-fits 8,192 calibration tokens, and the entries it drops are the
-near-zero outputs of the activation, with little to recover. So :data:`SITES` leaves it out,
-and ``o_in`` (attention's output, heads concatenated) is in but gains little.
+Where it pays was settled by a side run on Qwen2.5-0.5B, WINA at 50% (frontier text, not
+recorded): attention's and the MLP's inputs, the residual stream after a norm, whose channels
+are correlated, gain the most. The MLP's inner input (``down_in``, after an elementwise product)
+got worse: its n × n fit over-fits 8,192 calibration tokens, and the entries it drops are the
+near-zero outputs of the activation, with little to recover. So :data:`SITES` leaves it out;
+``o_in`` (attention's output, heads concatenated) is in but gains little. The same run chose
+the ridge (:data:`RIDGE`; 0.3 and 3 did worse) and the model's own input as the target: fitting
+toward the dense model's input instead, or fitting again with the first refit applied
+upstream, did worse. The recorded effect is in ``results/frontier_qwen2.5-*.json`` (variants
+marked "refit"; chapter 42).
 
 A :class:`Refit` is tied to one model (its fingerprint) and one set of thresholds (their
 digest): passing it with other thresholds is an error, not a silent mismatch. Fits are cached
