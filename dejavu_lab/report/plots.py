@@ -37,12 +37,19 @@ COLORS = {
 
 def dash(variant: str) -> str:
     """A variant's line style beside its method's colour: dotted for a uniform allocation,
-    dashed for budgets per layer, solid otherwise.
+    dash-dot for a refit (:mod:`dejavu_lab.sparsify.refit`), dashed for budgets per layer,
+    solid otherwise.
 
     >>> dash("teal (uniform)"), dash("teal (greedy, layers)"), dash("larosa")
     ('dot', 'dash', 'solid')
+    >>> dash("wina (greedy, layers, refit)")
+    'dashdot'
     """
-    return "dot" if "uniform" in variant else "dash" if "layers" in variant else "solid"
+    if "uniform" in variant:
+        return "dot"
+    if "refit" in variant:
+        return "dashdot"
+    return "dash" if "layers" in variant else "solid"
 
 
 CAPTION_CHARS = 90  # characters per caption line that fit the book's text column at 10 pt
