@@ -13,8 +13,9 @@ variants — and answers the gated-MLP chapter's question, "which method for whi
 - :func:`best_at` and :func:`decision` — the best variant per model at each byte budget, and
   sentences built from them, saying where the models disagree and whether :data:`TARGETS` are
   met;
-- :func:`frontiers_figure` — one panel per model, one colour per method (dashed: uniform
-  allocation) in every panel.
+- :func:`frontiers_figure` — one panel per model, one colour per method in every panel, a line
+  style per kind of variant (:func:`~dejavu_lab.report.plots.dash`: dotted uniform, dashed per
+  layer, dash-dot refit).
 """
 
 from __future__ import annotations
