@@ -8,7 +8,7 @@ import pytest
 
 from dejavu_lab import results
 from dejavu_lab.errors import ResultsError
-from dejavu_lab.report import frontiers
+from dejavu_lab.report import frontier_sentences, frontiers
 
 
 def test_loader_reads_every_recording_with_provenance_and_dense():
@@ -80,7 +80,7 @@ def test_decision_when_models_agree_and_disagree():
     )
     assert best.loc[(0.6, "m1"), "variant"] == "a" and best.loc[(0.5, "m2"), "variant"] == "b"
     assert bool(best.loc[(0.5, "m2"), "meets"])  # 1.1 <= 1.15
-    said = dict(zip((0.75, 0.6, 0.5), frontiers.decision(best.reset_index(), names=str),
+    said = dict(zip((0.75, 0.6, 0.5), frontier_sentences.decision(best.reset_index(), names=str),
                     strict=True))  # fmt: skip
     assert said[0.75].startswith("At 75% of the weight bytes a is best on all 2 models")
     assert "met on none of the 2 models" in said[0.75]
@@ -100,11 +100,14 @@ def test_oracle_sentence_sets_the_oracle_beside_the_best_pick():
                           "variant": ["oracle", "teal (greedy)"] * 3,
                           "fraction": [0.6, 0.6, 0.5, 0.5, 0.5, 0.5],
                           "ratio": [1.3, 1.08, 1.6, 1.2, math.nan, 1.1]})  # fmt: skip
-    said = frontiers.oracle_sentence(cross, frontiers.best_at(cross), names=str)
+    said = frontier_sentences.oracle_sentence(cross, frontiers.best_at(cross), names=str)
     assert "on m +30.0% against +8.0% at 60% of the bytes, +60.0% against +20.0% at 50%" in said
     assert "on n" not in said  # no oracle crossing there
     assert (
-        frontiers.oracle_sentence(cross[cross.variant != "oracle"], frontiers.best_at(cross)) == ""
+        frontier_sentences.oracle_sentence(
+            cross[cross.variant != "oracle"], frontiers.best_at(cross)
+        )
+        == ""
     )
 
 
@@ -126,7 +129,17 @@ def test_decision_counts_the_majority_of_three():
                          "ratio": [1.1, 1.3, 1.2], "runner_up": None,
                          "runner_up_ratio": float("nan"), "target": 1.15,
                          "meets": [True, False, False]})  # fmt: skip
-    (said,) = frontiers.decision(best, names=str)
+    (said,) = frontier_sentences.decision(best, names=str)
     assert said.startswith("At 50% of the weight bytes the models disagree: x is best on 2 of the "
                            "3 models, a (+10.0%) and c (+20.0%); y on b (+30.0%).")  # fmt: skip
     assert frontiers.consensus(best, 0.5) == (["x"], 2, 3)
+
+
+def test_refit_sentence_pairs_each_refit_with_its_base_variant():
+    cross = pd.DataFrame({"model": ["a", "a", "a", "b"],
+                          "variant": ["w (layers)", "w (layers, refit)", "t (refit)", "w (layers)"],
+                          "fraction": 0.6, "ratio": [1.09, 1.05, 1.2, 1.1]})  # fmt: skip
+    said = frontier_sentences.refit_sentence(cross, names=str)
+    assert "on a, w (layers) +9.0% → +5.0% at 60% of the bytes" in said
+    assert "t (refit)" not in said and "on b" not in said  # no base variant / no refit: left out
+    assert frontier_sentences.refit_sentence(cross[~cross.variant.str.contains("refit")]) == ""

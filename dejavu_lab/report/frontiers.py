@@ -10,9 +10,9 @@ variants — and answers the gated-MLP chapter's question, "which method for whi
   sparsity, the dense row included) and each model's provenance;
 - :func:`crossing_table` — each curve read where it crosses given byte fractions
   (:func:`dejavu_lab.report.gated.crossings`, itself :func:`~dejavu_lab.sparsify.frontier.at_bytes`);
-- :func:`best_at` and :func:`decision` — the best variant per model at each byte budget, and
-  sentences built from them, saying where the models disagree and whether :data:`TARGETS` are
-  met;
+- :func:`best_at` — the best variant per model at each byte budget (the sentences built from
+  it, saying where the models disagree and whether :data:`TARGETS` are met, are in
+  :mod:`~dejavu_lab.report.frontier_sentences`);
 - :func:`frontiers_figure` — one panel per model, one colour per method in every panel, a line
   style per kind of variant (:func:`~dejavu_lab.report.plots.dash`: dotted uniform, dashed per
   layer, dash-dot refit).
@@ -43,12 +43,10 @@ __all__ = [
     "best_at",
     "consensus",
     "crossing_table",
-    "decision",
     "describe",
     "frontiers_figure",
     "load_frontiers",
     "missing_models",
-    "oracle_sentence",
     "pickable",
     "text_clause",
     "title",
@@ -69,7 +67,6 @@ TITLES = {"demo": "SmolLM2-135M-Instruct", "qwen2.5-0.5b": "Qwen2.5-Coder-0.5B-I
 CORPUS_NAMES = {"demo": "Lee news corpus", "wikitext-2": "WikiText-2", "c4": "C4"}
 # provenance fields a frontier recording must carry for the chapter's caption
 NEEDED = ("model", "dtype", "tokens", "window", "calibration_tokens", "cpu", "git_sha")
-CLOSE = 0.01  # a runner-up this close (in perplexity ratio) is called out: the pick is a toss-up
 _SPARE = ("#e377c2", "#bcbd22", "#393b79", "#637939", "#843c39")
 
 
@@ -309,107 +306,6 @@ def consensus(best: pd.DataFrame, fraction: float) -> tuple[list[str], int, int]
         return [], 0, len(g)
     k = int(counts.max())
     return [str(v) for v, c in counts.items() if c == k], k, len(g)
-
-
-def _pct(r: float) -> str:
-    return f"{r - 1:+.1%}"
-
-
-def oracle_sentence(cross: pd.DataFrame, best: pd.DataFrame, names=title) -> str:
-    """Where :func:`crossing_table` has the oracle (DejaVu's ideal neuron and head sets): its
-    rise at each byte fraction per model beside the best deployable variant's (:func:`best_at`);
-    '' when no model has both.
-
-    >>> cross = pd.DataFrame({"model": "a", "variant": ["oracle", "x"], "fraction": 0.5,
-    ...                       "ratio": [1.4, 1.25]})
-    >>> oracle_sentence(cross, best_at(cross), names=str)
-    "DejaVu's oracle sets, chosen from the true activations, against the best threshold or rotation variant at equal bytes: on a +40.0% against +25.0% at 50% of the bytes."
-    """
-    parts = []
-    for model, g in (
-        cross[cross.variant == "oracle"].dropna(subset=["ratio"]).groupby("model", sort=False)
-    ):
-        b = best[(best.model == model) & best.variant.notna()].set_index("fraction").ratio
-        at = [f"{_pct(r)} against {_pct(b[f])} at {f:.0%} of the bytes"
-              for f, r in zip(g.fraction, g.ratio, strict=True) if f in b.index]  # fmt: skip
-        if at:
-            parts.append(f"on {names(model)} " + ", ".join(at))
-    if not parts:
-        return ""
-    return ("DejaVu's oracle sets, chosen from the true activations, against the best threshold "
-            "or rotation variant at equal bytes: " + "; ".join(parts) + ".")  # fmt: skip
-
-
-def decision(best: pd.DataFrame, names=title) -> list[str]:
-    """One sentence per byte fraction of :func:`best_at`: which variant is best on how many of
-    the models (with each model's rise over dense), where they disagree, and on which models
-    the best variant meets the target. ``names``: model -> its name in the sentence.
-
-    >>> best = pd.DataFrame({"fraction": 0.6, "model": ["a", "b"], "variant": ["x", "y"],
-    ...                      "ratio": [1.04, 1.2], "runner_up": ["y", "x"],
-    ...                      "runner_up_ratio": [1.05, 1.3], "target": 1.05,
-    ...                      "meets": [True, False]})
-    >>> print(decision(best, names=str)[0])  # doctest: +NORMALIZE_WHITESPACE
-    At 60% of the weight bytes the models disagree: x is best on a (+4.0%, y +5.0%); y on b
-    (+20.0%, x +30.0%). The target (at most +5%) is met on a only.
-    >>> agree = best.assign(variant="x", runner_up="y", runner_up_ratio=[1.045, 1.3])
-    >>> print(decision(agree, names=str)[0])  # doctest: +NORMALIZE_WHITESPACE
-    At 60% of the weight bytes x is best on all 2 models: a (+4.0%, y +4.5%) and b (+20.0%, y
-    +30.0%); the runner-up is within 1 point of the best on a. The target (at most +5%) is met
-    on a only.
-    """
-    out = []
-    for f, g in best.groupby("fraction", sort=False):
-        n = len(g)
-        reached = g[g.variant.notna()]
-        where = f"At {f:.0%} of the weight bytes"
-        if reached.empty:
-            out.append(f"{where} no recorded method reads that few bytes on any of the {n} models.")
-            continue
-
-        def one(r) -> str:  # a model, its best variant's rise and the runner-up's
-            alt = (f", {r.runner_up} {_pct(r.runner_up_ratio)}" if r.runner_up is not None
-                   and not math.isnan(r.runner_up_ratio) else "")  # fmt: skip
-            return f"{names(r.model)} ({_pct(r.ratio)}{alt})"
-
-        winners = sorted(reached.groupby("variant", sort=False), key=lambda kv: -len(kv[1]))
-        if len(winners) == 1:
-            v, on = winners[0]
-            many = (f"all {n} models" if n > 1 else "the model") if len(on) == n else (
-                f"{len(on)} of {n} models")  # fmt: skip
-            text = f"{where} {v} is best on {many}: {listing(map(one, on.itertuples()))}"
-        else:
-            bits = []
-            for i, (v, on) in enumerate(winners):
-                many = f"{len(on)} of the {n} models, " if len(on) > 1 else ""
-                lead = "is best on" if i == 0 else "on"
-                bits.append(f"{v} {lead} {many}{listing(map(one, on.itertuples()))}")
-            text = f"{where} the models disagree: " + "; ".join(bits)
-        close = [
-            r.model for r in reached.itertuples() if abs(r.runner_up_ratio - r.ratio) < CLOSE
-        ]  # NaN compares False
-        if close:
-            text += (
-                f"; the runner-up is within {CLOSE * 100:g} point of the best on "
-                f"{'every model' if len(close) == len(reached) else listing(map(names, close))}"
-            )
-        unreached = g[g.variant.isna()].model.tolist()
-        if unreached:
-            text += f"; no recorded method reads that few bytes on {listing(map(names, unreached))}"
-        target = float(g.target.iloc[0])
-        met = g[g.meets].model.tolist()
-        if math.isnan(target):
-            out.append(text + ".")
-            continue
-        goal = f"The target (at most {target - 1:+.0%})"
-        if not met:
-            verdict = f"{goal} is met on none of the {n} models."
-        elif len(met) == n:
-            verdict = f"{goal} is met on all {n} models."
-        else:
-            verdict = f"{goal} is met on {listing(map(names, met))} only."
-        out.append(f"{text}. {verdict}")
-    return out
 
 
 def variant_colors(variants) -> dict[str, str]:
