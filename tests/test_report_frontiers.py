@@ -140,6 +140,6 @@ def test_refit_sentence_pairs_each_refit_with_its_base_variant():
                           "variant": ["w (layers)", "w (layers, refit)", "t (refit)", "w (layers)"],
                           "fraction": 0.6, "ratio": [1.09, 1.05, 1.2, 1.1]})  # fmt: skip
     said = frontier_sentences.refit_sentence(cross, names=str)
-    assert "on a, w (layers) +9.0% → +5.0% at 60% of the bytes" in said
+    assert "on a, w (layers) from +9.0% to +5.0% at 60% of the bytes" in said
     assert "t (refit)" not in said and "on b" not in said  # no base variant / no refit: left out
     assert frontier_sentences.refit_sentence(cross[~cross.variant.str.contains("refit")]) == ""

@@ -50,7 +50,7 @@ def fold_refit(w: DecoderWeights, refit, thresholds: dict) -> DecoderWeights:
     >>> from dejavu_lab.models import random_model
     >>> from dejavu_lab.sparsify.refit import Refit
     >>> w = decoder_weights(random_model("tiny-llama").model)
-    >>> fold_refit(w, Refit({}, "", "", 1.0, {(0, "down_in"): torch.eye(256)}), {})
+    >>> fold_refit(w, Refit({}, "", "", 1.0, {(0, "down_in"): torch.eye(256)}), {(0, "down_in"): 0})
     Traceback (most recent call last):
     ...
     dejavu_lab.errors.EngineError: refit has site 'down_in'; the engine folds a refit of attn_in, mlp_in and o_in.

@@ -49,28 +49,31 @@ def oracle_sentence(cross: pd.DataFrame, best: pd.DataFrame, names=title) -> str
 
 
 def refit_sentence(cross: pd.DataFrame, names=title) -> str:
-    """Each refit variant of :func:`crossing_table` beside the variant it refits (the same name
-    without "refit"), per model, at every byte fraction both reach; '' when none has both.
+    """Each refit variant of :func:`~dejavu_lab.report.frontiers.crossing_table` beside the
+    variant it refits (the same name without "refit"), per model, at the byte fractions both
+    reach; '' when none has both.
 
-    >>> cross = pd.DataFrame({"model": "a", "variant": ["w (layers)", "w (layers, refit)"],
-    ...                       "fraction": 0.5, "ratio": [1.3, 1.2]})
+    >>> cross = pd.DataFrame({"model": "a", "variant": ["w (layers)", "w (layers, refit)"] * 2,
+    ...                       "fraction": [0.6, 0.6, 0.5, 0.5], "ratio": [1.1, 1.05, 1.3, 1.2]})
     >>> refit_sentence(cross, names=str)
-    'Read through the refit weights, the perplexity rise at equal bytes goes: on a, w (layers) +30.0% → +20.0% at 50% of the bytes.'
+    'Read through the refit weights, the perplexity rise at equal bytes goes: on a, w (layers) from +10.0% / +30.0% to +5.0% / +20.0% at 60% / 50% of the bytes.'
     """
     ratio = cross.dropna(subset=["ratio"]).set_index(["model", "variant", "fraction"]).ratio
-    parts = []
+    pairs: dict = {}  # (model, base variant) -> [(fraction, base ratio, refit ratio)]
     for (model, variant, f), r in ratio.items():
-        if ", refit)" not in variant and " (refit)" not in variant:
-            continue
         base = variant.replace(", refit)", ")").replace(" (refit)", "")
-        if (model, base, f) in ratio.index:
-            parts.append((model, f"{base} {_pct(ratio[(model, base, f)])} → {_pct(r)} at "
-                                 f"{f:.0%} of the bytes"))  # fmt: skip
-    if not parts:
+        if base != variant and (model, base, f) in ratio.index:
+            pairs.setdefault((model, base), []).append((f, ratio[(model, base, f)], r))
+    by_model: dict = {}
+    for (model, base), at in pairs.items():
+        at = sorted(at, reverse=True)
+        before, after = (" / ".join(_pct(a[k]) for a in at) for k in (1, 2))
+        where = " / ".join(f"{a[0]:.0%}" for a in at)
+        by_model.setdefault(model, []).append(
+            f"{base} from {before} to {after} at {where} of the bytes"
+        )
+    if not by_model:
         return ""
-    by_model = {}
-    for model, text in parts:
-        by_model.setdefault(model, []).append(text)
     return (
         "Read through the refit weights, the perplexity rise at equal bytes goes: "
         + "; ".join(f"on {names(m)}, " + ", ".join(t) for m, t in by_model.items())
