@@ -47,7 +47,7 @@ from ..arch import Arch, get_arch
 from ..collect import fingerprint, fingerprint_id
 from ..hooks import hooks
 from ..vocab import SITES as HOOK_OF
-from .core import _check_windows, site_weights
+from .core import SparseContext, _check_windows, site_weights, threshold_hooks
 from .thresholds import CalibrationError, _check_fingerprint, _load, _save
 
 __all__ = ["REFIT_FORMAT", "SITES", "Refit", "apply", "default_path", "fit_refit",
@@ -237,9 +237,13 @@ def fit_refit(
                 return r
         except CalibrationError:
             pass  # damaged or stale: refit and overwrite
+    # the method's own masks (threshold_hooks), each fitted site's sums added around its mask
     sums: dict = {}
-    fns = [(f"blocks.{i}.{HOOK_OF[site]}", _accumulate(sums, i, site, t, site in sites))
-           for (i, site), t in sorted(thresholds.items())]  # fmt: skip
+    ctx = SparseContext(model, arch, "teal", mlp=[0.0] * arch.n_layers,
+                        heads=[0.0] * arch.n_layers)  # fmt: skip
+    where = _hook_names(_fitted(thresholds, sites))
+    fns = [(name, _summing(fn, sums, *where[name]) if name in where else fn)
+           for name, fn in threshold_hooks(ctx, thresholds)]  # fmt: skip
     device = next(model.parameters()).device
     for w in tqdm(windows, desc="refit", disable=not progress, leave=False):
         with hooks(model, fns, arch):
@@ -255,27 +259,23 @@ def _fitted(thresholds: dict, sites) -> set:
     return {k for k in thresholds if k[1] in sites}
 
 
-def _accumulate(sums: dict, i: int, site: str, t, fit: bool):
-    """Hook: threshold the input as the method does; add the sums where ``fit``."""
-    cache: dict = {}
+def _hook_names(keys) -> dict:
+    """``{hook name: (layer, site)}`` of the sites ``keys``."""
+    return {f"blocks.{i}.{HOOK_OF[site]}": (i, site) for i, site in keys}
 
-    def fn(x: torch.Tensor, name: str) -> torch.Tensor:
-        if isinstance(t, torch.Tensor):
-            thr = cache.get(x.device)
-            if thr is None:
-                thr = cache[x.device] = t.to(x.device, torch.float32)
-        else:
-            thr = float(t)
-        f = _flat(x, site)
-        xm = f * (f.abs().float() > thr)
-        if fit:
-            a = f.reshape(-1, f.shape[-1]).float()
-            b = xm.reshape(-1, f.shape[-1]).float()
-            cxm, cmm = sums.get((i, site), (0.0, 0.0))
-            sums[(i, site)] = (cxm + a.T @ b, cmm + b.T @ b)
-        return xm.reshape(x.shape)
 
-    return fn
+def _summing(fn, sums: dict, i: int, site: str):
+    """The threshold hook ``fn``, adding ``x x_mᵀ`` and ``x_m x_mᵀ`` of its input and output."""
+
+    def summed(x: torch.Tensor, name: str) -> torch.Tensor:
+        xm = fn(x, name)
+        a, b = (_flat(t, site) for t in (x, xm))
+        a, b = (t.reshape(-1, t.shape[-1]).float() for t in (a, b))
+        cxm, cmm = sums.get((i, site), (0.0, 0.0))
+        sums[(i, site)] = (cxm + a.T @ b, cmm + b.T @ b)
+        return xm
+
+    return summed
 
 
 def folded_weights(model: nn.Module, refit: Refit, arch: Arch | None = None) -> dict:
@@ -320,8 +320,9 @@ def refitted(ctx, thresholds: dict, fns: list) -> list:
     if not isinstance(refit, Refit):
         raise TypeError(f"refit must be a Refit from fit_refit or load_refit, got {type(refit)}.")
     refit.check(ctx.model, thresholds, ctx.arch)
-    where = {f"blocks.{i}.{HOOK_OF[site]}": (site, r) for (i, site), r in refit.maps.items()}
-    return [(name, _then(fn, *where[name]) if name in where else fn) for name, fn in fns]
+    where = _hook_names(refit.maps)
+    return [(name, _then(fn, where[name][1], refit.maps[where[name]]) if name in where else fn)
+            for name, fn in fns]  # fmt: skip
 
 
 def _then(fn, site: str, r: torch.Tensor):
