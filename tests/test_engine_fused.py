@@ -78,3 +78,21 @@ def test_fused_step_runs_only_where_it_applies():
     assert not BatchDecoder(m, max_seq_len=8, max_batch=2)._fusable(x1)
     dec.fuse_epilogues = False
     assert not dec._fusable(x1)
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-opt"])
+def test_the_default_dense_step_reads_columns_through_our_kernels_on_a_gpu(preset):
+    """A dense Decoder built from a fp16 model: on a GPU the columns layout with every op through
+    our kernels (the fastest batch-1 step), elsewhere rows and torch; the same logits as the
+    rows layout through cuBLAS either way, and BatchDecoder keeps cuBLAS."""
+    m = model_of(preset, seed=6)
+    ids = torch.randint(0, 128, (1, 10), generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    dec = Decoder(m, max_seq_len=12)
+    gpu = DEVICE == "cuda"
+    assert dec.w.layout == ("columns" if gpu else "rows")
+    assert set(dec.ops.values()) == ({"triton"} if gpu else {"torch"})
+    cublas = Decoder(m, max_seq_len=12, dense_ops="torch")
+    assert cublas.w.layout == "rows"
+    assert relerr(steps(dec, ids, 6, True), steps(cublas, ids, 6, True)) < 1e-2
+    batch = BatchDecoder(m, max_seq_len=12, max_batch=2)
+    assert batch.w.layout == "rows" and batch.ops["qkv"] == batch.ops["mlp"] == "torch"

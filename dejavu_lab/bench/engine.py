@@ -270,6 +270,8 @@ def bench_model(preset, prompts, new_tokens, hf_new, hf_prompts, device, ceiling
                     thr, wv, site_kept, extra = planned_config(v, w, arch, ids, lowrank=lowrank)
                     row["lowrank_bytes"] = extra
                 dec = make_decoder(v, wv, arch, p + new_tokens, preds, dense_ops, thr)
+                row["dense_ops"] = ",".join(f"{op}={how}" for op, how in dec.ops.items())
+                row["layout"] = dec.w.layout  # which step ran
                 row.update(_engine_row(dec, ids, new_tokens))
                 if plain and dec.fuse_epilogues and v.method != "dejavu":  # the unfused step
                     dec.fuse_epilogues = False

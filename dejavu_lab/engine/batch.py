@@ -86,6 +86,7 @@ class BatchDecoder(Decoder):
     """
 
     fuse_epilogues = False  # its blocks are batched (batch_blocks); the fused step is batch 1
+    dense_columns = False  # dense batches run cuBLAS over the rows layout
 
     def __init__(self, model, *, max_seq_len: int, max_batch: int = MAX_BATCH,
                  sparse: SparseConfig | None = None, predictors=None, arch=None,

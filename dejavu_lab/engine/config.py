@@ -19,7 +19,7 @@ from ..vocab import METHODS as METHODS_TABLE
 from ..vocab import method_names
 
 __all__ = ["DENSE_ENGINES", "DENSE_OPS", "METHODS", "PLANNED", "SITES", "EngineError",
-           "SparseConfig", "default_ops", "dense_ops"]  # fmt: skip
+           "SparseConfig", "default_ops", "dense_layout", "dense_ops"]  # fmt: skip
 
 
 METHODS = method_names(engine=True)  # what SparseConfig(method=...) runs
@@ -212,14 +212,35 @@ def dense_ops(spec: str | dict | None) -> dict[str, str]:
     return out
 
 
-def default_ops(w) -> str:
-    """The dense ops a decoder over weights ``w`` runs by default: the attention core through
-    our kernel on a GPU with fp16/bf16 weights (one launch that appends K/V and attends, faster
-    than PyTorch's masked attention over the static cache), every op through torch elsewhere.
+def default_ops(w, *, columns: bool = False) -> str:
+    """The dense ops a decoder over weights ``w`` runs by default. On a GPU with fp16/bf16
+    weights: over the ``"columns"`` layout alone (``columns``), every op through our kernels
+    (the threshold GEMVs with every column kept: the fastest one-token step measured,
+    ``dense_columns`` in ``results/engine_methods.json``); over the rows layout, the attention
+    core through our kernel (one launch that appends K/V and attends, faster than PyTorch's
+    masked attention over the static cache) and cuBLAS for the rest. Elsewhere every op
+    through torch.
 
     >>> from types import SimpleNamespace
     >>> default_ops(SimpleNamespace(device=torch.device("cpu"), dtype=torch.float16))
     'torch'
+    >>> default_ops(SimpleNamespace(device=torch.device("cuda"), dtype=torch.float16), columns=True)
+    'triton'
     """
     gpu = w.device.type == "cuda" and w.dtype in (torch.float16, torch.bfloat16)
-    return "attn=triton" if gpu else "torch"
+    if not gpu:
+        return "torch"
+    return "triton" if columns else "attn=triton"
+
+
+def dense_layout(device: torch.device, dtype: torch.dtype) -> str:
+    """The layout a batch-1 dense decoder builds from a Hugging Face model on ``device`` in
+    ``dtype``: ``"columns"`` on a GPU with fp16/bf16 weights (where :func:`default_ops` runs
+    every op through the threshold kernels), ``"rows"`` elsewhere (cuBLAS or the CPU read
+    either; rows shares OPT's ``fc1`` with the model instead of copying it).
+
+    >>> dense_layout(torch.device("cuda"), torch.bfloat16), dense_layout(torch.device("cpu"), torch.float16)
+    ('columns', 'rows')
+    """
+    gpu = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+    return "columns" if gpu else "rows"

@@ -46,7 +46,7 @@ from ..checks import engine as check_engine
 from ..kernels import row_norm, use_triton
 from ..quant import Int4Weight
 from .attention import StepState, every_head
-from .config import PLANNED, EngineError, SparseConfig, default_ops
+from .config import PLANNED, EngineError, SparseConfig, default_ops, dense_layout
 from .config import dense_ops as resolve_ops
 from .decode_loop import DecodeLoop
 from .fused_step import fused_layers
@@ -81,10 +81,12 @@ class Decoder(DecodeLoop):
     (default: the first k units). ``dense_ops`` picks, per dense op (``qkv``, ``attn``, ``o``,
     ``mlp``), torch (cuBLAS) or our kernels at 100% kept: ``"torch"``, ``"triton"`` or e.g.
     ``"qkv=triton,mlp=triton"`` (:func:`~dejavu_lab.engine.config.dense_ops`). The
-    default (``None``) runs the attention core through our kernel on a GPU with fp16/bf16
-    weights (faster than PyTorch's at every shape measured, ``results/engine_methods.json``)
-    and every op through torch elsewhere (fastest at batch 1: ``"triton"`` over the ``"columns"``
-    layout, ``dense_columns`` in ``results/engine_methods.json``). One-token steps of a pre-LN
+    default (``None``) on a GPU with fp16/bf16 weights: a dense decoder built from a HF model
+    stores the ``"columns"`` layout and runs every op through our kernels (the threshold GEMVs
+    with every column kept and our attention core: the fastest batch-1 dense step measured,
+    ``dense_columns`` in ``results/engine_methods.json``; ``dense_ops="torch"`` keeps the rows
+    layout and cuBLAS); over given rows-layout weights, the attention core through our kernel
+    and cuBLAS for the rest; on the CPU every op through torch. One-token steps of a pre-LN
     model finish each block in its residual add + norm (:mod:`~dejavu_lab.engine.fused_step`),
     except DejaVu's. ``weights="int4"`` quantises the layer matrices to group-wise int4 (``group``
     input channels per scale and min, laid out for the method) and runs every method's step over
@@ -108,6 +110,7 @@ class Decoder(DecodeLoop):
     """
 
     fuse_epilogues = True  # the fused step where it applies (False: the plain step)
+    dense_columns = True  # GPU dense: the columns layout through our kernels (module doc)
     fuse_hidden = True  # the down GEMV finishes the gate/up sums (False: their own launch)
 
     def __init__(self, model, *, max_seq_len: int, sparse: SparseConfig | None = None,
@@ -131,6 +134,9 @@ class Decoder(DecodeLoop):
         else:
             rows = weights != "int4" or method in ("dejavu", "cats")
             layout = layout_for(method) if rows else "columns"
+            if method == "dense" and rows and dense_ops is None and self.dense_columns:
+                p = next(model.parameters())  # the fastest one-token dense step (GPU)
+                layout = dense_layout(p.device, p.dtype)
             self.w = decoder_weights(model, arch, layout=layout)
         # LaRoSA, R-Sparse: the plan's thresholds, rotations (folded into a copy) and factors
         given = (sparse.thresholds or {}) if sparse is not None else {}
@@ -151,7 +157,9 @@ class Decoder(DecodeLoop):
                                   "weights='int4' too.")  # fmt: skip
             self.w = quantize_head(self.w, group)
         self.int4 = int4
-        self.ops = resolve_ops(dense_ops if dense_ops is not None else default_ops(self.w))
+        columns = not int4 and self.w.layout == "columns"
+        self.ops = resolve_ops(dense_ops if dense_ops is not None else
+                               default_ops(self.w, columns=columns and self.dense_columns))  # fmt: skip
         a = self.arch = self.w.arch
         self.sparse = sparse
         self.predictors = predictors

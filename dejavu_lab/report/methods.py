@@ -66,9 +66,9 @@ def load_engine_methods(live: bool | None = None):
 LABELS = {
     "hf": "HF generate",
     "hf_compiled": "HF generate, compiled",
-    "dense": "dense (ours)",
+    "dense": "dense (ours, cuBLAS GEMVs)",
     "dense_triton": "dense (ours, row-gather kernels)",
-    "dense_columns": "dense (ours, TEAL's kernels, all kept)",
+    "dense_columns": "dense (ours, TEAL's kernels, all kept: the default)",
     "dense_auto": "dense (ours, tuned ops)",
     "sparse": "DejaVu",
     "sparse_fixed_sets": "DejaVu, sets given (no predictors)",

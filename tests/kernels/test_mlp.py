@@ -169,6 +169,9 @@ def test_alternative_tilings(dtype, seed):
         (2, {"dot": True}),
         (3, {"prefetch": True}),
         (1, {"prefetch": True}),
+        (3, {"prefetch": 2}),  # weights one step ahead
+        (1, {"prefetch": 2}),
+        (19, {"BLOCK_R": 2, "prefetch": 2}),
         (3, {"fused": False}),
         (19, {"BLOCK_R": 2, "fused": False}),  # 2 chunks of partials, each path
         (19, {"BLOCK_R": 2, "BLOCK_D": 64, "num_warps": 1}),
@@ -177,6 +180,14 @@ def test_alternative_tilings(dtype, seed):
         cfg = {"BLOCK_R": 16, "BLOCK_D": 32, "num_warps": 4, "split": split, **extra}
         sparse_mlp_down(h, w, idx, bias=bias, out=out, config=cfg)
         assert_close(out, sparse_mlp_down_ref(h, w, idx, bias=bias), dtype, seed)
+    heads = pick(6, 0.5)  # W_O^T's kept heads: blocks of 16 rows, weights one step ahead
+    h = torch.randn(1, heads.numel() * 16, dtype=dtype)
+    for split in (1, 2):
+        out = torch.full((1, d), float("nan"), dtype=dtype)
+        cfg = {"BLOCK_R": 16, "BLOCK_D": 32, "num_warps": 4, "split": split, "prefetch": 2}
+        sparse_mlp_down(h, w, heads, bias=bias, out=out, config=cfg, rows_per_index=16)
+        ref = sparse_mlp_down_ref(h, w, heads, bias=bias, rows_per_index=16)
+        assert_close(out, ref, dtype, seed)
 
 
 # --------------------------------------------------------------------- fused sparse MLP

@@ -79,7 +79,7 @@ def sparse_mlp_down_kernel(
     BLOCK_R: tl.constexpr,  # selected rows per step
     BLOCK_D: tl.constexpr,  # output columns per program
     UPCAST: tl.constexpr,  # fp32 tl.dot (CPU interpreter, bf16)
-    PREFETCH: tl.constexpr,  # FMA path: load the next step's indices one step early
+    PREFETCH: tl.constexpr,  # FMA path: 1 the next step's indices one step early; 2 its weights too
     CHUNK: tl.constexpr,  # partial sums read per step by the fused reduction
 ):
     pid_d = tl.program_id(0)
@@ -91,7 +91,31 @@ def sparse_mlp_down_kernel(
     offs_k = tl.arange(0, BLOCK_R)
     r_lo = pid_s * rows_per_split
     r_hi = tl.minimum(K, r_lo + rows_per_split)
-    if BLOCK_B == 1:
+    if BLOCK_B == 1 and PREFETCH == 2:
+        # software pipeline: the next step's weight tile loads while this step's FMAs run
+        # (two tiles in flight per program; the row numbers one step further ahead)
+        acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
+        m_c = (r_lo + offs_k) < r_hi
+        rows_c = _rows(idx_ptr, r_lo + offs_k, m_c, G)
+        w_c = tl.load(w_ptr + rows_c[:, None] * stride_w + offs_d[None, :],
+                      mask=m_c[:, None] & mask_d[None, :], other=0.0,
+                      eviction_policy="evict_first")  # fmt: skip
+        h_c = tl.load(h_ptr + r_lo + offs_k, mask=m_c, other=0.0)
+        rows_n = _rows(idx_ptr, r_lo + BLOCK_R + offs_k, (r_lo + BLOCK_R + offs_k) < r_hi, G)
+        for r0 in range(r_lo, r_hi, BLOCK_R):
+            nxt = r0 + BLOCK_R + offs_k
+            m_n = nxt < r_hi
+            w_n = tl.load(w_ptr + rows_n[:, None] * stride_w + offs_d[None, :],
+                          mask=m_n[:, None] & mask_d[None, :], other=0.0,
+                          eviction_policy="evict_first")  # fmt: skip
+            h_n = tl.load(h_ptr + nxt, mask=m_n, other=0.0)
+            rows_nn = _rows(idx_ptr, nxt + BLOCK_R, (nxt + BLOCK_R) < r_hi, G)
+            acc += h_c.to(tl.float32)[:, None] * w_c.to(tl.float32)
+            w_c = w_n
+            h_c = h_n
+            rows_n = rows_nn
+        y = tl.sum(acc, axis=0)[None, :]  # [1, BLOCK_D]
+    elif BLOCK_B == 1:
         acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
         if PREFETCH:
             rows_nxt = _rows(idx_ptr, r_lo + offs_k, (r_lo + offs_k) < r_hi, G)
@@ -314,7 +338,7 @@ def sparse_mlp_down(
         batch, k, d, hb.stride(0), weight_t.stride(0), res2.stride(0), rows_per_split, n_split,
         G=g, HAS_BIAS=bias is not None, PARTIAL=n_split > 1, FUSED=fused, BLOCK_B=block_b,
         BLOCK_R=cfg["BLOCK_R"], BLOCK_D=cfg["BLOCK_D"], UPCAST=upcast_dot(dtype),
-        PREFETCH=bool(cfg.get("prefetch", False)) and block_b == 1,
+        PREFETCH=int(cfg.get("prefetch", 0)) if block_b == 1 else 0,
         CHUNK=_chunk(n_split, 32 * 32 * cfg["num_warps"] // (block_b * cfg["BLOCK_D"])),
         num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 3),
     )  # fmt: skip
