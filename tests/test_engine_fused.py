@@ -12,7 +12,9 @@ import torch  # noqa: E402
 from dejavu_lab.bench.timing import relerr
 from dejavu_lab.engine import BatchDecoder, Decoder, SparseConfig, calibrate_thresholds  # noqa: E402
 from dejavu_lab.kernels._common import use_triton  # noqa: E402
+from dejavu_lab.collect import fingerprint  # noqa: E402
 from dejavu_lab.models import random_model  # noqa: E402
+from dejavu_lab.predictors import PredictorConfig, Predictors  # noqa: E402
 
 DEVICE = os.environ.get("DEJAVU_TEST_DEVICE", "cpu")
 pytestmark = pytest.mark.skipif(
@@ -69,12 +71,36 @@ def test_fused_step_gives_the_plain_steps_logits(preset, method, hidden):
     assert relerr(steps(dec, ids, 6, fused=False), plain) < 1e-3
 
 
+@pytest.mark.parametrize(
+    "preset,predictors", [("tiny-llama", True), ("tiny-opt", True), ("tiny-opt", False)]
+)  # GQA; MHA with deferred K/V
+def test_dejavus_fused_step_gives_the_plain_steps_logits(preset, predictors):
+    """DejaVu's blocks finish their outputs in the residual add + norm; with its lookahead
+    predictors choosing each layer's sets inside the step (random predictors: only the
+    plumbing counts), across a deferred-K/V flush (tiny-opt: window 4, 6 decode steps)."""
+    m = model_of(preset, seed=7)
+    pred = None
+    if predictors:
+        pred = Predictors(fingerprint(m), PredictorConfig(mode="lookahead")).to(DEVICE).eval()
+    sp = SparseConfig(0.5, 0.5, kv_window=4)
+    dec = Decoder(m, max_seq_len=16, sparse=sp, predictors=pred)
+    if preset == "tiny-opt":
+        assert dec.window == 4
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    x = torch.zeros(1, m.config.hidden_size, dtype=torch.float16, device=DEVICE)
+    assert dec._fusable(x)
+    plain = steps(dec, ids, 6, fused=False)
+    fused = steps(dec, ids, 6, fused=True)
+    assert relerr(fused, plain) < 1e-2  # one rounding fewer per residual add
+    assert (fused.argmax(-1) == plain.argmax(-1)).float().mean() > 0.8
+
+
 def test_fused_step_runs_only_where_it_applies():
     m = model_of("tiny-llama", seed=5)
     x1 = torch.zeros(1, m.config.hidden_size, dtype=torch.float16, device=DEVICE)
     dec = Decoder(m, max_seq_len=8)
     assert dec._fusable(x1) and not dec._fusable(x1.expand(2, -1))
-    assert not Decoder(m, max_seq_len=8, sparse=SparseConfig(0.5, 0.5))._fusable(x1)  # DejaVu
+    assert Decoder(m, max_seq_len=8, sparse=SparseConfig(0.5, 0.5))._fusable(x1)  # DejaVu too
     assert not BatchDecoder(m, max_seq_len=8, max_batch=2)._fusable(x1)
     dec.fuse_epilogues = False
     assert not dec._fusable(x1)

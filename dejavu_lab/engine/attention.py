@@ -143,6 +143,10 @@ class DenseAttention:
         whether it is fp32 sums)."""
         return self.out(o), None, False
 
+    def src(self, x: torch.Tensor) -> tuple:
+        """The block on a normed x [1, d] as the fused step takes it (see :meth:`o_src`)."""
+        return self.o_src(self.core(self.qkv_rot(x)))
+
 
 class ThresholdAttention(DenseAttention):
     """Every head, with ``t_in`` on the attention input (attn_in) and ``t_o`` on the input of

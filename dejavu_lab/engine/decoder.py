@@ -54,6 +54,7 @@ from .greedy import argmax_rows
 from .int4 import check_int4_layout, is_int4, quantize_head, quantize_weights
 from .int4_sparse import int4_blocks
 from .kept_heads import KeptHeads
+from .lookahead import Lookahead
 from .lowrank import LowRank, LowRankAttention, LowRankMLP
 from .mlp import KeptMLP, mlp_block
 from .plans import check_factors, fold_rotations, plan_parts
@@ -220,9 +221,7 @@ class Decoder(DecodeLoop):
         # PyTorch's attention masks the cache; our kernel reads positions < seqlen
         self._masked = method != "dejavu" and self.ops["attn"] == "torch"
         # the one-token step finishing each block in its residual add + norm (module doc)
-        self._fusable_blocks = (
-            method != "dejavu" and a.pre_ln and self.w.dtype in (torch.float16, torch.bfloat16)
-        )
+        self._fusable_blocks = a.pre_ln and self.w.dtype in (torch.float16, torch.bfloat16)
         # per layer, each site's Threshold or None (-1 where a dense op runs their kernels)
         keep = keep_sites(self.ops, rows=self.w.layers[0].w_qkv is not None)
         self.site_thresholds = layer_thresholds(given, a, dev, keep)
@@ -359,36 +358,30 @@ class Decoder(DecodeLoop):
     def _layers(self, x: torch.Tensor) -> torch.Tensor:
         """Every block of a decode step on x [B, d], the lookahead predictors of layer i + 1
         on the side stream while layer i computes (a batched decoder shares this loop)."""
+        look = self._lookahead(x)
         if self._fusable(x):  # one token: each block finished in its residual add + norm
-            return self._layers_fused(x)
-        pred = self.predictors is not None
-        side = self._side if (pred and x.is_cuda and self.sparse.side_stream) else None
-        predict = self.sets.predict if pred else None
-        if pred:
-            predict(0, x)
-        keep = []  # layer inputs read on the side stream stay allocated until the join
+            return fused_layers(x, self.w, self.attn, self.mlp, fuse_hidden=self.fuse_hidden,
+                                lookahead=look)  # fmt: skip
         for i in range(self.arch.n_layers):
-            if pred and i + 1 < self.arch.n_layers:
-                if side is not None:
-                    side.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(side):
-                        predict(i + 1, x)
-                    keep.append(x)
-                else:
-                    predict(i + 1, x)
+            if look is not None:
+                look.before(i, x)
             x = self._block(i, x, self.attn[i], self.mlp[i])
-            if side is not None:
-                torch.cuda.current_stream().wait_stream(side)
+            if look is not None:
+                look.after()
         return x
+
+    def _lookahead(self, x: torch.Tensor) -> Lookahead | None:
+        """DejaVu's predictors around this step's layers, layer 0's sets predicted (or None)."""
+        if self.predictors is None:
+            return None
+        side = self._side if (x.is_cuda and self.sparse.side_stream) else None
+        look = Lookahead(self.sets.predict, self.arch.n_layers, side)
+        look.start(x)
+        return look
 
     def _fusable(self, x: torch.Tensor) -> bool:
         return (self.fuse_epilogues and self._fusable_blocks and x.shape[0] == 1
                 and use_triton(x.device))  # fmt: skip
-
-    def _layers_fused(self, x: torch.Tensor) -> torch.Tensor:
-        """Every block of a one-token step on x [1, d], each finished in its residual add +
-        norm (:func:`~dejavu_lab.engine.fused_step.fused_layers`)."""
-        return fused_layers(x, self.w, self.attn, self.mlp, fuse_hidden=self.fuse_hidden)
 
     # ----------------------------------------------------------------------------- profiling
 

@@ -1,5 +1,5 @@
 """The one-token decode step with each block's output finished inside the residual add and
-the next norm — for the dense, TEAL, WINA and CATS paths of a pre-LN model.
+the next norm — for every path of a pre-LN model (dense, TEAL, WINA, CATS, DejaVu).
 
 The plain step (:meth:`dejavu_lab.engine.Decoder._layers`) runs, per block, the block's last
 GEMV (with a finalize launch where it is a threshold GEMV), a residual add in PyTorch and the
@@ -18,7 +18,9 @@ and from 2.772 to 2.721 at Llama-3-8B's (``results/fused_hidden.json``;
 ``kernels/bench_engine.py --no-fuse-hidden`` turns it off).
 
 Where it applies: one token, a pre-LN model, a GPU (or the CPU under ``TRITON_INTERPRET=1``),
-any method but DejaVu (whose blocks run their own kernels and lookahead predictors). Decoders
+every method. DejaVu's blocks finish their own outputs (its gather-GEMVs reduce their splits
+themselves), so there the fused step saves the residual add's launch and runs its lookahead
+predictors beside each layer as the plain step does. Decoders
 that change the blocks (batched, tensor-parallel) turn it off; ``fuse_epilogues = False`` on a
 decoder runs the plain step, for timing the difference (``kernels/bench_engine.py --plain``);
 set it before :meth:`~dejavu_lab.engine.decode_loop.DecodeLoop.capture` (a captured graph keeps the step it
@@ -49,10 +51,13 @@ def _norm_of(p: tuple, kind: str) -> tuple:
     return (w, b if kind == "layer" else None, eps)
 
 
-def fused_layers(x: torch.Tensor, w, attn: list, mlp: list, *, fuse_hidden: bool) -> torch.Tensor:
+def fused_layers(x: torch.Tensor, w, attn: list, mlp: list, *, fuse_hidden: bool,
+                 lookahead=None) -> torch.Tensor:  # fmt: skip
     """Every block of a one-token step on x [1, d] (weights ``w``, each layer's attention and
     MLP blocks): attention and MLP with their outputs added to the residual stream and normed
-    for the next block in one launch each.
+    for the next block in one launch each. ``lookahead``: DejaVu's predictors
+    (:class:`~dejavu_lab.engine.lookahead.Lookahead`, layer 0's sets already predicted), run
+    beside each layer.
 
     >>> from dejavu_lab.engine import Decoder
     >>> from dejavu_lab.models import random_model
@@ -68,12 +73,15 @@ def fused_layers(x: torch.Tensor, w, attn: list, mlp: list, *, fuse_hidden: bool
     nw, nb, eps = _norm_of(layers[0].ln_attn, kind)
     xn = row_norm(x, nw, nb, eps=eps, kind=kind)
     for i in range(n):
-        a = attn[i]
-        src, bias, sums = a.o_src(a.core(a.qkv_rot(xn)))
+        if lookahead is not None:
+            lookahead.before(i, x)
+        src, bias, sums = attn[i].src(xn)
         h, hn = residual_norm(
             src, bias, x, _norm_of(layers[i].ln_mlp, kind), kind=kind, from_sums=sums
         )
         src, bias, sums, gu = mlp[i].src(hn, fuse_hidden)
         nxt = _norm_of(layers[i + 1].ln_attn, kind) if i + 1 < n else None
         x, xn = residual_norm(src, bias, h, nxt, kind=kind, from_sums=sums, zero=gu)
+        if lookahead is not None:
+            lookahead.after()
     return x

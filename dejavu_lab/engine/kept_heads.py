@@ -71,6 +71,11 @@ class KeptHeads:
         # appends this token's K/V (again, in the window case) and attends, kept heads only
         return self._attend(qkv, heads)
 
+    def src(self, x: torch.Tensor) -> tuple:
+        """The block's finished output as the fused step takes it: (output, no bias left,
+        not fp32 sums)."""
+        return self(x), None, False
+
     def _attend(self, qkv: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
         """Append this token's K/V, attend over the kept heads' cache only, then their W_O rows."""
         st = self.st
