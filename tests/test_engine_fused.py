@@ -10,9 +10,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from dejavu_lab.bench.timing import relerr
+from dejavu_lab.collect import fingerprint  # noqa: E402
 from dejavu_lab.engine import BatchDecoder, Decoder, SparseConfig, calibrate_thresholds  # noqa: E402
 from dejavu_lab.kernels._common import use_triton  # noqa: E402
-from dejavu_lab.collect import fingerprint  # noqa: E402
 from dejavu_lab.models import random_model  # noqa: E402
 from dejavu_lab.predictors import PredictorConfig, Predictors  # noqa: E402
 
