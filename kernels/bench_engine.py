@@ -249,7 +249,7 @@ def main(argv=None):
     ap.add_argument(
         "--plain",
         action="store_true",
-        help="also time each dense/TEAL/WINA/CATS decoder with its epilogues unfused "
+        help="also time each decoder with its epilogues unfused "
         "(fuse_epilogues=False): plain_ms_per_token; without programmatic dependent launch: "
         "no_pdl_ms_per_token; TEAL/WINA/CATS also without fuse_hidden: hidden_unfused_ms_per_token; "
         "CATS also with cuBLAS's gate: cublas_gate_ms_per_token",

@@ -273,7 +273,7 @@ def bench_model(preset, prompts, new_tokens, hf_new, hf_prompts, device, ceiling
                 row["dense_ops"] = ",".join(f"{op}={how}" for op, how in dec.ops.items())
                 row["layout"] = dec.w.layout  # which step ran
                 row.update(_engine_row(dec, ids, new_tokens))
-                if plain and dec.fuse_epilogues and v.method != "dejavu":  # the unfused step
+                if plain and dec.fuse_epilogues:  # the unfused step (DejaVu: its plain loop)
                     dec.fuse_epilogues = False
                     row["plain_ms_per_token"] = _engine_row(dec, ids, new_tokens)["ms_per_token"]
                     dec.fuse_epilogues = True
