@@ -10,7 +10,8 @@ contiguous (``contig``: the gather-free reference our gather must match), torch
 ``do_bench_cudagraph`` (graph replay; ``--fast``: graph replay only). Reports achieved
 bandwidth over the bytes that must move and speedup over dense against the ideal 1 / kept.
 Writes ``results/sparse_mlp.json`` (``--tune``: also ``results/sparse_mlp_tuning.json``;
-``--tune-llama``: ``dejavu_lab/kernels/tuned/tuning_sparse_mlp.json``, read at run time).
+``--tune-llama``: ``dejavu_lab/kernels/tuned/tuning_sparse_mlp.json``, read at run time;
+``--tune-dejavu``: the down projection at DejaVu's OPT points, ``tuning_sparse_mlp_down_<gpu>.json``).
 
     PYTHONPATH=. python kernels/bench_sparse_mlp.py [--shapes all|opt|llama] [--tune] [--quick]
 """
@@ -18,7 +19,11 @@ Writes ``results/sparse_mlp.json`` (``--tune``: also ``results/sparse_mlp_tuning
 from __future__ import annotations
 
 import argparse
+import functools
+import itertools
+import re
 import sys
+from pathlib import Path
 
 import torch
 import triton
@@ -26,7 +31,7 @@ import triton.testing
 
 from dejavu_lab import results
 from dejavu_lab.bench.kernels import MlpCase, mlp_row
-from dejavu_lab.bench.timing import copy_ceiling
+from dejavu_lab.bench.timing import copy_ceiling, graph_us, relerr, rotation_copies, sweep
 from dejavu_lab.kernels import tuning
 
 OPT_SHAPES = [(4096, 16384), (8192, 32768), (12288, 49152)]  # (d, hidden)
@@ -285,11 +290,70 @@ def tune_llama(command, batches=(1, 16)):
     print(f"wrote {path}")
 
 
+# --tune-dejavu: DejaVu's batch-1 down projections at OPT shapes (W2^T at 15% of the neurons,
+# W_O^T at half the heads: blocks of d_head rows) and Llama's (half of each), recorded per GPU
+DEJAVU_POINTS = [  # (n_rows, d, kept, rows per index)
+    (20480, 5120, 0.15, 1), (5120, 5120, 0.5, 128),  # OPT-13B
+    (28672, 7168, 0.15, 1), (7168, 7168, 0.5, 128),  # OPT-30B
+    (36864, 9216, 0.15, 1), (9216, 9216, 0.5, 128),  # OPT-66B
+    (14336, 4096, 0.5, 1), (4096, 4096, 0.5, 128),  # Llama-3-8B
+]  # fmt: skip
+DEJAVU_TILES = [(32, 256, 4), (16, 256, 2), (32, 512, 4), (64, 256, 8), (16, 512, 4),
+                (32, 128, 2), (64, 128, 4), (16, 128, 1)]  # (BLOCK_R, BLOCK_D, warps)  # fmt: skip
+
+
+def tune_dejavu(command: str) -> Path:
+    """Sweep the FMA path's tiles, programs per SM and prefetch depth (0, or 2: the next
+    step's weights in flight) at DEJAVU_POINTS; record every correct config's graph-replay µs
+    in ``tuned/tuning_sparse_mlp_down_<gpu>.json`` (read at run time, :mod:`~dejavu_lab.kernels.
+    tuning`) and print the best per point against the bytes floor."""
+    from dejavu_lab.kernels.mlp.down import sparse_mlp_down, sparse_mlp_down_ref
+
+    dev, ceiling, rows = torch.device("cuda"), copy_ceiling(), []
+    cands = [{"BLOCK_R": r, "BLOCK_D": bd, "num_warps": w, "programs_per_sm": p, "prefetch": pf,
+              "fused": True}
+             for (r, bd, w), p, pf in itertools.product(DEJAVU_TILES, (2, 4, 8), (0, 2))]  # fmt: skip
+    for n, d, kept, g in DEJAVU_POINTS:
+        k = round(n // g * kept) * g
+        floor_us = k * d * 2 / (ceiling * 1e6)
+        copies = rotation_copies(k * d * 2, n * d * 2)
+        ws = [torch.randn(n, d, device=dev, dtype=torch.float16) / n**0.5 for _ in range(copies)]
+        idx = torch.randperm(n // g, device=dev)[: k // g].sort().values.to(torch.int32)
+        h = torch.randn(k, device=dev, dtype=torch.float16)
+        out = torch.empty(d, device=dev, dtype=torch.float16)
+        ref = sparse_mlp_down_ref(h, ws[0], idx, rows_per_index=g)
+
+        def run(cfg, w, idx=idx, h=h, out=out, g=g):
+            return sparse_mlp_down(h, w, idx, rows_per_index=g, out=out, config=cfg)
+
+        base = graph_us([functools.partial(run, None, w) for w in ws])
+        timed = sweep(cands, lambda c, ref=ref, w=ws[0]: relerr(run(c, w).clone(), ref),
+                      lambda c, ws=ws: graph_us([functools.partial(run, c, w) for w in ws]))  # fmt: skip
+        for cfg, us in timed:
+            rows.append({"op": "sparse_mlp_down", "d_in": n, "d_out": d, "kept": kept,
+                         "batch": 1, "config": cfg, "us": us, "frac_ideal": floor_us / us})  # fmt: skip
+        best = min(timed, key=lambda t: t[1])
+        print(f"down {n}x{d} kept {kept:.2f} (x{g} rows): heuristic {base:.1f} µs "
+              f"({floor_us / base:.2f} of its floor), best {best[1]:.1f} µs "
+              f"({floor_us / best[1]:.2f}) {best[0]}", flush=True)  # fmt: skip
+        del ws
+        torch.cuda.empty_cache()
+    name = torch.cuda.get_device_name()
+    slug = (re.search(r"\b[A-Z]\d{2,3}\b", name) or re.search(r"\w+$", name)).group(0).lower()
+    path = results.save(f"tuning_sparse_mlp_down_{slug}", rows, command=command,
+                        folder=tuning.TUNED_DIR, extra={"copy_tbps": ceiling})  # fmt: skip
+    tuning.reload()
+    return path
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tune", nargs="*", choices=["up", "down"], help="sweep tiles at d=12288")
     ap.add_argument("--tune-only", action="store_true", help="sweep, record, stop")
     ap.add_argument("--tune-llama", action="store_true", help="sweep the Llama shapes first")
+    ap.add_argument("--tune-dejavu", action="store_true",
+                    help="sweep the batch-1 down projection at DejaVu's OPT and Llama points, "
+                    "record the GPU's table, stop")  # fmt: skip
     ap.add_argument("--shapes", choices=["all", "opt", "llama"], default="all")
     ap.add_argument("--batches", type=int, nargs="*", help="union batches to time (default 1 4 16)")
     ap.add_argument("--fast", action="store_true", help="graph replay only (short GPU lease)")
@@ -304,6 +368,9 @@ def main(argv=None):
     FAST = args.fast
     if args.quick:
         SHAPES, KEPT, BATCHES = [(64, 256), (128, 352)], [0.5, 0.1], [1, 4]
+    if args.tune_dejavu:
+        print(f"wrote {tune_dejavu(command)}")
+        return
     ceiling = copy_ceiling()
     print(f"copy ceiling: {ceiling:.2f} TB/s")
     check_correctness(SHAPES)
