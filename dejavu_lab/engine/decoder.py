@@ -89,7 +89,7 @@ class Decoder(DecodeLoop):
     layout and cuBLAS); over given rows-layout weights, the attention core through our kernel
     and cuBLAS for the rest; on the CPU every op through torch. One-token steps of a pre-LN
     model finish each block in its residual add + norm (:mod:`~dejavu_lab.engine.fused_step`),
-    except DejaVu's. ``weights="int4"`` quantises the layer matrices to group-wise int4 (``group``
+    DejaVu's included. ``weights="int4"`` quantises the layer matrices to group-wise int4 (``group``
     input channels per scale and min, laid out for the method) and runs every method's step over
     them (:mod:`~dejavu_lab.engine.int4`, :mod:`~dejavu_lab.engine.int4_sparse`); ``head="int4"``
     rounds ``lm_head`` too (:func:`~dejavu_lab.engine.int4.quantize_head`). Its parts: ``attn[i]`` and ``mlp[i]`` (layer i's blocks), ``sets``
