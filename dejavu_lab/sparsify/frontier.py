@@ -89,7 +89,7 @@ def _variants() -> dict[str, dict]:
 
 
 _RUN_KEYS = ("method", "allocation", "sites", "dense_layers", "mlp_sparsity", "head_sparsity",
-             "layers", "refit")  # fmt: skip
+             "layers", "refit", "tilt")  # fmt: skip
 
 
 def _layered(name: str, spec: dict) -> tuple[str, dict]:
@@ -106,6 +106,14 @@ def _refitted(name: str, spec: dict) -> tuple[str, dict]:
             {**spec, "refit": True})  # fmt: skip
 
 
+def _tilted(name: str, spec: dict) -> tuple[str, dict]:
+    """The refit variant with its site shares tilted toward ``down_in`` by a tilt chosen on the
+    calibration text (:mod:`~dejavu_lab.sparsify.refit_shares`)."""
+    if not spec.get("refit"):
+        raise ValueError(f"the tilt moves sparsity for a refit; write {spec['method']}+refit+tilt.")
+    return f"{name[:-1]}, tilted)", {**spec, "tilt": True}
+
+
 # name -> spec: sparse_eval's method plus, for the threshold methods, the allocation over a
 # layer's sites (and optionally which sites, and dense layers). A spec may also carry
 # ``sites``, ``dense_layers``, ``mlp_sparsity`` or ``head_sparsity``.
@@ -116,6 +124,10 @@ VARIANTS: dict[str, dict] = {**METHOD_VARIANTS, **DESIGNS}  # and the top-k meth
 VARIANTS.update(_layered(n, VARIANTS[n]) for n in ("teal (greedy)", "wina (greedy)", "larosa"))
 VARIANTS.update(
     _refitted(n, VARIANTS[n]) for n in ("teal (greedy, layers)", "wina (greedy, layers)")
+)
+VARIANTS.update(
+    _tilted(n, VARIANTS[n])
+    for n in ("teal (greedy, layers, refit)", "wina (greedy, layers, refit)")
 )
 # methods that need no trained predictor (but static sets or a calibration)
 TRAINING_FREE = tuple(m.name for m in METHODS.values() if m.needs in ("static sets", "calibration"))
@@ -138,6 +150,8 @@ def parse_variant(text: str) -> tuple[str, dict]:
     text = text.strip()
     if text in VARIANTS:
         return text, dict(VARIANTS[text])
+    if text.endswith("+tilt"):  # e.g. wina+layers+refit+tilt: shares tilted for the refit
+        return _tilted(*parse_variant(text[: -len("+tilt")]))
     if text.endswith("+refit"):  # e.g. wina+layers+refit: least-squares weights
         return _refitted(*parse_variant(text[: -len("+refit")]))
     if text.endswith("+layers"):  # e.g. teal+layers: per-layer budgets by sensitivity
@@ -187,7 +201,7 @@ def prepare(model, tokenizer, spec: dict, calib: torch.Tensor, *, arch=None, pro
     if spec.get("refit"):
         ready["calib"] = calib  # each budget's refit is fitted under its own thresholds
     if spec.get("layers"):
-        base = {k: v for k, v in spec.items() if k not in ("layers", "refit")}
+        base = {k: v for k, v in spec.items() if k not in ("layers", "refit", "tilt")}
         ready["layers"] = cached_sensitivity(
             model, calib[:1], lambda b: _kwargs(base, b, ready, model),
             {"spec": base, "calibration": text_hash(calib)}, arch=arch, progress=progress,
@@ -259,7 +273,10 @@ def evaluate_point(
     else:
         kw = _kwargs(spec, sparsity, ready, model)
         r = sparse_eval(model, held_out, progress=progress, **kw)
-    return _row(name, spec, sparsity, r, time.perf_counter() - t0)
+    row = _row(name, spec, sparsity, r, time.perf_counter() - t0)
+    if spec.get("tilt"):  # the one chosen for this budget
+        row["tilt"] = kw["thresholds"].info["tilt"]
+    return row
 
 
 def frontier(
@@ -358,6 +375,12 @@ def _kwargs(spec: dict, s: float, ready: dict, model) -> dict:
             dense_layers=kw["dense_layers"],
             sites=spec.get("sites"),
         )
+        if spec.get("tilt"):  # its shares tilted by a tilt chosen on the calibration text
+            from .refit_shares import choose_tilt, tilt
+
+            t, _ = choose_tilt(model, ready["calib"], kw["thresholds"], ready["cal"],
+                               dense_layers=kw["dense_layers"])  # fmt: skip
+            kw["thresholds"] = tilt(kw["thresholds"], ready["cal"], get_arch(model), t)
         if spec.get("refit"):
             from .refit import fit_refit
 
