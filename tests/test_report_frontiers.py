@@ -143,3 +143,14 @@ def test_refit_sentence_pairs_each_refit_with_its_base_variant():
     assert "on a, w (layers) from +9.0% to +5.0% at 60% of the bytes" in said
     assert "t (refit)" not in said and "on b" not in said  # no base variant / no refit: left out
     assert frontier_sentences.refit_sentence(cross[~cross.variant.str.contains("refit")]) == ""
+
+
+def test_tilt_sentence_pairs_each_tilted_refit_with_its_untilted_one():
+    cross = pd.DataFrame({"model": ["a", "a", "a", "b"],
+                          "variant": ["w (layers, refit)", "w (layers, refit, tilted)",
+                                      "w (layers)", "w (layers, refit, tilted)"],
+                          "fraction": 0.5, "ratio": [1.18, 1.14, 1.25, 1.2]})  # fmt: skip
+    said = frontier_sentences.tilt_sentence(cross, names=str)
+    assert "on a, w (layers, refit) from +18.0% to +14.0% at 50% of the bytes" in said
+    assert "on b" not in said and "w (layers) from" not in said  # no untilted refit on b
+    assert frontier_sentences.tilt_sentence(cross[~cross.variant.str.contains("tilted")]) == ""

@@ -1,7 +1,8 @@
 """The sentences chapter 42 builds from the frontier recordings (:mod:`.frontiers`): which
 variant is best at each byte budget on how many models (:func:`decision`), DejaVu's oracle sets
 beside the best pick (:func:`oracle_sentence`), and what a refit changes
-(:func:`refit_sentence`, :mod:`dejavu_lab.sparsify.refit`).
+(:func:`refit_sentence`, :mod:`dejavu_lab.sparsify.refit`) and its tilted shares
+(:func:`tilt_sentence`, :mod:`dejavu_lab.sparsify.refit_shares`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import pandas as pd
 from .frontiers import title
 from .source import listing
 
-__all__ = ["CLOSE", "decision", "oracle_sentence", "refit_sentence"]
+__all__ = ["CLOSE", "decision", "oracle_sentence", "refit_sentence", "tilt_sentence"]
 
 CLOSE = 0.01  # a runner-up this close (in perplexity ratio) is called out: the pick is a toss-up
 
@@ -58,10 +59,39 @@ def refit_sentence(cross: pd.DataFrame, names=title) -> str:
     >>> refit_sentence(cross, names=str)
     'Read through the refit weights, the perplexity rise at equal bytes goes: on a, w (layers) from +10.0% / +30.0% to +5.0% / +20.0% at 60% / 50% of the bytes.'
     """
+    base = lambda v: v.replace(", refit)", ")").replace(" (refit)", "")  # noqa: E731
+    said = _beside(cross, base, names)
+    return (
+        f"Read through the refit weights, the perplexity rise at equal bytes goes: {said}."
+        if said
+        else ""
+    )
+
+
+def tilt_sentence(cross: pd.DataFrame, names=title) -> str:
+    """Each tilted refit variant (:mod:`~dejavu_lab.sparsify.refit_shares`) beside the same
+    refit with the greedy shares as they are, as :func:`refit_sentence`; '' when none.
+
+    >>> cross = pd.DataFrame({"model": "a", "variant": ["w (refit)", "w (refit, tilted)"],
+    ...                       "fraction": 0.5, "ratio": [1.2, 1.15]})
+    >>> tilt_sentence(cross, names=str)
+    "With the shares tilted toward the MLP's inner input, the rise goes: on a, w (refit) from +20.0% to +15.0% at 50% of the bytes."
+    """
+    said = _beside(cross, lambda v: v.replace(", tilted)", ")"), names)
+    return (
+        f"With the shares tilted toward the MLP's inner input, the rise goes: {said}."
+        if said
+        else ""
+    )
+
+
+def _beside(cross: pd.DataFrame, base_of, names) -> str:
+    """'on model, base from ... to ... at ... of the bytes; ...' for every variant whose
+    ``base_of(variant)`` is another variant of the table, at the fractions both reach."""
     ratio = cross.dropna(subset=["ratio"]).set_index(["model", "variant", "fraction"]).ratio
-    pairs: dict = {}  # (model, base variant) -> [(fraction, base ratio, refit ratio)]
+    pairs: dict = {}  # (model, base variant) -> [(fraction, base ratio, variant's ratio)]
     for (model, variant, f), r in ratio.items():
-        base = variant.replace(", refit)", ")").replace(" (refit)", "")
+        base = base_of(variant)
         if base != variant and (model, base, f) in ratio.index:
             pairs.setdefault((model, base), []).append((f, ratio[(model, base, f)], r))
     by_model: dict = {}
@@ -72,13 +102,7 @@ def refit_sentence(cross: pd.DataFrame, names=title) -> str:
         by_model.setdefault(model, []).append(
             f"{base} from {before} to {after} at {where} of the bytes"
         )
-    if not by_model:
-        return ""
-    return (
-        "Read through the refit weights, the perplexity rise at equal bytes goes: "
-        + "; ".join(f"on {names(m)}, " + ", ".join(t) for m, t in by_model.items())
-        + "."
-    )
+    return "; ".join(f"on {names(m)}, " + ", ".join(t) for m, t in by_model.items())
 
 
 def decision(best: pd.DataFrame, names=title) -> list[str]:
