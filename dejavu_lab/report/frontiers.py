@@ -15,7 +15,7 @@ variants — and answers the gated-MLP chapter's question, "which method for whi
   :mod:`~dejavu_lab.report.frontier_sentences`);
 - :func:`frontiers_figure` — one panel per model, one colour per method in every panel, a line
   style per kind of variant (:func:`~dejavu_lab.report.plots.dash`: dotted uniform, dashed per
-  layer, dash-dot refit).
+  layer, dash-dot refit, long dash-dot tilted refit).
 """
 
 from __future__ import annotations

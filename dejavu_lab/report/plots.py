@@ -37,16 +37,19 @@ COLORS = {
 
 def dash(variant: str) -> str:
     """A variant's line style beside its method's colour: dotted for a uniform allocation,
-    dash-dot for a refit (:mod:`dejavu_lab.sparsify.refit`), dashed for budgets per layer,
-    solid otherwise.
+    dash-dot for a refit (:mod:`dejavu_lab.sparsify.refit`; long dash-dot with its shares
+    tilted, :mod:`dejavu_lab.sparsify.refit_shares`), dashed for budgets per layer, solid
+    otherwise.
 
     >>> dash("teal (uniform)"), dash("teal (greedy, layers)"), dash("larosa")
     ('dot', 'dash', 'solid')
-    >>> dash("wina (greedy, layers, refit)")
-    'dashdot'
+    >>> dash("wina (greedy, layers, refit)"), dash("wina (greedy, layers, refit, tilted)")
+    ('dashdot', 'longdashdot')
     """
     if "uniform" in variant:
         return "dot"
+    if "tilted" in variant:
+        return "longdashdot"
     if "refit" in variant:
         return "dashdot"
     return "dash" if "layers" in variant else "solid"
