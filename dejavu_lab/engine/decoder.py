@@ -111,7 +111,7 @@ class Decoder(DecodeLoop):
     """
 
     fuse_epilogues = True  # the fused step where it applies (False: the plain step)
-    dense_columns = True  # GPU dense: the columns layout through our kernels (module doc)
+    dense_columns = True  # GPU: the columns layout with every dense op through our kernels
     fuse_hidden = True  # the down GEMV finishes the gate/up sums (False: their own launch)
 
     def __init__(self, model, *, max_seq_len: int, sparse: SparseConfig | None = None,
