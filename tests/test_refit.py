@@ -35,7 +35,8 @@ from dejavu_lab.sparsify.refit import (  # noqa: E402
     folded_weights,
     load_refit,
 )
-from dejavu_lab.sparsify.refit_shares import TILTS, choose_tilt, site_bytes, tilt  # noqa: E402
+from dejavu_lab.sparsify.refit_shares import TILTS, choose_tilt, tilt  # noqa: E402
+from dejavu_lab.step_bytes import site_elements  # noqa: E402
 from dejavu_lab.vocab import SITES  # noqa: E402
 
 
@@ -151,7 +152,8 @@ def test_tilted_variants_parse_and_need_a_refit():
 def test_the_tilt_moves_sparsity_to_down_in_at_equal_bytes(demo):
     model, arch, ids, th, _ = demo
     cal = calibrate(model, ids, cache=False, progress=False)
-    w = site_bytes(arch)
+    four = ("attn_in", "o_in", "mlp_in", "down_in")  # a layer's input sites
+    w = {s: site_elements(arch)[s] for s in four}
     for t in (0.05, 0.1):
         tt = tilt(th, cal, arch, t)
         assert tt.info["tilt"] == t

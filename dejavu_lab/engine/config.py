@@ -227,8 +227,7 @@ def default_ops(w, *, columns: bool = False) -> str:
     >>> default_ops(SimpleNamespace(device=torch.device("cuda"), dtype=torch.float16), columns=True)
     'triton'
     """
-    gpu = w.device.type == "cuda" and w.dtype in (torch.float16, torch.bfloat16)
-    if not gpu:
+    if not _kernels_run(w.device, w.dtype):
         return "torch"
     return "triton" if columns else "attn=triton"
 
@@ -242,5 +241,9 @@ def dense_layout(device: torch.device, dtype: torch.dtype) -> str:
     >>> dense_layout(torch.device("cuda"), torch.bfloat16), dense_layout(torch.device("cpu"), torch.float16)
     ('columns', 'rows')
     """
-    gpu = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
-    return "columns" if gpu else "rows"
+    return "columns" if _kernels_run(device, dtype) else "rows"
+
+
+def _kernels_run(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the default step runs our kernels: a GPU with fp16/bf16 weights."""
+    return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)

@@ -14,7 +14,7 @@ layer's weights and thresholds; calling it on x [B, d] gives the block's output 
   ``|act(gate)| > thr`` (:func:`~dejavu_lab.kernels.cats_mlp`).
 
 ``src(x, fuse_hidden)`` is the block as the fused one-token step takes it
-(:meth:`~dejavu_lab.engine.Decoder._layers_fused`): ``(output, bias still to add, whether it is
+(:func:`~dejavu_lab.engine.fused_step.fused_layers`): ``(output, bias still to add, whether it is
 fp32 sums, the gate/up sums the epilogue must zero or None)``.
 """
 

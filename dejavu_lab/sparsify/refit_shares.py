@@ -22,29 +22,16 @@ import torch
 from torch import nn
 
 from ..arch import Arch, get_arch
+from ..step_bytes import site_elements
 from .evaluate import sparse_eval
 from .refit import SITES as REFIT_SITES
 from .refit import fit_refit
 from .thresholds import Thresholds
 
-__all__ = ["TILTS", "choose_tilt", "site_bytes", "tilt"]
+__all__ = ["TILTS", "choose_tilt", "tilt"]
 
 TILTS = (0.0, 0.05, 0.1)  # down_in sparsity added per layer (0: the greedy shares as they are)
 CAP = 0.97  # no site's sparsity is raised above this
-
-
-def site_bytes(arch: Arch) -> dict[str, int]:
-    """Weights one layer's site reads per kept input entry, times its inputs: the site's
-    share of the layer's bytes (any dtype: the ratios are what counts).
-
-    >>> from dejavu_lab.models import random_model
-    >>> site_bytes(random_model("tiny-llama").arch)  # d 64, 4 + 2 + 2 heads of 16, d_mlp 192
-    {'attn_in': 8192, 'o_in': 4096, 'mlp_in': 24576, 'down_in': 12288}
-    """
-    d, dh = arch.d_model, arch.d_head
-    return {"attn_in": d * (arch.n_heads + 2 * arch.n_kv_heads) * dh,
-            "o_in": arch.n_heads * dh * d, "mlp_in": d * 2 * arch.d_mlp,
-            "down_in": arch.d_mlp * d}  # fmt: skip
 
 
 def tilt(thresholds: Thresholds, cal, arch: Arch, t: float) -> Thresholds:
@@ -62,14 +49,15 @@ def tilt(thresholds: Thresholds, cal, arch: Arch, t: float) -> Thresholds:
     >>> t = tilt(thr, cal, m.arch, 0.1)
     >>> round(t.sparsity[(0, "down_in")] - thr.sparsity[(0, "down_in")], 3)
     0.1
-    >>> w = site_bytes(m.arch)  # equal bytes: what down_in drops, the three sites keep
-    >>> moved = sum(w[s] * (thr.sparsity[(0, s)] - t.sparsity[(0, s)]) for s in w)
+    >>> w = site_elements(m.arch)  # equal bytes: what down_in drops, the three sites keep
+    >>> sites = ("attn_in", "o_in", "mlp_in", "down_in")
+    >>> moved = sum(w[s] * (thr.sparsity[(0, s)] - t.sparsity[(0, s)]) for s in sites)
     >>> abs(moved) < 1e-6
     True
     """
     if not 0 <= t < 1:
         raise ValueError(f"t={t!r} must be a share of down_in's entries in [0, 1).")
-    w, alloc = site_bytes(arch), dict(thresholds.sparsity)
+    w, alloc = site_elements(arch), dict(thresholds.sparsity)  # weights per site
     for i in sorted({k[0] for k in alloc}):
         down = (i, "down_in")
         if down not in alloc:
