@@ -48,8 +48,8 @@ def test_bytes_table_is_step_bytes():
 
 def test_quality_table_matches_the_recordings(quality):
     frame, provs, t = quality
-    assert set(provs) == {"quant_quality_demo", "quant_quality_qwen2.5-0.5b"}
-    assert len(t) == len(frame) == 23 + 31
+    assert set(provs) == set(int4.QUALITY_FILES)
+    assert len(t) == len(frame) == 23 + 31 + 30
     for name, prov in provs.items():
         rec, _ = results.load(name)
         mine = t.loc[prov["model"]]

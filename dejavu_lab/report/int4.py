@@ -30,6 +30,7 @@ from ..step_bytes import step_bytes
 
 __all__ = [
     "PAPER",
+    "QUALITY_FILES",
     "budget_markdown",
     "budget_sentence",
     "budget_table",
@@ -189,13 +190,16 @@ def bytes_sentence(table: pd.DataFrame, model: str = "llama-3-8b", kept: float =
             "fp16 and every group's scales are read as soon as one of its channels is kept.")  # fmt: skip
 
 
-def load_quality(names=("quant_quality_demo", "quant_quality_qwen2.5-0.5b")):
+QUALITY_FILES = ("quant_quality_demo", "quant_quality_qwen2.5-0.5b", "quant_quality_qwen2.5-1.5b")
+
+
+def load_quality(names=QUALITY_FILES):
     """(rows of the recorded quality studies stacked, with the recording's ``model`` and
     ``file``; provenance per file).
 
     >>> frame, provs = load_quality()
     >>> sorted(set(frame["file"])), frame.groupby("file").size().tolist()
-    (['quant_quality_demo', 'quant_quality_qwen2.5-0.5b'], [23, 31])
+    (['quant_quality_demo', 'quant_quality_qwen2.5-0.5b', 'quant_quality_qwen2.5-1.5b'], [23, 31, 30])
     """
     frames, provs = [], {}
     for name in names:
