@@ -295,8 +295,8 @@ def tune_llama(command, batches=(1, 16)):
 DEJAVU_POINTS = [  # (n_rows, d, kept, rows per index)
     (20480, 5120, 0.15, 1), (5120, 5120, 0.5, 128),  # OPT-13B
     (28672, 7168, 0.15, 1), (7168, 7168, 0.5, 128),  # OPT-30B
-    (36864, 9216, 0.15, 1), (9216, 9216, 0.5, 128),  # OPT-66B
     (14336, 4096, 0.5, 1), (4096, 4096, 0.5, 128),  # Llama-3-8B
+    (36864, 9216, 0.15, 1), (9216, 9216, 0.5, 128),  # OPT-66B
 ]  # fmt: skip
 DEJAVU_TILES = [(32, 256, 4), (16, 256, 2), (32, 512, 4), (64, 256, 8), (16, 512, 4),
                 (32, 128, 2), (64, 128, 4), (16, 128, 1)]  # (BLOCK_R, BLOCK_D, warps)  # fmt: skip
@@ -310,6 +310,8 @@ def tune_dejavu(command: str) -> Path:
     from dejavu_lab.kernels.mlp.down import sparse_mlp_down, sparse_mlp_down_ref
 
     dev, ceiling, rows = torch.device("cuda"), copy_ceiling(), []
+    name = torch.cuda.get_device_name()
+    slug = (re.search(r"\b[A-Z]\d{2,3}\b", name) or re.search(r"\w+$", name)).group(0).lower()
     cands = [{"BLOCK_R": r, "BLOCK_D": bd, "num_warps": w, "programs_per_sm": p, "prefetch": pf,
               "fused": True}
              for (r, bd, w), p, pf in itertools.product(DEJAVU_TILES, (2, 4, 8), (0, 2))]  # fmt: skip
@@ -338,10 +340,9 @@ def tune_dejavu(command: str) -> Path:
               f"({floor_us / best[1]:.2f}) {best[0]}", flush=True)  # fmt: skip
         del ws
         torch.cuda.empty_cache()
-    name = torch.cuda.get_device_name()
-    slug = (re.search(r"\b[A-Z]\d{2,3}\b", name) or re.search(r"\w+$", name)).group(0).lower()
-    path = results.save(f"tuning_sparse_mlp_down_{slug}", rows, command=command,
-                        folder=tuning.TUNED_DIR, extra={"copy_tbps": ceiling})  # fmt: skip
+        # after every point: a sweep cut short by a time limit keeps the points it finished
+        path = results.save(f"tuning_sparse_mlp_down_{slug}", rows, command=command,
+                            folder=tuning.TUNED_DIR, extra={"copy_tbps": ceiling})  # fmt: skip
     tuning.reload()
     return path
 
