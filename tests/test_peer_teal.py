@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 
@@ -148,3 +149,20 @@ def test_the_script_records_teal_beside_ours(teal, teal_dir, tmp_path, monkeypat
     assert set(table["model"]) == {"tiny-llama"}
     dense = table[table["sparsity"] == 0.0].iloc[0]
     assert dense["TEAL / ours"] == dense["TEAL's decoder (ms)"] / dense["ours (ms)"] > 0
+    assert dense["our step"] == "dense"  # the only dense step this run timed
+
+
+def test_the_peer_table_sets_our_default_dense_step_beside_teals():
+    """Dense, TEAL's decoder is compared with the engine's default step (every column through
+    our kernels) where the recording timed it, not with the cuBLAS step beside it."""
+    row = {"kind": "e2e", "model": "m", "prompt": 8, "sparsity": 0.0}
+    frame = pd.DataFrame([
+        {**row, "engine": "dense", "ms_per_token": 6.0},
+        {**row, "engine": "dense_columns", "ms_per_token": 5.0},
+        {**row, "engine": "teal", "sparsity": 0.5, "ms_per_token": 3.0},
+        {**row, "kind": "peer", "engine": "teal_peer", "ms_per_token": 5.5},
+        {**row, "kind": "peer", "engine": "teal_peer", "sparsity": 0.5, "ms_per_token": 4.5},
+    ])  # fmt: skip
+    table = report_peer.peer_table(frame).set_index("sparsity")
+    assert table.loc[0.0, "our step"] == "dense_columns" and table.loc[0.0, "ours (ms)"] == 5.0
+    assert table.loc[0.5, "TEAL / ours"] == 1.5 and len(table) == 2

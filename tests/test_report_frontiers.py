@@ -154,3 +154,38 @@ def test_tilt_sentence_pairs_each_tilted_refit_with_its_untilted_one():
     assert "on a, w (layers, refit) from +18.0% to +14.0% at 50% of the bytes" in said
     assert "on b" not in said and "w (layers) from" not in said  # no untilted refit on b
     assert frontier_sentences.tilt_sentence(cross[~cross.variant.str.contains("tilted")]) == ""
+
+
+def test_reruns_load_apart_from_the_frontiers_and_the_sentence_reads_each_point():
+    frame, provs = frontiers.load_frontiers()
+    again, aprovs = frontiers.load_frontiers(prefix=frontiers.RERUN)
+    files = sorted(results.results_dir().glob(f"{frontiers.RERUN}*.json"))
+    assert len(aprovs) == len(files) and not set(again.model) & set(frame.model)
+    text = frontier_sentences.rerun_sentence(frame, provs, again, aprovs)
+    assert bool(text) == bool(files)
+    for key, prov in aprovs.items():
+        base = prov["model"]
+        assert base in provs, f"{key}: a rerun of a model with no frontier recording"
+        mine = frame[(frame.model == base) & (frame.variant != "dense")]
+        both = mine.merge(again[again.model == key], on=["variant", "sparsity"])
+        assert len(both), f"{key} shares no point with the frontier of {base}"
+        for r in both.itertuples():  # each point's two rises, as the sentence prints them
+            assert (
+                f"{r.variant} at {r.sparsity:.0%} {r.ratio_x - 1:+.1%} → {r.ratio_y - 1:+.1%}"
+                in text
+            )
+        moved = (100 * (both.ratio_y - both.ratio_x)).abs().max()
+        assert f"moved by {moved:.1f} points" in text
+
+
+def test_rerun_sentence_names_what_changed():
+    frame = pd.DataFrame({"model": "m", "variant": ["dense", "a", "a"], "sparsity": [0, 0.4, 0.5],
+                          "ratio": [1.0, 1.05, 1.2]})  # fmt: skip
+    again = frame.assign(model="m (x)", ratio=[1.0, 1.06, 1.17])
+    text = frontier_sentences.rerun_sentence(
+        frame, {"m": {"dtype": "bfloat16", "threads": 2}}, again,
+        {"m (x)": {"model": "m", "dtype": "float32", "threads": 2}}, names=str,
+    )  # fmt: skip
+    assert "float32 instead of bfloat16" in text and "thread" not in text
+    assert "moved by 3.0 points" in text and "median 2.0" in text
+    assert frontier_sentences.rerun_sentence(frame, {}, again, {"m (x)": {"model": "m"}}) == ""

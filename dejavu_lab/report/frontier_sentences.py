@@ -2,7 +2,9 @@
 variant is best at each byte budget on how many models (:func:`decision`), DejaVu's oracle sets
 beside the best pick (:func:`oracle_sentence`), and what a refit changes
 (:func:`refit_sentence`, :mod:`dejavu_lab.sparsify.refit`) and its tilted shares
-(:func:`tilt_sentence`, :mod:`dejavu_lab.sparsify.refit_shares`).
+(:func:`tilt_sentence`, :mod:`dejavu_lab.sparsify.refit_shares`), and how far the same points
+move when evaluated again with one setting changed (:func:`rerun_sentence`): the size of a gap
+the recordings resolve.
 """
 
 from __future__ import annotations
@@ -14,7 +16,14 @@ import pandas as pd
 from .frontiers import title
 from .source import listing
 
-__all__ = ["CLOSE", "decision", "oracle_sentence", "refit_sentence", "tilt_sentence"]
+__all__ = [
+    "CLOSE",
+    "decision",
+    "oracle_sentence",
+    "refit_sentence",
+    "rerun_sentence",
+    "tilt_sentence",
+]
 
 CLOSE = 0.01  # a runner-up this close (in perplexity ratio) is called out: the pick is a toss-up
 
@@ -175,3 +184,50 @@ def decision(best: pd.DataFrame, names=title) -> list[str]:
             verdict = f"{goal} is met on {listing(map(names, met))} only."
         out.append(f"{text}. {verdict}")
     return out
+
+
+def _changed(main: dict, again: dict) -> str:
+    """What a re-evaluation's provenance changed, in words: 'one thread instead of two'."""
+    said = []
+    for key, unit in (("threads", "thread"), ("dtype", None), ("cpu", None)):
+        a, b = main.get(key), again.get(key)
+        if a is None or b is None or a == b:
+            continue
+        if unit:
+            said.append(f"{b} {unit}{'' if b == 1 else 's'} instead of {a}")
+        else:
+            said.append(f"{b} instead of {a}")
+    return ", ".join(said) or "the same settings"
+
+
+def rerun_sentence(frame: pd.DataFrame, provs: dict, reruns: pd.DataFrame, rprovs: dict,
+                   names=title) -> str:  # fmt: skip
+    """How far each re-evaluated point (:data:`~dejavu_lab.report.frontiers.RERUN` recordings,
+    loaded by :func:`~dejavu_lab.report.frontiers.load_frontiers`) moved from the same model's,
+    variant's and sparsity's point in the frontier recording, in points of perplexity rise over
+    each recording's own dense; '' when no point is in both.
+
+    >>> frame = pd.DataFrame({"model": "a", "variant": ["dense", "w"], "sparsity": [0, 0.5],
+    ...                       "ratio": [1.0, 1.20]})
+    >>> again = frame.assign(model="a (x)", ratio=[1.0, 1.17])
+    >>> rerun_sentence(frame, {"a": {"threads": 2}}, again,
+    ...                {"a (x)": {"model": "a", "threads": 1}}, names=str)
+    'Evaluated again on a with 1 thread instead of 2, the same points moved by 3.0 points of perplexity rise at most (median 3.0): w at 50% +20.0% → +17.0%.'
+    """
+    parts = []
+    for key, prov in rprovs.items():
+        model = str(prov.get("model", key))
+        if model not in provs:
+            continue
+        mine = frame[(frame.model == model) & (frame.variant != "dense")]
+        again = reruns[(reruns.model == key) & (reruns.variant != "dense")]
+        both = mine.merge(again, on=["variant", "sparsity"], suffixes=("", "_again"))
+        if not len(both):
+            continue
+        moved = (100 * (both.ratio_again - both.ratio)).abs()
+        points = ", ".join(f"{r.variant} at {r.sparsity:.0%} {_pct(r.ratio)} → {_pct(r.ratio_again)}"
+                           for r in both.itertuples())  # fmt: skip
+        parts.append(f"on {names(model)} with {_changed(provs[model], prov)}, the same points "
+                     f"moved by {moved.max():.1f} points of perplexity rise at most (median "
+                     f"{moved.median():.1f}): {points}")  # fmt: skip
+    return ("Evaluated again " + "; ".join(parts) + ".") if parts else ""

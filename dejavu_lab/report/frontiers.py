@@ -38,6 +38,7 @@ from .source import listing
 __all__ = [
     "PREFIX",
     "QUALITY_PATHS",
+    "RERUN",
     "TARGETS",
     "TITLES",
     "best_at",
@@ -54,6 +55,9 @@ __all__ = [
 ]
 
 PREFIX = "frontier_"  # results/frontier_<model>.json, as `dejavu-lab frontier --record` names them
+# results/rerun_<model>_<what>.json: a few points of a model's frontier evaluated again with one
+# setting changed (threads, dtype), to show how large a gap the recordings resolve
+RERUN = "rerun_"
 # Quality targets on the real (0.5B-1.5B) models: fraction of the dense weight bytes read per
 # token -> at most this perplexity ratio to dense, for the best method at equal bytes.
 TARGETS = {0.75: 1.01, 0.6: 1.05, 0.5: 1.15}
@@ -80,8 +84,10 @@ def _size(prov: dict) -> float:
         return math.inf
 
 
-def load_frontiers(folder: str | Path | None = None) -> tuple[pd.DataFrame, dict[str, dict]]:
-    """Every frontier recording in ``folder`` (default :func:`dejavu_lab.results.results_dir`):
+def load_frontiers(folder: str | Path | None = None, prefix: str = PREFIX
+                   ) -> tuple[pd.DataFrame, dict[str, dict]]:  # fmt: skip
+    """Every frontier recording in ``folder`` (default :func:`dejavu_lab.results.results_dir`)
+    whose name starts with ``prefix`` (:data:`RERUN` for the re-evaluations):
     ``(frame, provenance by model)``, models ordered by size.
 
     The frame has one row per (model, variant, sparsity), each model's dense row included:
@@ -97,7 +103,7 @@ def load_frontiers(folder: str | Path | None = None) -> tuple[pd.DataFrame, dict
     """
     folder = Path(folder) if folder is not None else results.results_dir()
     frames, provs = [], {}
-    for path in sorted(folder.glob(f"{PREFIX}*.json")):
+    for path in sorted(folder.glob(f"{prefix}*.json")):
         rows, prov = results.load(path)
         missing = [k for k in NEEDED if k not in prov]
         if missing:
@@ -113,6 +119,8 @@ def load_frontiers(folder: str | Path | None = None) -> tuple[pd.DataFrame, dict
         name = str(prov["model"])
         if name in provs:  # the same model recorded twice (another dtype, say): keep both
             name = f"{name} ({prov['dtype']})"
+        if name in provs:
+            name = f"{name} ({path.stem})"
         dense = float(rows.loc[rows.variant == "dense", "perplexity"].iloc[0])
         frames.append(
             pd.DataFrame({
