@@ -186,6 +186,14 @@ def decision(best: pd.DataFrame, names=title) -> list[str]:
     return out
 
 
+def _tilts(r) -> str:
+    """' (tilt 0.1 → 0.05)' where the two runs chose different tilts, else ''."""
+    a, b = getattr(r, "tilt", math.nan), getattr(r, "tilt_again", math.nan)
+    if a != a or b != b or a == b:  # NaN: not a tilted variant
+        return ""
+    return f" (tilt chosen {a:g} → {b:g})"
+
+
 def _changed(main: dict, again: dict) -> str:
     """What a re-evaluation's provenance changed, in words: 'one thread instead of two'."""
     said = []
@@ -226,7 +234,7 @@ def rerun_sentence(frame: pd.DataFrame, provs: dict, reruns: pd.DataFrame, rprov
             continue
         moved = (100 * (both.ratio_again - both.ratio)).abs()
         points = ", ".join(f"{r.variant} at {r.sparsity:.0%} {_pct(r.ratio)} → {_pct(r.ratio_again)}"
-                           for r in both.itertuples())  # fmt: skip
+                           + _tilts(r) for r in both.itertuples())  # fmt: skip
         parts.append(f"on {names(model)} with {_changed(provs[model], prov)}, the same points "
                      f"moved by {moved.max():.1f} points of perplexity rise at most (median "
                      f"{moved.median():.1f}): {points}")  # fmt: skip

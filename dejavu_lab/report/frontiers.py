@@ -132,12 +132,13 @@ def load_frontiers(folder: str | Path | None = None, prefix: str = PREFIX
                 "bytes_fraction": rows.bytes_per_token_fraction.astype(float),
                 "perplexity": rows.perplexity.astype(float),
                 "ratio": rows.perplexity.astype(float) / dense,
+                "tilt": rows.get("tilt", pd.Series(math.nan, index=rows.index)).astype(float),
             })
         )  # fmt: skip
         provs[name] = {**prov, "file": str(path)}
     order = sorted(provs, key=lambda m: (_size(provs[m]), m))
     cols = ["model", "variant", "method", "allocation", "sparsity", "bytes_fraction",
-            "perplexity", "ratio"]  # fmt: skip
+            "perplexity", "ratio", "tilt"]  # fmt: skip
     if not frames:
         return pd.DataFrame(columns=cols), {}
     frame = pd.concat(frames, ignore_index=True)
