@@ -187,7 +187,7 @@ def decision(best: pd.DataFrame, names=title) -> list[str]:
 
 
 def _tilts(r) -> str:
-    """' (tilt 0.1 → 0.05)' where the two runs chose different tilts, else ''."""
+    """' (tilt chosen 0.1 → 0.05)' where the two runs chose different tilts, else ''."""
     a, b = getattr(r, "tilt", math.nan), getattr(r, "tilt_again", math.nan)
     if a != a or b != b or a == b:  # NaN: not a tilted variant
         return ""
@@ -195,7 +195,7 @@ def _tilts(r) -> str:
 
 
 def _changed(main: dict, again: dict) -> str:
-    """What a re-evaluation's provenance changed, in words: 'one thread instead of two'."""
+    """What a re-evaluation's provenance changed, in words: '1 thread instead of 2'."""
     said = []
     for key, unit in (("threads", "thread"), ("dtype", None), ("cpu", None)):
         a, b = main.get(key), again.get(key)
