@@ -12,6 +12,7 @@ from dejavu_lab.arch import get_arch
 from dejavu_lab.bench.timing import relerr
 from dejavu_lab.collect import fingerprint
 from dejavu_lab.engine import Decoder, EngineError, SparseConfig, predictor_bytes, step_bytes
+from dejavu_lab.engine.sets import topk_into, topk_parts
 from dejavu_lab.models import PRESETS, random_model
 from dejavu_lab.predictors import PredictorConfig, Predictors
 
@@ -103,6 +104,21 @@ def test_lookahead_predictors_in_the_loop():
     assert out.shape == (1, 10)
     assert dec.sets.mlp_idx.shape == (lm.arch.n_layers, 64)  # 25% of 256 neurons kept
     assert all(row.unique().numel() == 64 for row in dec.sets.mlp_idx)
+
+
+@pytest.mark.parametrize("n,k", [(20480, 3072), (28672, 4301), (36864, 5530), (20480, 10240)])
+def test_split_topk_keeps_the_top_k(n, k):
+    """The two-pass top-k of long predictor rows keeps what one torch.topk keeps: the same set
+    on distinct scores, the same values (and distinct indices) where scores tie."""
+    g = torch.Generator().manual_seed(n + k)
+    for s in (torch.randn(n, generator=g), torch.randn(n, generator=g).round(decimals=1)):
+        v, i = torch.empty(k), torch.empty(k, dtype=torch.long)
+        topk_into(s, k, v, i)
+        ref = torch.topk(s, k)
+        assert i.unique().numel() == k and torch.equal(s[i], v)
+        assert torch.equal(v.sort(descending=True).values, ref.values)
+    assert set(i.tolist()) <= set(range(n))
+    assert topk_parts(n, k) == (1 if k == 10240 else 2)  # 50% of 20,480: no cut fits one pass
 
 
 def test_clear_errors():

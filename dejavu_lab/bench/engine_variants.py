@@ -139,8 +139,8 @@ class Variant:
     ('teal', None, None)
     """
 
-    engine: str  # dense, dense_triton, sparse, sparse_fixed_sets, sparse_inline_predictors,
-    #              teal, wina, cats, larosa, rsparse
+    engine: str  # dense, dense_triton, sparse, sparse_one_topk, sparse_fixed_sets,
+    #              sparse_inline_predictors, teal, wina, cats, larosa, rsparse
     method: str = "dense"  # the SparseConfig method ("dense": sparse=None)
     sparsity: float = 0.0  # teal/wina/cats: the calibrated fraction of entries dropped per site;
     # larosa, rsparse: the fraction of each site's bytes removed (TEAL's at the same number)
@@ -149,6 +149,7 @@ class Variant:
     ops: str | None = None  # dense_ops of this decoder (None: --dense-ops)
     only_at_parts: bool = False  # time only at the breakdown's prompt
     columns: bool = False  # reads the columns layout (teal, wina, larosa, rsparse, dense_columns)
+    split_topk: bool = True  # dejavu: top-k of 20,000+ scores in two single-block passes
 
 
 def variants(methods, sparsities, dejavu_budget, preds) -> list[Variant]:
@@ -171,6 +172,11 @@ def variants(methods, sparsities, dejavu_budget, preds) -> list[Variant]:
             sp = SparseConfig(ms_, hs_)
             if preds is not None:
                 out.append(Variant("sparse", "dejavu", sparse=sp, predictors=True))
+                out.append(
+                    Variant(
+                        "sparse_one_topk", "dejavu", sparse=sp, predictors=True, split_topk=False
+                    )
+                )  # one torch.topk per row, as before
             out.append(Variant("sparse_fixed_sets", "dejavu", sparse=sp))
             if preds is not None:
                 out.append(Variant("sparse_inline_predictors", "dejavu", predictors=True,
@@ -201,6 +207,8 @@ def make_decoder(v: Variant, w, arch, max_len, preds, dense_ops, thresholds=None
         sp = v.sparse
     dec = Decoder(w, max_seq_len=max_len, sparse=sp, predictors=preds if v.predictors else None,
                   dense_ops=v.ops or dense_ops)  # fmt: skip
+    if v.predictors:
+        dec.sets.split_topk = v.split_topk
     if v.method == "dejavu" and not v.predictors:  # fixed random kept sets, one per layer
         g = torch.Generator(device="cpu").manual_seed(0)
         for i in range(arch.n_layers):

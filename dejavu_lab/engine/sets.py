@@ -18,7 +18,55 @@ import torch.nn.functional as F
 from ..budgets import n_keep
 from .config import EngineError, SparseConfig
 
-__all__ = ["KeptSets"]
+__all__ = ["KeptSets", "topk_into", "topk_parts"]
+
+# PyTorch's CUDA top-k runs one kernel per row up to 19,999 entries (a single-block radix
+# select) and a multi-block select of a dozen launches from 20,000 on, for up to 20 rows
+# (aten/src/ATen/native/cuda/TensorTopK.cu, should_use_multiblock).
+SINGLE_BLOCK_ROW = 19_999
+
+
+def topk_parts(n: int, k: int) -> int:
+    """Rows to cut a score vector of ``n`` into so that each of :func:`topk_into`'s two top-k
+    passes stays on PyTorch's single-block path: 1 where one pass already does, or where no
+    exact cut does (the parts must hold k each, and the p·k survivors must fit one row).
+
+    >>> topk_parts(14336, 7168), topk_parts(20480, 3072), topk_parts(28672, 4301)  # L3-8B, OPT
+    (1, 2, 2)
+    >>> topk_parts(36864, 5530), topk_parts(20480, 10240)  # OPT-66B at 85%; 50%: no cut fits
+    (2, 1)
+    """
+    if n <= SINGLE_BLOCK_ROW:
+        return 1
+    for p in range(2, 21):
+        if n % p == 0 and n // p <= SINGLE_BLOCK_ROW and k <= n // p and p * k <= SINGLE_BLOCK_ROW:
+            return p
+    return 1
+
+
+def topk_into(s: torch.Tensor, k: int, values: torch.Tensor, indices: torch.Tensor,
+              split: bool = True) -> None:  # fmt: skip
+    """The top-``k`` of the 1-D scores ``s`` written into ``values`` / ``indices`` (unsorted),
+    as ``torch.topk(s, k, sorted=False, out=...)`` — the same set. With ``split``, a row of
+    20,000 or more (OPT-13B's 20,480 neurons and up) is cut into ``p`` rows (:func:`topk_parts`):
+    the top-k of each, then the top-k of their ``p·k`` survivors, which hold the whole row's.
+
+    >>> s = torch.randn(20480)
+    >>> v, i = torch.empty(3072), torch.empty(3072, dtype=torch.long)
+    >>> topk_into(s, 3072, v, i)
+    >>> set(i.tolist()) == set(torch.topk(s, 3072).indices.tolist()), torch.equal(s[i], v)
+    (True, True)
+    """
+    n = s.numel()
+    p = topk_parts(n, k) if split else 1
+    if p == 1:
+        torch.topk(s, k, sorted=False, out=(values, indices))
+        return
+    v, j = torch.topk(s.view(p, n // p), k, dim=1, sorted=False)  # [p, k] each
+    j += torch.arange(0, n, n // p, device=s.device)[:, None]  # column in the whole row
+    pick = torch.empty_like(indices)
+    torch.topk(v.reshape(-1), k, sorted=False, out=(values, pick))
+    torch.gather(j.reshape(-1), 0, pick, out=indices)
 
 
 class KeptSets:
@@ -54,6 +102,7 @@ class KeptSets:
         for i in range(L):
             self._fill_qkv(i)
         self._fused = None
+        self.split_topk = True  # topk_into: cut rows of 20,000+ scores (False: one torch.topk)
         if self.predictors is not None:
             self._fuse_predictors()
 
@@ -113,7 +162,7 @@ class KeptSets:
         ms, hs = self.scores(i, x)
         if self.k_mlp < self.arch.d_mlp:
             s = ms.reshape(-1)
-            torch.topk(s.float(), self.k_mlp, sorted=False, out=(self._mlp_val[i], self.mlp_idx[i]))
+            topk_into(s.float(), self.k_mlp, self._mlp_val[i], self.mlp_idx[i], self.split_topk)
         if self.k_heads < self.H:
             s = hs.reshape(-1)
             torch.topk(
