@@ -121,6 +121,19 @@ def test_split_topk_keeps_the_top_k(n, k):
     assert topk_parts(n, k) == (1 if k == 10240 else 2)  # 50% of 20,480: no cut fits one pass
 
 
+def test_split_topk_by_rows():
+    """A batch of rows (32 x Llama-3-8B's 14,336: PyTorch's multi-block path) keeps each row's
+    top-k, into views of larger buffers as the batched engine passes them."""
+    s = torch.randn(32, 14336, generator=torch.Generator().manual_seed(0))
+    vals, idx = torch.zeros(2, 40, 2000), torch.zeros(2, 40, 2000, dtype=torch.long)
+    assert topk_parts(14336, 2000, rows=32) > 1
+    topk_into(s, 2000, vals[1, :32], idx[1, :32])
+    ref = torch.topk(s, 2000, dim=-1)
+    for r in range(32):
+        assert set(idx[1, r].tolist()) == set(ref.indices[r].tolist())
+    assert torch.equal(s.gather(1, idx[1, :32]), vals[1, :32]) and not idx[0].any()
+
+
 def test_clear_errors():
     m32 = random_model("tiny-opt").model
     with pytest.raises(EngineError, match="fp16/bf16"):

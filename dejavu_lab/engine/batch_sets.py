@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import EngineError, SparseConfig
-from .sets import KeptSets
+from .sets import KeptSets, topk_into
 
 __all__ = ["MAX_ROWS", "BatchSets"]
 
@@ -192,7 +192,7 @@ class BatchSets(KeptSets):
         U = p.mlp_idx.shape[1]
         if U < n and B > 1:
             key = votes + (self._prio[at] if prio is None else prio)
-            torch.topk(key, U, dim=-1, sorted=False, out=(p.mlp_val[at], p.mlp_idx[at]))
+            topk_into(key, U, p.mlp_val[at], p.mlp_idx[at])
         member = self._member[at, :B]  # [l, B, H]
         member.zero_()
         member.scatter_(
@@ -220,8 +220,7 @@ class BatchSets(KeptSets):
         ms, hs = self.scores(i, x)  # [B, n], [B, H]
         live = self._live_f[:B]
         if self.k_mlp < self.arch.d_mlp:
-            torch.topk(ms.float(), self.k_mlp, dim=-1, sorted=False,
-                       out=(self._seq_val[0][i, :B], self.seq_mlp[i, :B]))  # fmt: skip
+            topk_into(ms.float(), self.k_mlp, self._seq_val[0][i, :B], self.seq_mlp[i, :B])
         if self.k_heads < self.H:
             torch.topk(hs.float(), self.k_heads, dim=-1, sorted=False,
                        out=(self._seq_val[1][i, :B], self.seq_heads[i, :B]))  # fmt: skip

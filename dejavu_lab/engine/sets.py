@@ -18,38 +18,55 @@ import torch.nn.functional as F
 from ..budgets import n_keep
 from .config import EngineError, SparseConfig
 
-__all__ = ["KeptSets", "topk_into", "topk_parts"]
+__all__ = ["KeptSets", "multiblock", "topk_into", "topk_parts"]
 
-# PyTorch's CUDA top-k runs one kernel per row up to 19,999 entries (a single-block radix
-# select) and a multi-block select of a dozen launches from 20,000 on, for up to 20 rows
-# (aten/src/ATen/native/cuda/TensorTopK.cu, should_use_multiblock).
-SINGLE_BLOCK_ROW = 19_999
+# PyTorch's CUDA top-k selects in one kernel per row (a single-block radix select) unless the
+# rows are long for their number; then it runs a multi-block select of a dozen launches
+# (aten/src/ATen/native/cuda/TensorTopK.cu, should_use_multiblock): for one to 20 rows, from
+# 20,000 entries on, OPT-13B's 20,480 neurons among them.
+_MULTIBLOCK = ((20, 20000), (40, 10000), (80, 8000), (199, 5000), (799, 3000), (4000, 800))
 
 
-def topk_parts(n: int, k: int) -> int:
-    """Rows to cut a score vector of ``n`` into so that each of :func:`topk_into`'s two top-k
-    passes stays on PyTorch's single-block path: 1 where one pass already does, or where no
-    exact cut does (the parts must hold k each, and the p·k survivors must fit one row).
+def multiblock(rows: int, n: int) -> bool:
+    """Whether PyTorch's CUDA ``topk`` over ``rows`` rows of ``n`` takes its multi-block path.
+
+    >>> multiblock(1, 14336), multiblock(1, 20480), multiblock(32, 14336)
+    (False, True, True)
+    """
+    for most, longest in _MULTIBLOCK:
+        if rows <= most:
+            return n >= longest
+    return n >= 400
+
+
+def topk_parts(n: int, k: int, rows: int = 1) -> int:
+    """How many parts to cut each of ``rows`` score rows of ``n`` into so that both of
+    :func:`topk_into`'s passes (top-k of each part, then of the ``p·k`` survivors) stay on
+    PyTorch's single-block path: 1 where one pass already does, or where no exact cut does.
 
     >>> topk_parts(14336, 7168), topk_parts(20480, 3072), topk_parts(28672, 4301)  # L3-8B, OPT
     (1, 2, 2)
     >>> topk_parts(36864, 5530), topk_parts(20480, 10240)  # OPT-66B at 85%; 50%: no cut fits
     (2, 1)
+    >>> topk_parts(14336, 2150, rows=32)  # 32 rows of Llama-3-8B's width, 85% dropped
+    2
     """
-    if n <= SINGLE_BLOCK_ROW:
+    if not multiblock(rows, n):
         return 1
-    for p in range(2, 21):
-        if n % p == 0 and n // p <= SINGLE_BLOCK_ROW and k <= n // p and p * k <= SINGLE_BLOCK_ROW:
+    for p in range(2, 65):
+        m = n // p
+        if n % p == 0 and k <= m and not multiblock(rows * p, m) and not multiblock(rows, p * k):
             return p
     return 1
 
 
 def topk_into(s: torch.Tensor, k: int, values: torch.Tensor, indices: torch.Tensor,
               split: bool = True) -> None:  # fmt: skip
-    """The top-``k`` of the 1-D scores ``s`` written into ``values`` / ``indices`` (unsorted),
-    as ``torch.topk(s, k, sorted=False, out=...)`` — the same set. With ``split``, a row of
-    20,000 or more (OPT-13B's 20,480 neurons and up) is cut into ``p`` rows (:func:`topk_parts`):
-    the top-k of each, then the top-k of their ``p·k`` survivors, which hold the whole row's.
+    """The top-``k`` of each row of the scores ``s`` ([n] or [rows, n]) written into ``values``
+    / ``indices`` (unsorted), as ``torch.topk(s, k, dim=-1, sorted=False, out=...)`` — the same
+    sets. With ``split``, rows that PyTorch would select in many launches are cut into ``p``
+    parts (:func:`topk_parts`): the top-k of each part, then of their ``p·k`` survivors, which
+    hold the whole row's.
 
     >>> s = torch.randn(20480)
     >>> v, i = torch.empty(3072), torch.empty(3072, dtype=torch.long)
@@ -57,16 +74,16 @@ def topk_into(s: torch.Tensor, k: int, values: torch.Tensor, indices: torch.Tens
     >>> set(i.tolist()) == set(torch.topk(s, 3072).indices.tolist()), torch.equal(s[i], v)
     (True, True)
     """
-    n = s.numel()
-    p = topk_parts(n, k) if split else 1
+    n, rows = s.shape[-1], s.numel() // s.shape[-1]
+    p = topk_parts(n, k, rows) if split else 1
     if p == 1:
-        torch.topk(s, k, sorted=False, out=(values, indices))
+        torch.topk(s, k, dim=-1, sorted=False, out=(values, indices))
         return
-    v, j = torch.topk(s.view(p, n // p), k, dim=1, sorted=False)  # [p, k] each
-    j += torch.arange(0, n, n // p, device=s.device)[:, None]  # column in the whole row
+    v, j = torch.topk(s.reshape(rows * p, n // p), k, dim=1, sorted=False)  # [rows·p, k]
+    j = j.view(rows, p, k) + torch.arange(0, n, n // p, device=s.device)[:, None]  # in the row
     pick = torch.empty_like(indices)
-    torch.topk(v.reshape(-1), k, sorted=False, out=(values, pick))
-    torch.gather(j.reshape(-1), 0, pick, out=indices)
+    torch.topk(v.view(*s.shape[:-1], p * k), k, dim=-1, sorted=False, out=(values, pick))
+    torch.gather(j.view(*s.shape[:-1], p * k), -1, pick, out=indices)
 
 
 class KeptSets:
