@@ -82,3 +82,19 @@ def test_int4_bench_times_dejavu_at_the_window_asked():
         dv = [r for r in rows if r["kind"] == "e2e" and r["engine"] == "dejavu"]
         assert len(dv) == 1 and "error" not in dv[0], dv
         assert dv[0]["kv_window"] == want and torch.isfinite(torch.tensor(dv[0]["ms_per_token"]))
+
+
+def test_topk_bench_quick_checks_both_selections(capsys):
+    """kernels/bench_topk.py --quick: at every width and budget the engine runs, the split top-k
+    keeps the values one torch.topk keeps (a mismatch exits), and the rows PyTorch would select
+    in many launches are the ones cut."""
+    path = SCRIPT.parent / "bench_topk.py"
+    spec = importlib.util.spec_from_file_location("bench_topk", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    table = bench.main(["--quick"])
+    cut = {(r["shape"], r["rows"], r["k"]): r["parts"] for r in table}
+    assert cut[("opt-13b", 1, 3072)] == 2 and cut[("opt-30b", 1, 4301)] == 2
+    assert cut[("llama-3-8b", 1, 7168)] == 1  # one single-block launch already
+    assert all(r["parts"] > 1 for r in table if r["multiblock"] and r["drop"] == 0.85)
+    assert "torch/split" in capsys.readouterr().out
