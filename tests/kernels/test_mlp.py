@@ -38,6 +38,7 @@ from dejavu_lab.kernels import (
     sparse_mlp_up_ref,
 )
 from dejavu_lab.kernels.mlp.fused import default_config, fused_mlp_kernel
+from dejavu_lab.kernels.mlp.up import default_config as default_up_config
 from dejavu_lab.kernels.mlp.up import sparse_mlp_up_kernel
 
 FIXTURES = (on_device, seed)  # pytest finds fixtures by name in this module
@@ -98,6 +99,8 @@ def test_sparse_mlp_up_1d_default_config_and_head_blocks(seed):
     idx = pick(64, 0.3)
     got = sparse_mlp_up(x, w, idx, activation="none")
     assert got.shape == (idx.numel(),)
+    one = sparse_mlp_up(x, w, idx, activation="none", config=default_up_config(1, 1, d))
+    assert torch.equal(one, got)  # one row per program, as on a GPU: the same sums
     assert_close(got, sparse_mlp_up_ref(x[None], w, idx, activation="none")[0], dtype, seed)
     heads = pick(4, 0.5)  # 4 blocks of 16 rows
     got = sparse_mlp_up(x, w, heads, activation="none", rows_per_index=16)

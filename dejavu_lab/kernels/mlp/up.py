@@ -189,13 +189,21 @@ def default_config(batch: int, k: int, d: int, device: torch.device | None = Non
     """Tile shapes: tuned for this GPU and shape in kernels/tuned/tuning_*.json (:mod:`~dejavu_lab.kernels.tuning`,
     when ``device`` and ``n_rows`` are given), else from the H200 sweeps in
     results/sparse_mlp_tuning.json (d = 12288); any valid choice computes the same thing,
-    these only decide the speed.
+    these only decide the speed. On the CPU (Triton's interpreter, where every program costs
+    milliseconds of Python) one program takes up to 64 of the rows at batch 1: the same FMA
+    path with a taller tile.
 
     >>> default_config(1, 4096, 12288)  # batch 1: one row per program, FMA path
     {'BLOCK_N': 1, 'BLOCK_D': 2048, 'num_warps': 8, 'prefetch': True}
+    >>> default_config(1, 96, 64, torch.device("cpu"))["BLOCK_N"]  # the interpreter: 2 programs
+    64
     >>> default_config(16, 4096, 12288)["BLOCK_N"]  # union batch: tensor-core tiles
     32
     """
+    if device is not None and device.type == "cpu" and batch == 1:
+        block_d = min(2048, max(16, next_pow2(d)))
+        return {"BLOCK_N": min(64, next_pow2(k)), "BLOCK_D": block_d, "num_warps": 4,
+                "prefetch": True}  # fmt: skip
     if device is not None and n_rows:
         tuned = tuning.lookup("sparse_mlp_up", d, n_rows, k / n_rows, batch, device)
         if tuned is not None:
