@@ -200,18 +200,15 @@ def default_config(batch: int, k: int, d: int, device: torch.device | None = Non
     >>> default_config(16, 4096, 12288)["BLOCK_N"]  # union batch: tensor-core tiles
     32
     """
-    if device is not None and device.type == "cpu" and batch == 1:
-        block_d = min(2048, max(16, next_pow2(d)))
-        return {"BLOCK_N": min(64, next_pow2(k)), "BLOCK_D": block_d, "num_warps": 4,
-                "prefetch": True}  # fmt: skip
     if device is not None and n_rows:
         tuned = tuning.lookup("sparse_mlp_up", d, n_rows, k / n_rows, batch, device)
         if tuned is not None:
             return tuned
     if batch == 1:  # one selected row per program, two tiles in flight per thread
         block_d = min(2048, max(16, next_pow2(d)))
-        return {"BLOCK_N": 1, "BLOCK_D": block_d, "num_warps": 8 if block_d >= 2048 else 4,
-                "prefetch": True}  # fmt: skip
+        cpu = device is not None and device.type == "cpu"  # the interpreter: fewer programs
+        return {"BLOCK_N": min(64, next_pow2(k)) if cpu else 1, "BLOCK_D": block_d,
+                "num_warps": 8 if block_d >= 2048 else 4, "prefetch": True}  # fmt: skip
     if k >= 8192:  # tensor-core path: wider row tiles once there are rows enough
         return {"BLOCK_N": 64, "BLOCK_D": 128, "num_warps": 4, "num_stages": 3}
     return {"BLOCK_N": 32, "BLOCK_D": min(256, max(16, next_pow2(d))), "num_warps": 4,
