@@ -19,8 +19,8 @@ not be trained to be timed), batch 1, for each prompt length, the variants of ``
   both ways first (rows ``kind: "op"``), the faster one used;
 - ``dejavu`` — rows ``sparse`` (85% MLP + 50% heads removed on OPT, 50% + 50% on Llama shapes,
   ``--dejavu-sparsity``; DejaVu's predictors at their default rank choose the top-k on a side
-  stream; a row of 20,000+ scores, OPT-13B's and up, in two single-block top-k passes),
-  ``sparse_one_topk`` (the same with one ``torch.topk`` per row: PyTorch's multi-block select),
+  stream, each layer's kept sets in one launch of ``dejavu_lab.kernels.select``),
+  ``sparse_torch_topk`` (the same with ``torch.topk`` choosing the sets),
   ``sparse_fixed_sets`` (fixed random sets: no predictors) and
   ``sparse_inline_predictors`` (one stream; at ``--parts-at`` only);
 - ``teal``, ``wina``, ``cats`` — one row per ``--sparsity``: thresholds calibrated for that

@@ -12,7 +12,7 @@ from dejavu_lab.arch import get_arch
 from dejavu_lab.bench.timing import relerr
 from dejavu_lab.collect import fingerprint
 from dejavu_lab.engine import Decoder, EngineError, SparseConfig, predictor_bytes, step_bytes
-from dejavu_lab.engine.sets import topk_into, topk_parts
+from dejavu_lab.engine.sets import topk_into
 from dejavu_lab.models import PRESETS, random_model
 from dejavu_lab.predictors import PredictorConfig, Predictors
 
@@ -106,32 +106,17 @@ def test_lookahead_predictors_in_the_loop():
     assert all(row.unique().numel() == 64 for row in dec.sets.mlp_idx)
 
 
-@pytest.mark.parametrize("n,k", [(20480, 3072), (28672, 4301), (36864, 5530), (20480, 10240)])
-def test_split_topk_keeps_the_top_k(n, k):
-    """The two-pass top-k of long predictor rows keeps what one torch.topk keeps: the same set
-    on distinct scores, the same values (and distinct indices) where scores tie."""
-    g = torch.Generator().manual_seed(n + k)
-    for s in (torch.randn(n, generator=g), torch.randn(n, generator=g).round(decimals=1)):
-        v, i = torch.empty(k), torch.empty(k, dtype=torch.long)
-        topk_into(s, k, v, i)
-        ref = torch.topk(s, k)
-        assert i.unique().numel() == k and torch.equal(s[i], v)
-        assert torch.equal(v.sort(descending=True).values, ref.values)
-    assert set(i.tolist()) <= set(range(n))
-    assert topk_parts(n, k) == (1 if k == 10240 else 2)  # 50% of 20,480: no cut fits one pass
-
-
-def test_split_topk_by_rows():
-    """A batch of rows (32 x Llama-3-8B's 14,336: PyTorch's multi-block path) keeps each row's
-    top-k, into views of larger buffers as the batched engine passes them."""
+def test_topk_into_by_rows():
+    """A batch of rows (32 x Llama-3-8B's 14,336) keeps each row's top-k, into views of larger
+    buffers as the batched engine passes them; our select and torch.topk keep the same sets."""
     s = torch.randn(32, 14336, generator=torch.Generator().manual_seed(0))
     vals, idx = torch.zeros(2, 40, 2000), torch.zeros(2, 40, 2000, dtype=torch.long)
-    assert topk_parts(14336, 2000, rows=32) > 1
-    topk_into(s, 2000, vals[1, :32], idx[1, :32])
     ref = torch.topk(s, 2000, dim=-1)
-    for r in range(32):
-        assert set(idx[1, r].tolist()) == set(ref.indices[r].tolist())
-    assert torch.equal(s.gather(1, idx[1, :32]), vals[1, :32]) and not idx[0].any()
+    for kernel in (True, False):
+        topk_into(s, 2000, vals[1, :32], idx[1, :32], kernel=kernel)
+        for r in range(32):
+            assert set(idx[1, r].tolist()) == set(ref.indices[r].tolist())
+        assert torch.equal(s.gather(1, idx[1, :32]), vals[1, :32]) and not idx[0].any()
 
 
 def test_clear_errors():

@@ -139,7 +139,7 @@ class Variant:
     ('teal', None, None)
     """
 
-    engine: str  # dense, dense_triton, sparse, sparse_one_topk, sparse_fixed_sets,
+    engine: str  # dense, dense_triton, sparse, sparse_torch_topk, sparse_fixed_sets,
     #              sparse_inline_predictors, teal, wina, cats, larosa, rsparse
     method: str = "dense"  # the SparseConfig method ("dense": sparse=None)
     sparsity: float = 0.0  # teal/wina/cats: the calibrated fraction of entries dropped per site;
@@ -149,7 +149,7 @@ class Variant:
     ops: str | None = None  # dense_ops of this decoder (None: --dense-ops)
     only_at_parts: bool = False  # time only at the breakdown's prompt
     columns: bool = False  # reads the columns layout (teal, wina, larosa, rsparse, dense_columns)
-    split_topk: bool = True  # dejavu: top-k of 20,000+ scores in two single-block passes
+    topk_kernel: bool = True  # dejavu: kept sets by our one-launch select (False: torch.topk)
 
 
 def variants(methods, sparsities, dejavu_budget, preds) -> list[Variant]:
@@ -172,11 +172,8 @@ def variants(methods, sparsities, dejavu_budget, preds) -> list[Variant]:
             sp = SparseConfig(ms_, hs_)
             if preds is not None:
                 out.append(Variant("sparse", "dejavu", sparse=sp, predictors=True))
-                out.append(
-                    Variant(
-                        "sparse_one_topk", "dejavu", sparse=sp, predictors=True, split_topk=False
-                    )
-                )  # one torch.topk per row, as before
+                out.append(Variant("sparse_torch_topk", "dejavu", sparse=sp, predictors=True,
+                                   topk_kernel=False))  # fmt: skip
             out.append(Variant("sparse_fixed_sets", "dejavu", sparse=sp))
             if preds is not None:
                 out.append(Variant("sparse_inline_predictors", "dejavu", predictors=True,
@@ -208,7 +205,7 @@ def make_decoder(v: Variant, w, arch, max_len, preds, dense_ops, thresholds=None
     dec = Decoder(w, max_seq_len=max_len, sparse=sp, predictors=preds if v.predictors else None,
                   dense_ops=v.ops or dense_ops)  # fmt: skip
     if v.predictors:
-        dec.sets.split_topk = v.split_topk
+        dec.sets.topk_kernel = v.topk_kernel
     if v.method == "dejavu" and not v.predictors:  # fixed random kept sets, one per layer
         g = torch.Generator(device="cpu").manual_seed(0)
         for i in range(arch.n_layers):

@@ -202,9 +202,7 @@ class BatchSets(KeptSets):
         self._counts[at, 1] = (hv > 0).sum(-1).to(torch.int32)
         Uh = p.head_idx.shape[1]
         if Uh < H and B > 1:
-            torch.topk(
-                hv + self._hprio, Uh, dim=-1, sorted=False, out=(p.head_val[at], p.head_idx[at])
-            )
+            topk_into(hv + self._hprio, Uh, p.head_val[at], p.head_idx[at])
         heads = p.head_idx[at]
         p.mask[at] = member.gather(2, heads[:, None, :].expand(-1, B, -1)).to(torch.int8)
         q = p.qkv_idx[at]
@@ -222,8 +220,7 @@ class BatchSets(KeptSets):
         if self.k_mlp < self.arch.d_mlp:
             topk_into(ms.float(), self.k_mlp, self._seq_val[0][i, :B], self.seq_mlp[i, :B])
         if self.k_heads < self.H:
-            torch.topk(hs.float(), self.k_heads, dim=-1, sorted=False,
-                       out=(self._seq_val[1][i, :B], self.seq_heads[i, :B]))  # fmt: skip
+            topk_into(hs.float(), self.k_heads, self._seq_val[1][i, :B], self.seq_heads[i, :B])
         prio = (torch.sigmoid(ms.float()) * live[:, None]).sum(0) / (live.sum() + 1.0)  # [0, 1)
         self.select(i, prio[None])
 

@@ -16,57 +16,18 @@ import torch
 import torch.nn.functional as F
 
 from ..budgets import n_keep
+from ..kernels.select import topk_select
 from .config import EngineError, SparseConfig
 
-__all__ = ["KeptSets", "multiblock", "topk_into", "topk_parts"]
-
-# PyTorch's CUDA top-k selects in one kernel per row (a single-block radix select) unless the
-# rows are long for their number; then it runs a multi-block select of a dozen launches
-# (aten/src/ATen/native/cuda/TensorTopK.cu, should_use_multiblock): for one to 20 rows, from
-# 20,000 entries on, OPT-13B's 20,480 neurons among them.
-_MULTIBLOCK = ((20, 20000), (40, 10000), (80, 8000), (199, 5000), (799, 3000), (4000, 800))
-
-
-def multiblock(rows: int, n: int) -> bool:
-    """Whether PyTorch's CUDA ``topk`` over ``rows`` rows of ``n`` takes its multi-block path.
-
-    >>> multiblock(1, 14336), multiblock(1, 20480), multiblock(32, 14336)
-    (False, True, True)
-    """
-    for most, longest in _MULTIBLOCK:
-        if rows <= most:
-            return n >= longest
-    return n >= 400
-
-
-def topk_parts(n: int, k: int, rows: int = 1) -> int:
-    """How many parts to cut each of ``rows`` score rows of ``n`` into so that both of
-    :func:`topk_into`'s passes (top-k of each part, then of the ``p·k`` survivors) stay on
-    PyTorch's single-block path: 1 where one pass already does, or where no exact cut does.
-
-    >>> topk_parts(14336, 7168), topk_parts(20480, 3072), topk_parts(28672, 4301)  # L3-8B, OPT
-    (1, 2, 2)
-    >>> topk_parts(36864, 5530), topk_parts(20480, 10240)  # OPT-66B at 85%; 50%: no cut fits
-    (2, 1)
-    >>> topk_parts(14336, 2150, rows=32)  # 32 rows of Llama-3-8B's width, 85% dropped
-    2
-    """
-    if not multiblock(rows, n):
-        return 1
-    for p in range(2, 65):
-        m = n // p
-        if n % p == 0 and k <= m and not multiblock(rows * p, m) and not multiblock(rows, p * k):
-            return p
-    return 1
+__all__ = ["KeptSets", "topk_into"]
 
 
 def topk_into(s: torch.Tensor, k: int, values: torch.Tensor, indices: torch.Tensor,
-              split: bool = True) -> None:  # fmt: skip
+              kernel: bool = True) -> None:  # fmt: skip
     """The top-``k`` of each row of the scores ``s`` ([n] or [rows, n]) written into ``values``
-    / ``indices`` (unsorted), as ``torch.topk(s, k, dim=-1, sorted=False, out=...)`` — the same
-    sets. With ``split``, rows that PyTorch would select in many launches are cut into ``p``
-    parts (:func:`topk_parts`): the top-k of each part, then of their ``p·k`` survivors, which
-    hold the whole row's.
+    (fp32) / ``indices``: by :func:`~dejavu_lab.kernels.select.topk_select` (one launch, the
+    entries in index order), or with ``kernel=False`` by ``torch.topk`` (unsorted) — the same
+    sets up to ties at the k-th value.
 
     >>> s = torch.randn(20480)
     >>> v, i = torch.empty(3072), torch.empty(3072, dtype=torch.long)
@@ -74,16 +35,10 @@ def topk_into(s: torch.Tensor, k: int, values: torch.Tensor, indices: torch.Tens
     >>> set(i.tolist()) == set(torch.topk(s, 3072).indices.tolist()), torch.equal(s[i], v)
     (True, True)
     """
-    n, rows = s.shape[-1], s.numel() // s.shape[-1]
-    p = topk_parts(n, k, rows) if split else 1
-    if p == 1:
+    if kernel:
+        topk_select(s, k, values, indices)
+    else:
         torch.topk(s, k, dim=-1, sorted=False, out=(values, indices))
-        return
-    v, j = torch.topk(s.reshape(rows * p, n // p), k, dim=1, sorted=False)  # [rows·p, k]
-    j = j.view(rows, p, k) + torch.arange(0, n, n // p, device=s.device)[:, None]  # in the row
-    pick = torch.empty_like(indices)
-    torch.topk(v.view(*s.shape[:-1], p * k), k, dim=-1, sorted=False, out=(values, pick))
-    torch.gather(j.view(*s.shape[:-1], p * k), -1, pick, out=indices)
 
 
 class KeptSets:
@@ -119,7 +74,7 @@ class KeptSets:
         for i in range(L):
             self._fill_qkv(i)
         self._fused = None
-        self.split_topk = True  # topk_into: cut rows of 20,000+ scores (False: one torch.topk)
+        self.topk_kernel = True  # topk_into: our one-launch select (False: torch.topk)
         if self.predictors is not None:
             self._fuse_predictors()
 
@@ -179,10 +134,9 @@ class KeptSets:
         ms, hs = self.scores(i, x)
         if self.k_mlp < self.arch.d_mlp:
             s = ms.reshape(-1)
-            topk_into(s.float(), self.k_mlp, self._mlp_val[i], self.mlp_idx[i], self.split_topk)
+            topk_into(s.float(), self.k_mlp, self._mlp_val[i], self.mlp_idx[i], self.topk_kernel)
         if self.k_heads < self.H:
             s = hs.reshape(-1)
-            torch.topk(
-                s.float(), self.k_heads, sorted=False, out=(self._head_val[i], self.head_idx[i])
-            )
+            topk_into(s.float(), self.k_heads, self._head_val[i], self.head_idx[i],
+                      self.topk_kernel)  # fmt: skip
             self._fill_qkv(i)

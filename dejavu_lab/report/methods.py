@@ -71,7 +71,7 @@ LABELS = {
     "dense_columns": "dense (ours, TEAL's kernels, all kept: the default)",
     "dense_auto": "dense (ours, tuned ops)",
     "sparse": "DejaVu",
-    "sparse_one_topk": "DejaVu, one top-k per row",
+    "sparse_torch_topk": "DejaVu, kept sets by torch.topk",
     "sparse_fixed_sets": "DejaVu, sets given (no predictors)",
     "sparse_inline_predictors": "DejaVu, predictors inline",
     "teal": "TEAL",
