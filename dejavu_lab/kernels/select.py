@@ -52,13 +52,13 @@ def topk_select_kernel(
     need = K  # how many of the candidates (keys equal to `thr` on the bytes fixed so far) to keep
     thr = tl.zeros((), tl.int32)
     for j in tl.static_range(4):
-        SHIFT: tl.constexpr = 24 - 8 * j
-        byte = (key >> SHIFT) & 0xFF
+        shift = 24 - 8 * j
+        byte = (key >> shift) & 0xFF
         if j == 0:
             byte = byte ^ 0x80  # the sign byte: unsigned order
             cand = valid
         else:
-            cand = valid & ((key >> (SHIFT + 8)) == (thr >> (SHIFT + 8)))
+            cand = valid & ((key >> (shift + 8)) == (thr >> (shift + 8)))
         n_cand = tl.sum(cand.to(tl.int32), axis=0)
         hist = tl.histogram(tl.where(cand, byte, 0), 256)  # non-candidates land in bin 0 ...
         hist -= tl.where(bins == 0, BLOCK - n_cand, 0)  # ... and leave it again
@@ -67,7 +67,7 @@ def topk_select_kernel(
         need -= tl.sum(tl.where(bins == top, at_least - hist, 0), axis=0)  # minus those above it
         if j == 0:
             top = top ^ 0x80
-        thr = thr | (top << SHIFT)
+        thr = thr | (top << shift)
     tie = valid & (key == thr)
     keep = (valid & (key > thr)) | (tie & (tl.cumsum(tie.to(tl.int32), axis=0) <= need))
     slot = tl.cumsum(keep.to(tl.int32), axis=0) - 1
