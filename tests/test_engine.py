@@ -123,6 +123,8 @@ def test_clear_errors():
     m32 = random_model("tiny-opt").model
     with pytest.raises(EngineError, match="fp16/bf16"):
         Decoder(m32, max_seq_len=8, sparse=SparseConfig(0.5, 0.5))
+    with pytest.raises(EngineError, match="side_priority='high' must be an int"):
+        SparseConfig(0.5, 0.5, side_priority="high")
     dec = Decoder(m32, max_seq_len=8)
     with pytest.raises(EngineError, match="larger max_seq_len"):
         dec.prefill(torch.arange(8)[None])

@@ -10,7 +10,7 @@ R-Sparse's configs at the bytes TEAL reads. ``kernels/profile_engine.py`` calls 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -139,7 +139,8 @@ class Variant:
     ('teal', None, None)
     """
 
-    engine: str  # dense, dense_triton, sparse, sparse_torch_topk, sparse_fixed_sets,
+    engine: str  # dense, dense_triton, sparse, sparse_select_kernel, sparse_side_priority_0,
+    #              sparse_fixed_sets,
     #              sparse_inline_predictors, teal, wina, cats, larosa, rsparse
     method: str = "dense"  # the SparseConfig method ("dense": sparse=None)
     sparsity: float = 0.0  # teal/wina/cats: the calibrated fraction of entries dropped per site;
@@ -149,7 +150,7 @@ class Variant:
     ops: str | None = None  # dense_ops of this decoder (None: --dense-ops)
     only_at_parts: bool = False  # time only at the breakdown's prompt
     columns: bool = False  # reads the columns layout (teal, wina, larosa, rsparse, dense_columns)
-    topk_kernel: bool = True  # dejavu: kept sets by our one-launch select (False: torch.topk)
+    topk_kernel: bool = False  # dejavu: kept sets by our one-launch select (else torch.topk)
 
 
 def variants(methods, sparsities, dejavu_budget, preds) -> list[Variant]:
@@ -172,8 +173,10 @@ def variants(methods, sparsities, dejavu_budget, preds) -> list[Variant]:
             sp = SparseConfig(ms_, hs_)
             if preds is not None:
                 out.append(Variant("sparse", "dejavu", sparse=sp, predictors=True))
-                out.append(Variant("sparse_torch_topk", "dejavu", sparse=sp, predictors=True,
-                                   topk_kernel=False))  # fmt: skip
+                out.append(Variant("sparse_select_kernel", "dejavu", sparse=sp, predictors=True,
+                                   topk_kernel=True))  # fmt: skip
+                out.append(Variant("sparse_side_priority_0", "dejavu", predictors=True,
+                                   sparse=replace(sp, side_priority=0)))  # fmt: skip
             out.append(Variant("sparse_fixed_sets", "dejavu", sparse=sp))
             if preds is not None:
                 out.append(Variant("sparse_inline_predictors", "dejavu", predictors=True,

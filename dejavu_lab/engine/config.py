@@ -90,6 +90,9 @@ class SparseConfig:
     head_sparsity: float = 0.0  # query heads removed (§5.1: 0.5); dejavu only
     kv_window: int = 16  # deferred KV window (1-32 tokens); 0 computes every head's K/V each step
     side_stream: bool = True  # lookahead predictors on a second CUDA stream (else inline)
+    # that stream's CUDA priority (lower runs sooner: -1 lets the predictors' small launches take
+    # the next free SM ahead of the layer's own programs; 0 is the default priority)
+    side_priority: int = -1
     method: str = "dejavu"  # one of METHODS
     # dejavu: one-launch kernels (fused_sparse_mlp; qkv_rope = QKV + RoPE + KV write) instead of
     # up+down and QKV, RoPE, kv_window_write apart. Off by default: on the H200 the fused path is
@@ -109,6 +112,9 @@ class SparseConfig:
         budgets(self.mlp_sparsity, 1, "mlp_sparsity")
         budgets(self.head_sparsity, 1, "head_sparsity")
         check_engine.size(self.kv_window, "kv_window", maximum=32, hint="tokens; 0 = no deferral")
+        if not isinstance(self.side_priority, int) or isinstance(self.side_priority, bool):
+            raise EngineError(f"side_priority={self.side_priority!r} must be an int stream priority "
+                              "(-1 high, 0 default).")  # fmt: skip
         if self.method not in METHODS:
             raise EngineError(
                 f"method={self.method!r} is not one the engine runs; choose one of "

@@ -127,7 +127,9 @@ class DecodeLoop:
             raise EngineError("CUDA graph capture needs the model on a GPU; on CPU call step().")
         if self.pos == 0:
             raise EngineError("call prefill(prompt_ids) before capture().")
-        self._side = self._side or torch.cuda.Stream()
+        if self._side is None:
+            sp = self.sparse
+            self._side = torch.cuda.Stream(priority=sp.side_priority if sp is not None else 0)
         saved = (self.tok_t.clone(), self.pos_t.clone())
         warm = torch.cuda.Stream()
         warm.wait_stream(torch.cuda.current_stream())

@@ -74,7 +74,9 @@ class KeptSets:
         for i in range(L):
             self._fill_qkv(i)
         self._fused = None
-        self.topk_kernel = True  # topk_into: our one-launch select (False: torch.topk)
+        # topk_into by torch.topk; True: our one-launch select (kernels/bench_topk.py: slower on
+        # an H100 at every width DejaVu runs but the heads', which tie)
+        self.topk_kernel = False
         if self.predictors is not None:
             self._fuse_predictors()
 
