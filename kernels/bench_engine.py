@@ -19,9 +19,10 @@ not be trained to be timed), batch 1, for each prompt length, the variants of ``
   both ways first (rows ``kind: "op"``), the faster one used;
 - ``dejavu`` — rows ``sparse`` (85% MLP + 50% heads removed on OPT, 50% + 50% on Llama shapes,
   ``--dejavu-sparsity``; DejaVu's predictors at their default rank choose the top-k on a side
-  stream of high priority, each layer's kept sets by ``torch.topk``), ``sparse_select_kernel``
-  (the sets by ``dejavu_lab.kernels.select`` instead), ``sparse_side_priority_0`` (the side
-  stream at the default priority),
+  stream of high priority, their scores in two launches, the kept sets by ``torch.topk``), ``sparse_select_kernel``
+  (the sets by ``dejavu_lab.kernels.select`` instead), ``sparse_torch_scores`` (the predictors'
+  scores by PyTorch ops, not ``dejavu_lab.kernels.predict``), ``sparse_side_priority_0`` (the
+  side stream at the default priority),
   ``sparse_fixed_sets`` (fixed random sets: no predictors) and
   ``sparse_inline_predictors`` (one stream; at ``--parts-at`` only);
 - ``teal``, ``wina``, ``cats`` — one row per ``--sparsity``: thresholds calibrated for that

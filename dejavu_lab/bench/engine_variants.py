@@ -139,7 +139,8 @@ class Variant:
     ('teal', None, None)
     """
 
-    engine: str  # dense, dense_triton, sparse, sparse_select_kernel, sparse_side_priority_0,
+    engine: str  # dense, dense_triton, sparse, sparse_select_kernel, sparse_torch_scores,
+    #              sparse_side_priority_0,
     #              sparse_fixed_sets,
     #              sparse_inline_predictors, teal, wina, cats, larosa, rsparse
     method: str = "dense"  # the SparseConfig method ("dense": sparse=None)
@@ -151,6 +152,7 @@ class Variant:
     only_at_parts: bool = False  # time only at the breakdown's prompt
     columns: bool = False  # reads the columns layout (teal, wina, larosa, rsparse, dense_columns)
     topk_kernel: bool = False  # dejavu: kept sets by our one-launch select (else torch.topk)
+    score_kernel: bool = True  # dejavu: predictor scores by kernels/predict.py (else torch ops)
 
 
 def variants(methods, sparsities, dejavu_budget, preds) -> list[Variant]:
@@ -175,6 +177,8 @@ def variants(methods, sparsities, dejavu_budget, preds) -> list[Variant]:
                 out.append(Variant("sparse", "dejavu", sparse=sp, predictors=True))
                 out.append(Variant("sparse_select_kernel", "dejavu", sparse=sp, predictors=True,
                                    topk_kernel=True))  # fmt: skip
+                out.append(Variant("sparse_torch_scores", "dejavu", sparse=sp, predictors=True,
+                                   score_kernel=False))  # fmt: skip
                 out.append(Variant("sparse_side_priority_0", "dejavu", predictors=True,
                                    sparse=replace(sp, side_priority=0)))  # fmt: skip
             out.append(Variant("sparse_fixed_sets", "dejavu", sparse=sp))
@@ -209,6 +213,7 @@ def make_decoder(v: Variant, w, arch, max_len, preds, dense_ops, thresholds=None
                   dense_ops=v.ops or dense_ops)  # fmt: skip
     if v.predictors:
         dec.sets.topk_kernel = v.topk_kernel
+        dec.sets.score_kernel = v.score_kernel
     if v.method == "dejavu" and not v.predictors:  # fixed random kept sets, one per layer
         g = torch.Generator(device="cpu").manual_seed(0)
         for i in range(arch.n_layers):

@@ -5,8 +5,9 @@ row per layer, fixed sizes, so a CUDA graph can replay them) that its blocks rea
 by hand (:meth:`KeptSets.set_indices`: oracle or random sets) or, inside the decode step, by the
 top-k of DejaVu's low-rank predictors (:mod:`dejavu_lab.predictors`) evaluated on the previous
 layer's input (lookahead). The two
-predictors of a layer read the same input, so they are evaluated stacked: one RMS norm and one
-GEMV for both ``d -> r`` halves, then each ``r -> n`` — the same function as
+predictors of a layer read the same input, so they are evaluated stacked: both ``d -> r`` halves
+(the RMS norm folded in) in one launch, both ``r -> n`` in another
+(:func:`~dejavu_lab.kernels.predict.predictor_scores`) — the same function as
 ``Predictors.mlp_scores`` / ``head_scores``, in fewer launches.
 """
 
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..budgets import n_keep
+from ..kernels.predict import predictor_scores
 from ..kernels.select import topk_select
 from .config import EngineError, SparseConfig
 
@@ -77,6 +79,7 @@ class KeptSets:
         # topk_into by torch.topk; True: our one-launch select (kernels/bench_topk.py: slower on
         # an H100 at every width DejaVu runs but the heads', which tie)
         self.topk_kernel = False
+        self.score_kernel = True  # scores(): kernels/predict.py (False: PyTorch's ops)
         if self.predictors is not None:
             self._fuse_predictors()
 
@@ -128,6 +131,8 @@ class KeptSets:
             p = self.predictors
             return p.mlp_scores(i, x), p.head_scores(i, x)
         down, r, wm, bm, wh, bh = self._fused[i]
+        if self.score_kernel:  # two launches (kernels/predict.py)
+            return predictor_scores(x, down, wm, bm, wh, bh)
         z = F.rms_norm(x.float(), (x.shape[-1],), eps=1e-6) @ down.t()  # [1, r_mlp + r_head]
         return F.linear(z[:, :r], wm, bm), F.linear(z[:, r:], wh, bh)
 
