@@ -78,7 +78,7 @@ def test_int4_bench_times_dejavu_at_the_window_asked():
         rows = []
         bench_int4("tiny-llama", prompt=4, new_tokens=3, group=64, sparsities=[0.5],
                    methods=["dejavu"], device="cpu", ceiling=float("nan"), rows=rows,
-                   check_tokens=(4, 2), quiet=True, kv_window=window)  # fmt: skip
+                   check_tokens=(4, 2), quiet=True, kv_window=window, int4_only=True)  # fmt: skip
         dv = [r for r in rows if r["kind"] == "e2e" and r["engine"] == "dejavu"]
         assert len(dv) == 1 and "error" not in dv[0], dv
         assert dv[0]["kv_window"] == want and torch.isfinite(torch.tensor(dv[0]["ms_per_token"]))

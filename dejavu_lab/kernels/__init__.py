@@ -3,7 +3,9 @@
 One kernel per module, each with a checking wrapper, a plain-PyTorch ``*_ref`` and a CPU path
 (the reference, or the Triton kernel itself under ``TRITON_INTERPRET=1``), grouped by family:
 ``mlp/`` (up, down, fused), ``threshold/`` (gemv, tile, fused, lowrank), ``cats/`` (mlp, up, sums),
-``attention/`` (sparse, core, kv_window), ``rope/`` (rotate, qkv, epilogue) and ``norm``. The
+``attention/`` (sparse, core, kv_window), ``rope/`` (rotate, qkv, epilogue), ``norm``, and for
+DejaVu's predictors ``predict`` (their scores in two launches) and ``select`` (a one-program
+top-k; the engine keeps ``torch.topk``, which measured faster). The
 helpers they share live in ``_common`` (checks), ``_neurons`` (activations, row dots),
 ``_reduce``, ``_workspace`` and ``pdl``; ``tuning`` reads the tuned launch tables of ``tuned/``:
 
