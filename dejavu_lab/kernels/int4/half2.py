@@ -117,15 +117,6 @@ def _bits(h):
 
 
 @triton.jit
-def _emulated(words, xh, J: tl.constexpr, HIGH: tl.constexpr):
-    """The interpreter's stand-in for pair ``J`` of :data:`_PAIRS` (low or high half) over a
-    [rows, words] tile: the centred codes times the rows' fp16 activations, each product
-    rounded to fp16, summed in fp32."""
-    q = (((words >> (4 * J + 16 * HIGH)) & 0xF) - 8).to(tl.float16)
-    return tl.sum((q * xh[:, None]).to(tl.float32), axis=0)
-
-
-@triton.jit
 def _row(words, x2, a0, a1, a2, a3):
     """One row's four pairs added to the half2 sums ``a0``-``a3`` (:data:`_PAIRS`)."""
     return tl.inline_asm_elementwise(
@@ -170,11 +161,23 @@ def _eight(base, c, n, r0, p_ptr, STRIDE_P, offs_w, mask_w, a0, a1, a2, a3):
 
 
 @triton.jit
-def _emulated_word(words, xh):
-    """:func:`_emulated` for all eight outputs of each word: pairs 0-3, low halves then high."""
-    return (_emulated(words, xh, 0, 0), _emulated(words, xh, 1, 0), _emulated(words, xh, 2, 0),
-            _emulated(words, xh, 3, 0), _emulated(words, xh, 0, 1), _emulated(words, xh, 1, 1),
-            _emulated(words, xh, 2, 1), _emulated(words, xh, 3, 1))  # fmt: skip
+def _emulated(words, xh):
+    """The interpreter's stand-in for the half2 sums of a [rows, words] tile: nibble k of each
+    word (output 8w + k) centred, times its row's fp16 activation, each product rounded to fp16,
+    summed over the rows in fp32: [words, 8]. One expression (the interpreter pays about a
+    millisecond per call of a nested jit function)."""
+    shifts = 4 * tl.arange(0, 8)
+    q = (((words[:, :, None] >> shifts[None, None, :]) & 0xF) - 8).to(tl.float16)
+    return tl.sum((q * xh[:, None, None]).to(tl.float32), axis=0)
+
+
+@triton.jit
+def _joined(f0, f1, f2, f3, f4, f5, f6, f7):
+    """[NW, 8] with output 8w + k at [w, k] = ``f{k}`` (pair j's low half is output j, its high
+    half output j + 4): [NW, 2, 2, 2] with output 4i + 2j + l at [w, i, j, l], reshaped."""
+    sums = tl.join(tl.join(tl.join(f0, f4), tl.join(f2, f6)),
+                   tl.join(tl.join(f1, f5), tl.join(f3, f7)))  # fmt: skip
+    return tl.reshape(sums, (f0.shape[0], 8))
 
 
 @triton.jit
@@ -291,6 +294,7 @@ def int4_half2_kernel(
                                             a0, a1, a2, a3)  # fmt: skip
                 f0, f1, f2, f3, f4, f5, f6, f7 = _flush(f0, f1, f2, f3, f4, f5, f6, f7,
                                                         a0, a1, a2, a3)  # fmt: skip
+            sums = _joined(f0, f1, f2, f3, f4, f5, f6, f7)
         else:  # the interpreter: the listed rows as one [rows, words] tile
             j = tl.arange(0, ROWS)
             e = tl.load(base + j, mask=j < n, other=0)
@@ -298,7 +302,7 @@ def int4_half2_kernel(
             words = tl.load(p_ptr + rows.to(tl.int64)[:, None] * STRIDE_P + offs_w[None, :],
                             mask=(j < n)[:, None] & mask_w[None, :], other=0)  # fmt: skip
             xh = _half((e >> 16) & 0xFFFF)
-            f0, f1, f2, f3, f4, f5, f6, f7 = _emulated_word(words, xh)
+            sums = _emulated(words, xh)
     elif ASM:  # each thread walks the rows; half2 sums of SUB rows, then fp32
         pw = p_ptr + r0.to(tl.int64) * STRIDE_P + offs_w  # row r0's words; the rest at constants
         px = x_ptr + r0
@@ -338,6 +342,7 @@ def int4_half2_kernel(
                     x2 = (b | (b << 16)) + tl.zeros((NW,), tl.int32)
                     a0, a1, a2, a3 = _row(words, x2, a0, a1, a2, a3)
             f0, f1, f2, f3, f4, f5, f6, f7 = _flush(f0, f1, f2, f3, f4, f5, f6, f7, a0, a1, a2, a3)
+        sums = _joined(f0, f1, f2, f3, f4, f5, f6, f7)
     else:  # the interpreter: the same decode and centring on a [ROWS, words] tile at once
         offs_r = r0 + tl.arange(0, ROWS)
         if MODE == 1:
@@ -347,11 +352,8 @@ def int4_half2_kernel(
         words = tl.load(p_ptr + offs_r.to(tl.int64)[:, None] * STRIDE_P + offs_w[None, :],
                         mask=use, other=0)  # fmt: skip
         xh = (xs * inv).to(tl.float16)
-        f0, f1, f2, f3, f4, f5, f6, f7 = _emulated_word(words, xh)
-    # [NW, 2, 2, 2] with output k = 4i + 2j + l of word w at [w, i, j, l], then [NW, 8]
-    sums = tl.join(tl.join(tl.join(f0, f4), tl.join(f2, f6)),
-                   tl.join(tl.join(f1, f5), tl.join(f3, f7)))  # fmt: skip
-    sums = tl.reshape(sums, (NW, 8)) * scale
+        sums = _emulated(words, xh)
+    sums = sums * scale
     offs_n = tl.arange(0, 8)
     sm = (r0 // GROUP) * D + offs_w[:, None] * 8 + offs_n[None, :]
     s = tl.load(s_ptr + sm, mask=mask_w[:, None], other=0.0).to(tl.float32)
