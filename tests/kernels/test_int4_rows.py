@@ -130,7 +130,9 @@ def assert_close_off_threshold(out, ref, a, thr, dtype, seed):
     kernel's gate (summed in another order, its tile rounded to x's dtype in a union batch) may
     fall on the other side, and the neuron flips between kept and dropped."""
     near = ((a.abs() - thr).abs() <= 0.02 * thr.abs()).expand_as(out)
-    assert near.float().mean() < 0.1, f"too many entries near the threshold; seed={seed}"
+    # a median threshold has 3.5% of 88 neurons within 2% of it on average, up to 15% in 800
+    # random draws: the bound only guards that most entries are compared
+    assert near.float().mean() < 0.25, f"too many entries near the threshold; seed={seed}"
     assert_close(out.masked_fill(near, 0), ref.masked_fill(near, 0), dtype, seed)
 
 
