@@ -30,7 +30,9 @@ PDL = os.environ.get("DEJAVU_PDL", "1") != "0"
 
 @triton.jit
 def await_inputs(PDL: tl.constexpr):
-    """The kernel's first step: under programmatic dependent launch, wait for the grid before."""
+    """The kernel's first step: under programmatic dependent launch, wait for the grid before.
+    Kernels call it under ``if PDL:``: the interpreter pays for every nested jit call (about
+    0.2 ms a program), even one that does nothing."""
     if PDL:
         gdc_wait()
 

@@ -76,7 +76,8 @@ def sparse_attention_kernel(
     two tensor-core products, ``q @ K^T`` and ``p @ V``, over ``BLOCK_T`` cached positions, so
     each key and value is read once for the whole group and the loads pipeline through shared
     memory (an FMA broadcast over [group, BLOCK_T, DH] kept too few bytes in flight)."""
-    await_inputs(PDL)
+    if PDL:
+        await_inputs(PDL)
     b = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     split = tl.program_id(2)
@@ -174,7 +175,8 @@ def sparse_attention_combine_kernel(
     One program per (sequence, KV head, query head of its group); every split's state is loaded
     in one [BLOCK_S, DH] tile, so the loads are issued together rather than one split at a time
     (a loop over 40 splits was a chain of 80 dependent loads: 16 us per layer at Llama-3-8B)."""
-    await_inputs(PDL)
+    if PDL:
+        await_inputs(PDL)
     b = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     g = tl.program_id(2)

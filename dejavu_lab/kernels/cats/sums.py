@@ -52,7 +52,8 @@ def rows_sums_kernel(
     HAS_GBIAS: tl.constexpr = False,
     PDL: tl.constexpr = False,  # launched with launch_pdl (pdl.pdl_args)
 ):
-    await_inputs(PDL)
+    if PDL:
+        await_inputs(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask_n = offs_n < N

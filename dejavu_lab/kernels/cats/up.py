@@ -66,7 +66,8 @@ def cats_up_kernel(
     GATE_SUMS: tl.constexpr = False,  # g is a workspace of fp32 sums: add the gate bias, zero it
     PDL: tl.constexpr = False,  # launched with launch_pdl (pdl.pdl_args)
 ):
-    await_inputs(PDL)
+    if PDL:
+        await_inputs(PDL)
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N

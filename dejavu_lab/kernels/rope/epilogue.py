@@ -61,7 +61,8 @@ def rope_sums_kernel(
     BLOCK: tl.constexpr,  # next power of two >= HALF
     PDL: tl.constexpr = False,  # launched with launch_pdl (pdl.pdl_args)
 ):
-    await_inputs(PDL)
+    if PDL:
+        await_inputs(PDL)
     j = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < HALF
@@ -137,7 +138,8 @@ def residual_norm_kernel(
     BLOCK: tl.constexpr,  # next power of two >= N: the whole row in one program
     PDL: tl.constexpr = False,  # launched with launch_pdl (pdl.pdl_args)
 ):
-    await_inputs(PDL)
+    if PDL:
+        await_inputs(PDL)
     offs = tl.arange(0, BLOCK)
     pid = tl.program_id(0)
     if pid > 0:  # the other programs leave a consumed workspace at zero

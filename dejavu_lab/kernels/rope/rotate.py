@@ -35,7 +35,8 @@ def rope_kernel(
     BLOCK: tl.constexpr,  # next power of two >= HALF
     PDL: tl.constexpr = False,  # launched with launch_pdl (pdl.pdl_args)
 ):
-    await_inputs(PDL)
+    if PDL:
+        await_inputs(PDL)
     b = tl.program_id(0)
     j = tl.program_id(1)
     p = tl.load(pos_ptr + b).to(tl.int64)

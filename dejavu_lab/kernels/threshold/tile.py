@@ -75,7 +75,8 @@ def threshold_tile_kernel(
     KEEP_GATE: tl.constexpr = False,  # ACT_X: row r kept iff |act(gate_r)| > thr_r (CATS)
     PDL: tl.constexpr = False,  # launched with launch_pdl (pdl.pdl_args)
 ):
-    await_inputs(PDL)
+    if PDL:
+        await_inputs(PDL)
     offs_d = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
     offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_r = offs_r < K
@@ -163,7 +164,8 @@ def threshold_finalize_kernel(ws_ptr, b_ptr, out_ptr, N, stride_ob, HAS_BIAS: tl
     """Row ``program_id(1)``: ``out = act(ws + bias)`` (GATED: ``act(gate) * up`` over a ws row
     [gate | up], N = half of its columns) in the output dtype, and ``ws = 0`` for the next
     launch. ws rows are contiguous ([B, N] or [B, 2N]); out rows ``stride_ob`` apart."""
-    await_inputs(PDL)
+    if PDL:
+        await_inputs(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     row = tl.program_id(1)
     mask = offs < N
