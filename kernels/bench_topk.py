@@ -1,9 +1,10 @@
-"""DejaVu's kept sets: ``torch.topk`` against the engine's one-launch select, per call.
+"""DejaVu's kept sets: ``torch.topk`` against our one-launch select, per call.
 
 DejaVu's lookahead predictors score every neuron of the next layer, and the engine keeps the
-top-k of each row (``dejavu_lab.engine.sets``) with ``dejavu_lab.kernels.select.topk_select``:
-one program per row, a radix select over the scores held in registers, then the kept entries
-in index order. This bench times it beside ``torch.topk`` (PyTorch selects in one single-block
+top-k of each row (``dejavu_lab.engine.sets``) with ``torch.topk``. Our
+``dejavu_lab.kernels.select.topk_select`` holds each row in one program's registers, finds the
+k-th largest by a radix select and writes the kept entries in index order. This bench times it
+beside ``torch.topk`` (PyTorch selects in one single-block
 launch until a row is long for the number of rows, 20,000 entries for up to 20 rows, then in a
 multi-block select of about a dozen launches), per call in CUDA-graph replay, at the widths and
 budgets the engine runs (85% of the MLP dropped on OPT shapes, 50% and 85% at Llama-3-8B's

@@ -391,9 +391,7 @@ class BatchDecoder(Decoder):
             raise EngineError("call prefill(prompts) before capture().")
         key = (self.B, self._sample)
         if key not in self._graphs:
-            if self._side is None:
-                sp = self.sparse
-                self._side = torch.cuda.Stream(priority=sp.side_priority if sp is not None else 0)
+            self._side_stream()
             state = (self.tok_t, self.pos_t, self.step_t, self.live_t, self._live_f, self.tokens)
             saved = [t.clone() for t in state]
             warm = torch.cuda.Stream()

@@ -192,7 +192,7 @@ class BatchSets(KeptSets):
         U = p.mlp_idx.shape[1]
         if U < n and B > 1:
             key = votes + (self._prio[at] if prio is None else prio)
-            topk_into(key, U, p.mlp_val[at], p.mlp_idx[at])
+            topk_into(key, U, p.mlp_val[at], p.mlp_idx[at], self.topk_kernel)
         member = self._member[at, :B]  # [l, B, H]
         member.zero_()
         member.scatter_(
@@ -202,7 +202,7 @@ class BatchSets(KeptSets):
         self._counts[at, 1] = (hv > 0).sum(-1).to(torch.int32)
         Uh = p.head_idx.shape[1]
         if Uh < H and B > 1:
-            topk_into(hv + self._hprio, Uh, p.head_val[at], p.head_idx[at])
+            topk_into(hv + self._hprio, Uh, p.head_val[at], p.head_idx[at], self.topk_kernel)
         heads = p.head_idx[at]
         p.mask[at] = member.gather(2, heads[:, None, :].expand(-1, B, -1)).to(torch.int8)
         q = p.qkv_idx[at]
@@ -218,9 +218,11 @@ class BatchSets(KeptSets):
         ms, hs = self.scores(i, x)  # [B, n], [B, H]
         live = self._live_f[:B]
         if self.k_mlp < self.arch.d_mlp:
-            topk_into(ms.float(), self.k_mlp, self._seq_val[0][i, :B], self.seq_mlp[i, :B])
+            topk_into(ms.float(), self.k_mlp, self._seq_val[0][i, :B], self.seq_mlp[i, :B],
+                      self.topk_kernel)  # fmt: skip
         if self.k_heads < self.H:
-            topk_into(hs.float(), self.k_heads, self._seq_val[1][i, :B], self.seq_heads[i, :B])
+            topk_into(hs.float(), self.k_heads, self._seq_val[1][i, :B], self.seq_heads[i, :B],
+                      self.topk_kernel)  # fmt: skip
         prio = (torch.sigmoid(ms.float()) * live[:, None]).sum(0) / (live.sum() + 1.0)  # [0, 1)
         self.select(i, prio[None])
 

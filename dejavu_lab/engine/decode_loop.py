@@ -127,9 +127,7 @@ class DecodeLoop:
             raise EngineError("CUDA graph capture needs the model on a GPU; on CPU call step().")
         if self.pos == 0:
             raise EngineError("call prefill(prompt_ids) before capture().")
-        if self._side is None:
-            sp = self.sparse
-            self._side = torch.cuda.Stream(priority=sp.side_priority if sp is not None else 0)
+        self._side_stream()
         saved = (self.tok_t.clone(), self.pos_t.clone())
         warm = torch.cuda.Stream()
         warm.wait_stream(torch.cuda.current_stream())
@@ -143,6 +141,12 @@ class DecodeLoop:
             self._graph_logits = self._step_body()
         self.tok_t.copy_(saved[0])
         self.pos_t.copy_(saved[1])
+
+    def _side_stream(self) -> None:
+        """Create the lookahead predictors' stream once, at SparseConfig's priority."""
+        if self._side is None:
+            sp = self.sparse
+            self._side = torch.cuda.Stream(priority=sp.side_priority if sp is not None else 0)
 
     def _steps_left(self) -> float:
         """Decode steps the cache still has room for."""

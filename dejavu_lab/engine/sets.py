@@ -25,15 +25,15 @@ __all__ = ["KeptSets", "topk_into"]
 
 
 def topk_into(s: torch.Tensor, k: int, values: torch.Tensor, indices: torch.Tensor,
-              kernel: bool = True) -> None:  # fmt: skip
+              kernel: bool = False) -> None:  # fmt: skip
     """The top-``k`` of each row of the scores ``s`` ([n] or [rows, n]) written into ``values``
-    (fp32) / ``indices``: by :func:`~dejavu_lab.kernels.select.topk_select` (one launch, the
-    entries in index order), or with ``kernel=False`` by ``torch.topk`` (unsorted) — the same
-    sets up to ties at the k-th value.
+    (fp32) / ``indices``: by ``torch.topk`` (unsorted), or with ``kernel`` by
+    :func:`~dejavu_lab.kernels.select.topk_select` (one launch, the entries in index order;
+    slower on an H100, ``kernels/bench_topk.py``) — the same sets up to ties at the k-th value.
 
     >>> s = torch.randn(20480)
     >>> v, i = torch.empty(3072), torch.empty(3072, dtype=torch.long)
-    >>> topk_into(s, 3072, v, i)
+    >>> topk_into(s, 3072, v, i, kernel=True)
     >>> set(i.tolist()) == set(torch.topk(s, 3072).indices.tolist()), torch.equal(s[i], v)
     (True, True)
     """

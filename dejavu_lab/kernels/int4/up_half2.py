@@ -80,7 +80,7 @@ def _pair(a, b):
 @triton.jit
 def _emul(words, xp, n_words):
     """The interpreter's stand-in for :data:`_DOT8` over a [rows, words] tile, in one
-    expression (the interpreter pays about a millisecond per nested jit call): the centred
+    expression (the interpreter pays about 0.2 ms a program for each nested jit call): the centred
     codes of inputs ``8w + p`` and ``8w + p + 4`` (nibbles ``p`` and ``p + 4``) times their fp16
     activations (the halves of pair ``p``, read at ``xp + p * n_words``), each product rounded
     to fp16, summed in fp32."""
