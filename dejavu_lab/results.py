@@ -40,6 +40,7 @@ __all__ = [
     "git_sha",
     "list_results",
     "load",
+    "load_many",
     "provenance",
     "results_dir",
     "save",
@@ -291,6 +292,34 @@ def load(name_or_path: str | os.PathLike):
     if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
         raise ResultsError(f"{path} has no 'rows' list of objects; re-run its benchmark.")
     return pd.DataFrame(rows), data["provenance"]
+
+
+def load_many(names, keep=None):
+    """The recordings of ``names`` that exist, stacked: ``(frame, {name: provenance}, missing
+    names)``. ``keep(df)`` picks each file's rows (a boolean Series); rows with an ``error`` are
+    dropped; each row gets its ``file``. An empty frame when none exists.
+
+    >>> frame, provs, missing = load_many(["sparse_mlp", "no_such_run"])
+    >>> sorted(set(frame["file"])), missing
+    (['sparse_mlp'], ['no_such_run'])
+    """
+    import pandas as pd
+
+    frames, provs, missing = [], {}, []
+    for name in names:
+        try:
+            df, prov = load(name)
+        except ResultsError:
+            missing.append(name)
+            continue
+        if keep is not None:
+            df = df[keep(df)]
+        if "error" in df:
+            df = df[df["error"].isna()]
+        frames.append(df.assign(file=name))
+        provs[name] = prov
+    frame = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+    return frame, provs, missing
 
 
 def list_results() -> list[str]:

@@ -31,20 +31,12 @@ def load(names=FILES) -> tuple[pd.DataFrame, dict]:
     >>> sorted(provs), sorted(set(frame.model))
     (['engine_dense_default', 'engine_dense_default_13b'], ['llama-2-13b', 'llama-3-8b', 'opt-13b'])
     """
-    frames, provs = [], {}
-    for name in names:
-        try:
-            df, prov = results.load(name)
-        except ResultsError:
-            continue
-        df = df[(df["kind"] == "e2e") & df["engine"].isin(list(STEPS))]
-        if "error" in df:
-            df = df[df["error"].isna()]
-        frames.append(df.assign(file=name))
-        provs[name] = prov
-    if not frames:
+    frame, provs, _ = results.load_many(
+        names, lambda df: (df["kind"] == "e2e") & df["engine"].isin(list(STEPS))
+    )
+    if not provs:
         raise ResultsError(f"none of {', '.join(names)} is recorded in results/.")
-    return pd.concat(frames, ignore_index=True), provs
+    return frame, provs
 
 
 def default_table(frame: pd.DataFrame) -> pd.DataFrame:

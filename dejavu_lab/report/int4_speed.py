@@ -87,20 +87,9 @@ def load_speed(kind: str, live: bool | None = None):
         script, *args = LIVE_ARGS[kind]
         subprocess.run([sys.executable, str(root / script), *args, "--name", name], check=True)
         names = [name]
-    frames, provs = [], {}
-    for name in names:
-        try:
-            df, prov = results.load(name)
-        except ResultsError:
-            missing.append(name)
-            continue
-        keep = (df["kind"] == "time") if kind == "kernels" else (df["kind"] == "e2e")
-        if "error" in df:
-            keep &= df["error"].isna()
-        frames.append(df[keep].assign(file=name))
-        provs[name] = prov
-    frame = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
-    return frame, provs, live, missing
+    row_kind = "time" if kind == "kernels" else "e2e"
+    frame, provs, absent = results.load_many(names, lambda df: df["kind"] == row_kind)
+    return frame, provs, live, missing + absent
 
 
 def speed_caption(provs: dict, live: bool, frame: pd.DataFrame | None = None) -> str:

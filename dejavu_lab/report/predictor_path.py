@@ -33,20 +33,12 @@ def load(names=FILES) -> tuple[pd.DataFrame, dict]:
     >>> sorted(set(frame.model)), "sparse_torch_scores" in set(frame.engine)
     (['llama-3-8b', 'opt-13b'], True)
     """
-    frames, provs = [], {}
-    for name in names:
-        try:
-            df, prov = results.load(name)
-        except ResultsError:
-            continue
-        df = df[(df["kind"] == "e2e") & (df["method"] == "dejavu")]
-        if "error" in df:
-            df = df[df["error"].isna()]
-        frames.append(df.assign(file=name))
-        provs[name] = prov
-    if not frames:
+    frame, provs, _ = results.load_many(
+        names, lambda df: (df["kind"] == "e2e") & (df["method"] == "dejavu")
+    )
+    if not provs:
         raise ResultsError(f"none of {', '.join(names)} is recorded in results/.")
-    return pd.concat(frames, ignore_index=True), provs
+    return frame, provs
 
 
 def path_table(frame: pd.DataFrame) -> pd.DataFrame:

@@ -10,6 +10,9 @@ modules import the fixtures ``on_device`` (autouse) and ``seed`` by name.
 
 import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are decorated
 
@@ -23,6 +26,31 @@ DEVICE = os.environ.get("DEJAVU_TEST_DEVICE", "cpu")  # where every test tensor 
 DTYPES = [torch.float16, torch.bfloat16]
 TOL = {torch.float16: 3e-3, torch.bfloat16: 3e-2}  # relative Frobenius error
 ON_GPU = DEVICE != "cpu"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _ptxas() -> bool:
+    """Whether this Triton ships the CUDA backend's ptxas (compiling for a GPU needs no GPU)."""
+    import triton
+
+    return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").is_file()
+
+
+#: skip a test that compiles for a GPU where Triton ships no ptxas (a non-CUDA build)
+needs_ptxas = pytest.mark.skipif(
+    not _ptxas(), reason="this Triton ships no ptxas (a non-CUDA build)"
+)
+
+
+def assert_compiles(script: str, timeout: int = 600) -> None:
+    """Run ``script`` in a subprocess with the interpreter off (the kernels must be JIT
+    functions): it hands kernels to ``triton.compile`` for an sm_90 target and prints
+    ``compiled``. The interpreter runs the Python, not Triton's compiler, so this catches what
+    only the compiled path rejects."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)  # fmt: skip
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
 
 
 @pytest.fixture(autouse=True)

@@ -11,14 +11,8 @@ threshold, bf16, the kept-row list) and of the rows-layout half2 kernel (every r
 gated rows in bf16, CATS), which the interpreter never runs.
 """
 
-import os
-import subprocess
-import sys
-from pathlib import Path
+from helpers import assert_compiles, needs_ptxas
 
-import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = r"""
 import triton
 from triton.backends.compiler import GPUTarget
@@ -107,15 +101,6 @@ print("compiled")
 """
 
 
-def _ptxas() -> bool:
-    import triton
-
-    return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").is_file()
-
-
-@pytest.mark.skipif(not _ptxas(), reason="this Triton ships no ptxas (a non-CUDA build)")
+@needs_ptxas
 def test_the_kernels_compile_for_sm90():
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
-    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+    assert_compiles(SCRIPT)

@@ -7,20 +7,14 @@ widths at the default ranks, odd sizes that leave partial tiles, one token and a
 fp16/bf16/fp32 inputs at large scale (the RMS norm must cancel it).
 """
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-from helpers import on_device, seed
+from helpers import assert_compiles, needs_ptxas, on_device, seed
 
 from dejavu_lab.kernels.predict import predictor_scores, predictor_scores_ref
 from dejavu_lab.predictors import PredictorConfig, Predictors
 
 FIXTURES = (on_device, seed)  # pytest finds fixtures by name in this module
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def weights(d, r_n, r_h, n, h):
@@ -91,15 +85,6 @@ print("compiled")
 """
 
 
-def _ptxas() -> bool:
-    import triton
-
-    return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").is_file()
-
-
-@pytest.mark.skipif(not _ptxas(), reason="this Triton ships no ptxas (a non-CUDA build)")
+@needs_ptxas
 def test_the_kernels_compile_for_sm90():
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-c", COMPILE], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
-    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+    assert_compiles(COMPILE, timeout=300)

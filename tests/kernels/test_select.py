@@ -7,19 +7,13 @@ budgets, one row and a batch's rows, fp32/fp16/bf16 scores, ties at the k-th val
 zeros, infinities, and outputs poisoned so an unwritten slot fails.
 """
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-from helpers import on_device, seed
+from helpers import assert_compiles, needs_ptxas, on_device, seed
 
 from dejavu_lab.kernels.select import MAX_ROW, topk_select, topk_select_ref
 
 FIXTURES = (on_device, seed)  # pytest finds fixtures by name in this module
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def check(s, k, v, i, s_seed):
@@ -106,17 +100,8 @@ print("compiled")
 """
 
 
-def _ptxas() -> bool:
-    import triton
-
-    return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").is_file()
-
-
-@pytest.mark.skipif(not _ptxas(), reason="this Triton ships no ptxas (a non-CUDA build)")
+@needs_ptxas
 def test_the_kernel_compiles_for_sm90():
     """The interpreter runs the Python, not Triton's compiler (which, for one, refuses a
     constexpr assigned in each pass of an unrolled loop): compile for Hopper without a GPU."""
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-c", COMPILE], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
-    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+    assert_compiles(COMPILE, timeout=300)
