@@ -22,8 +22,10 @@ not be trained to be timed), batch 1, for each prompt length, the variants of ``
   stream of high priority, their scores in two launches, the kept sets by ``torch.topk``), ``sparse_select_kernel``
   (the sets by ``dejavu_lab.kernels.select`` instead), ``sparse_torch_scores`` (the predictors'
   scores by PyTorch ops, not ``dejavu_lab.kernels.predict``), ``sparse_side_priority_0`` (the
-  side stream at the default priority),
-  ``sparse_fixed_sets`` (fixed random sets: no predictors) and
+  side stream at the default priority), ``sparse_down_tile`` (the batch-1 down projections by
+  the one-tile kernel, which the engine leaves to runs without side-stream predictors),
+  ``sparse_fixed_sets`` (fixed random sets: no predictors), ``sparse_fixed_sets_down_split``
+  (those sets with the down projections by the split kernel) and
   ``sparse_inline_predictors`` (one stream; at ``--parts-at`` only);
 - ``teal``, ``wina``, ``cats`` — one row per ``--sparsity``: thresholds calibrated for that
   fraction per site on the prompt's dense prefill

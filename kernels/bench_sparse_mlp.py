@@ -300,11 +300,14 @@ DEJAVU_POINTS = [  # (n_rows, d, kept, rows per index)
 ]  # fmt: skip
 DEJAVU_TILES = [(32, 256, 4), (16, 256, 2), (32, 512, 4), (64, 256, 8), (16, 512, 4),
                 (32, 128, 2), (64, 128, 4), (16, 128, 1)]  # (BLOCK_R, BLOCK_D, warps)  # fmt: skip
+# the one-tile-per-program kernel (kernels/mlp/down_tile.py): no loop, so no programs or prefetch
+DEJAVU_ONE_TILES = [(64, 128, 4), (128, 64, 2), (128, 128, 4), (32, 256, 4), (64, 64, 2),
+                    (256, 64, 4), (32, 128, 2), (128, 256, 8), (16, 256, 2)]  # fmt: skip
 
 
 def tune_dejavu(command: str) -> Path:
-    """Sweep the FMA path's tiles, programs per SM and prefetch depth (0, or 2: the next
-    step's weights in flight) at DEJAVU_POINTS; record every correct config's graph-replay µs
+    """Sweep the one-tile kernel's tiles, and the split FMA path's tiles, programs per SM and
+    prefetch depth (0, or 2: the next step's weights in flight) at DEJAVU_POINTS; record every correct config's graph-replay µs
     in ``tuned/tuning_sparse_mlp_down_<gpu>.json`` (read at run time, :mod:`~dejavu_lab.kernels.
     tuning`) and print the best per point against the bytes floor."""
     from dejavu_lab.kernels.mlp.down import sparse_mlp_down, sparse_mlp_down_ref
@@ -312,9 +315,11 @@ def tune_dejavu(command: str) -> Path:
     dev, ceiling, rows = torch.device("cuda"), copy_ceiling(), []
     name = torch.cuda.get_device_name()
     slug = (re.search(r"\b[A-Z]\d{2,3}\b", name) or re.search(r"\w+$", name)).group(0).lower()
-    cands = [{"BLOCK_R": r, "BLOCK_D": bd, "num_warps": w, "programs_per_sm": p, "prefetch": pf,
-              "fused": True}
-             for (r, bd, w), p, pf in itertools.product(DEJAVU_TILES, (2, 4, 8), (0, 2))]  # fmt: skip
+    cands = [{"mode": "tile", "BLOCK_R": r, "BLOCK_D": bd, "num_warps": w}
+             for r, bd, w in DEJAVU_ONE_TILES]  # fmt: skip
+    cands += [{"mode": "split", "BLOCK_R": r, "BLOCK_D": bd, "num_warps": w, "programs_per_sm": p,
+               "prefetch": pf, "fused": True}
+              for (r, bd, w), p, pf in itertools.product(DEJAVU_TILES, (2, 4, 8), (0, 2))]  # fmt: skip
     for n, d, kept, g in DEJAVU_POINTS:
         k = round(n // g * kept) * g
         floor_us = k * d * 2 / (ceiling * 1e6)

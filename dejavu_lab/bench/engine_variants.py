@@ -140,7 +140,7 @@ class Variant:
     """
 
     engine: str  # dense, dense_triton, sparse, sparse_select_kernel, sparse_torch_scores,
-    #              sparse_side_priority_0,
+    #              sparse_side_priority_0, sparse_down_tile,
     #              sparse_fixed_sets,
     #              sparse_inline_predictors, teal, wina, cats, larosa, rsparse
     method: str = "dense"  # the SparseConfig method ("dense": sparse=None)
@@ -153,6 +153,7 @@ class Variant:
     columns: bool = False  # reads the columns layout (teal, wina, larosa, rsparse, dense_columns)
     topk_kernel: bool = False  # dejavu: kept sets by our one-launch select (else torch.topk)
     score_kernel: bool = True  # dejavu: predictor scores by kernels/predict.py (else torch ops)
+    down_mode: str = "engine"  # dejavu: the down projections' kernel (KeptSets.down_mode)
 
 
 def variants(methods, sparsities, dejavu_budget, preds) -> list[Variant]:
@@ -181,7 +182,11 @@ def variants(methods, sparsities, dejavu_budget, preds) -> list[Variant]:
                                    score_kernel=False))  # fmt: skip
                 out.append(Variant("sparse_side_priority_0", "dejavu", predictors=True,
                                    sparse=replace(sp, side_priority=0)))  # fmt: skip
+                out.append(Variant("sparse_down_tile", "dejavu", sparse=sp, predictors=True,
+                                   down_mode="tile"))  # fmt: skip
             out.append(Variant("sparse_fixed_sets", "dejavu", sparse=sp))
+            out.append(Variant("sparse_fixed_sets_down_split", "dejavu", sparse=sp,
+                               down_mode="split"))  # fmt: skip
             if preds is not None:
                 out.append(Variant("sparse_inline_predictors", "dejavu", predictors=True,
                                    sparse=SparseConfig(ms_, hs_, side_stream=False),
@@ -214,6 +219,8 @@ def make_decoder(v: Variant, w, arch, max_len, preds, dense_ops, thresholds=None
     if v.predictors:
         dec.sets.topk_kernel = v.topk_kernel
         dec.sets.score_kernel = v.score_kernel
+    if v.method == "dejavu" and v.down_mode != "engine":
+        dec.sets.down_mode = v.down_mode
     if v.method == "dejavu" and not v.predictors:  # fixed random kept sets, one per layer
         g = torch.Generator(device="cpu").manual_seed(0)
         for i in range(arch.n_layers):

@@ -124,7 +124,8 @@ class BatchKeptHeads:
                                   head_mask=sets.mask[i])  # fmt: skip
         if every:  # o is in head order, zeros where a sequence skips a head
             return self.proj.out(o)
-        return sparse_mlp_down(o, lw.w_o_t, heads, bias=lw.b_o, rows_per_index=dh, validate=False)
+        return sparse_mlp_down(o, lw.w_o_t, heads, bias=lw.b_o, rows_per_index=dh, validate=False,
+                               config=sets.down_config)  # fmt: skip
 
     def flush(self, B: int, W: int, positions: torch.Tensor) -> None:
         """Every KV head's K/V over the window of every sequence (rows at ``positions``)."""

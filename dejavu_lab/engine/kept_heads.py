@@ -94,9 +94,8 @@ class KeptHeads:
 
     def _out(self, o: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
         """[1, d]: the kept heads' rows of W_O^T times their attention output o [1, k dh]."""
-        return sparse_mlp_down(
-            o, self.lw.w_o_t, heads, bias=self.lw.b_o, rows_per_index=self.st.dh, validate=False
-        )
+        return sparse_mlp_down(o, self.lw.w_o_t, heads, bias=self.lw.b_o, rows_per_index=self.st.dh,
+                               validate=False, config=self.sets.down_config)  # fmt: skip
 
     def _kv_rows(self, hwin: torch.Tensor) -> torch.Tensor:
         """[W, 2 Hkv dh]: every head's K and V over the window's attention inputs hwin [W, d]."""

@@ -137,7 +137,8 @@ class KeptMLP(DenseMLP):
                 activation=self.activation, up_weight=lw.w_in[n:] if self.gated else None,
                 up_bias=None if (b is None or not self.gated) else b[n:], validate=False,
             )  # fmt: skip
-            return sparse_mlp_down(h, lw.w_down_t, idx, bias=lw.b_down, validate=False)
+            return sparse_mlp_down(h, lw.w_down_t, idx, bias=lw.b_down, validate=False,
+                                   config=self.sets.down_config)  # fmt: skip
         return fused_sparse_mlp(x, lw.w_in, lw.w_down_t, idx, activation=self.activation,
                                 gated=self.gated, b_in=lw.b_in, b_down=lw.b_down,
                                 validate=False)  # fmt: skip

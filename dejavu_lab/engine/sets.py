@@ -80,8 +80,20 @@ class KeptSets:
         # an H100 at every width DejaVu runs but the heads', which tie)
         self.topk_kernel = False
         self.score_kernel = True  # scores(): kernels/predict.py (False: PyTorch's ops)
+        # the batch-1 down projections' kernel while predictors share the GPU from a side
+        # stream: the split kernel's few programs per SM leave room for them (an H100, OPT-13B:
+        # 5.06 ms a token against 5.36 with the one-tile kernel, which was the faster alone:
+        # 4.08 against 4.19 ms with fixed sets; results/engine_dejavu_down_*.json); None: the
+        # kernel's own choice
+        side = predictors is not None and sp.side_stream
+        self.down_mode: str | None = "split" if side else None
         if self.predictors is not None:
             self._fuse_predictors()
+
+    @property
+    def down_config(self) -> dict | None:
+        """The ``config`` of the down projections' :func:`~dejavu_lab.kernels.sparse_mlp_down`."""
+        return None if self.down_mode is None else {"mode": self.down_mode}
 
     def _fill_qkv(self, i: int) -> None:
         """Row blocks of W_QKV for layer i: kept q heads, then their (or all) K and V heads."""

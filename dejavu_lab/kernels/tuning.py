@@ -106,8 +106,9 @@ def _gpu_name(index: int) -> str:
 
 
 def lookup(op: str, d_in: int, d_out: int, kept: float | None, batch: int,
-           device: torch.device) -> dict | None:  # fmt: skip
+           device: torch.device, mode: str | None = None) -> dict | None:  # fmt: skip
     """The tuned config of ``op`` nearest to this point on this GPU model, or ``None``.
+    ``mode``: only configs of that ``"mode"`` (``"split"`` also takes configs without one).
 
     Same shape first (else the nearest tuned shape within ``MAX_SHAPE_DISTANCE`` in log
     space), then the nearest tuned batch (batch 1 and union batches run different code paths
@@ -121,13 +122,24 @@ def lookup(op: str, d_in: int, d_out: int, kept: float | None, batch: int,
     if device.type != "cuda":
         return None
     kept = None if kept is None else round(float(kept), 3)
-    found = _lookup(op, int(d_in), int(d_out), kept, int(batch), _gpu_name(device.index or 0))
+    found = _lookup(op, int(d_in), int(d_out), kept, int(batch), _gpu_name(device.index or 0),
+                    mode)  # fmt: skip
     return None if found is None else dict(found)
 
 
+def _of_mode(table: dict, mode: str | None) -> dict:
+    """The table's configs of ``mode`` (``None``: all; ``"split"``: also those without a mode)."""
+    if mode is None:
+        return table
+    picked = {
+        k: [(us, c) for us, c in v if c.get("mode", "split") == mode] for k, v in table.items()
+    }
+    return {k: v for k, v in picked.items() if v}
+
+
 @functools.lru_cache(maxsize=4096)
-def _lookup(op, d_in, d_out, kept, batch, gpu):
-    table = _tables(os.environ.get(ENV, "")).get(gpu, {})
+def _lookup(op, d_in, d_out, kept, batch, gpu, mode=None):
+    table = _of_mode(_tables(os.environ.get(ENV, "")).get(gpu, {}), mode)
     if not table:
         return None
     mine = [k for k in table if k[0] == op and (k[3] == 1) == (batch == 1)]

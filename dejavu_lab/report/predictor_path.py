@@ -4,7 +4,7 @@
 The engine's DejaVu step predicts layer i + 1's kept sets while layer i computes, on a second
 CUDA stream. Its rows time the same step with the predictors as they run by default, with one
 part of their path changed (the scores by PyTorch's ops, the stream at default priority, the
-kept sets by our select kernel), inline on one stream, and with fixed sets and no predictors at
+down projections by the one-tile kernel, the kept sets by our select kernel), inline on one stream, and with fixed sets and no predictors at
 all: the difference to that last row is what the predictors put on the critical path.
 :func:`path_table` takes the median over a file's repeats; :func:`path_sentence` and
 :func:`topk_sentence` say what the recordings show.
@@ -77,7 +77,8 @@ def path_sentence(table: pd.DataFrame, provs: dict) -> str:
             f"at {model} the predictors add {t[LABELS['sparse']]:.2f} ms per token over fixed sets"
         )
         others = [(k, LABELS[k]) for k in ("sparse_torch_scores", "sparse_side_priority_0",
-                                            "sparse_select_kernel", "sparse_inline_predictors")]  # fmt: skip
+                                            "sparse_down_tile", "sparse_select_kernel",
+                                            "sparse_inline_predictors")]  # fmt: skip
         alt = [f"{t[label]:.2f} with {what}" for k, label in others if label in t
                for what in [_WHAT[k]]]  # fmt: skip
         if alt:
@@ -90,6 +91,7 @@ def path_sentence(table: pd.DataFrame, provs: dict) -> str:
 
 _WHAT = {"sparse_torch_scores": "the scores by PyTorch's ops",
          "sparse_side_priority_0": "the side stream at default priority",
+         "sparse_down_tile": "the down projections by the one-tile kernel",
          "sparse_select_kernel": "the kept sets by our select kernel",
          "sparse_inline_predictors": "everything inline"}  # fmt: skip
 

@@ -21,7 +21,9 @@ from helpers import (
     D,
     N,
     assert_close,
+    assert_compiles,
     mlp,
+    needs_ptxas,
     on_device,
     pick,
     seed,
@@ -120,7 +122,7 @@ def test_sparse_mlp_down(dtype, batch, kept, split, seed):
     idx = pick(n, kept)
     h = torch.randn(batch, idx.numel(), dtype=dtype)
     out = torch.full((batch, d), float("nan"), dtype=dtype)
-    cfg = {"BLOCK_R": 16, "BLOCK_D": 32, "num_warps": 4, "split": split}
+    cfg = {"mode": "split", "BLOCK_R": 16, "BLOCK_D": 32, "num_warps": 4, "split": split}
     assert sparse_mlp_down(h, w2t, idx, bias=bias, out=out, config=cfg) is out
     ref = sparse_mlp_down_ref(h, w2t, idx, bias=bias)
     assert_close(out, ref, dtype, seed)
@@ -128,6 +130,57 @@ def test_sparse_mlp_down(dtype, batch, kept, split, seed):
     full = torch.zeros(batch, n, dtype=dtype)
     full[:, idx.long()] = h
     assert_close(ref, sparse_mlp_down_ref(full, w2t, torch.arange(n), bias=bias), dtype, seed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kept", [0.1, 0.5, 1.0])
+@pytest.mark.parametrize("g", [1, 16])
+def test_sparse_mlp_down_tile(dtype, kept, g, seed):
+    """The batch-1 default: one tile per program, fp32 atomics into a workspace the finalize
+    leaves at zero (a second call with other inputs must not see the first's sums)."""
+    n, d = 96, 80  # 80 is not a multiple of BLOCK_D = 32: the column mask
+    w2t = (torch.randn(n, d) / n**0.5).to(dtype)
+    for bias in (torch.randn(d, dtype=dtype), None):
+        idx = pick(n // g, kept)
+        h = torch.randn(1, idx.numel() * g, dtype=dtype)
+        out = torch.full((1, d), float("nan"), dtype=dtype)
+        cfg = {"mode": "tile", "BLOCK_R": 16, "BLOCK_D": 32, "num_warps": 2}
+        assert sparse_mlp_down(h, w2t, idx, bias=bias, out=out, config=cfg, rows_per_index=g) is out
+        assert_close(
+            out, sparse_mlp_down_ref(h, w2t, idx, bias=bias, rows_per_index=g), dtype, seed
+        )
+    y = sparse_mlp_down(h[0], w2t, idx, rows_per_index=g)  # 1-D, the default config: the tiles
+    assert_close(y, sparse_mlp_down_ref(h[0], w2t, idx, rows_per_index=g), dtype, seed)
+
+
+DOWN_TILE_COMPILE = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from dejavu_lab.kernels.mlp.down_tile import sparse_mlp_down_tile_kernel as tile
+
+sig = {"h_ptr": "*fp16", "w_ptr": "*fp16", "idx_ptr": "*i32", "ws_ptr": "*fp32", "K": "i32",
+       "D": "i32", "stride_w": "i32"}
+for g, even in ((1, True), (128, False)):
+    const = {"G": g, "EVEN_D": even, "BLOCK_R": 64, "BLOCK_D": 128, "PDL": True}
+    triton.compile(ASTSource(tile, sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": 4})
+print("compiled")
+"""
+
+
+@needs_ptxas
+def test_down_tile_compiles_for_sm90():
+    assert_compiles(DOWN_TILE_COMPILE, timeout=300)
+
+
+def test_down_default_config_modes():
+    from dejavu_lab.kernels.mlp.down import default_config
+
+    cpu = torch.device("cpu")
+    assert default_config(1, 64, 80, cpu)["mode"] == "tile"
+    assert "mode" not in default_config(1, 64, 80, cpu, mode="split")
+    assert default_config(5, 64, 80, cpu)["BLOCK_R"] >= 16  # union batches: tensor-core tiles
 
 
 def test_union_batch_32_up_then_down(seed):
@@ -180,14 +233,16 @@ def test_alternative_tilings(dtype, seed):
         (19, {"BLOCK_R": 2, "BLOCK_D": 64, "num_warps": 1}),
     ]:
         out = torch.full((1, d), float("nan"), dtype=dtype)
-        cfg = {"BLOCK_R": 16, "BLOCK_D": 32, "num_warps": 4, "split": split, **extra}
+        cfg = {"mode": "split", "BLOCK_R": 16, "BLOCK_D": 32, "num_warps": 4, "split": split,
+               **extra}  # fmt: skip
         sparse_mlp_down(h, w, idx, bias=bias, out=out, config=cfg)
         assert_close(out, sparse_mlp_down_ref(h, w, idx, bias=bias), dtype, seed)
     heads = pick(6, 0.5)  # W_O^T's kept heads: blocks of 16 rows, weights one step ahead
     h = torch.randn(1, heads.numel() * 16, dtype=dtype)
     for split in (1, 2):
         out = torch.full((1, d), float("nan"), dtype=dtype)
-        cfg = {"BLOCK_R": 16, "BLOCK_D": 32, "num_warps": 4, "split": split, "prefetch": 2}
+        cfg = {"mode": "split", "BLOCK_R": 16, "BLOCK_D": 32, "num_warps": 4, "split": split,
+               "prefetch": 2}  # fmt: skip
         sparse_mlp_down(h, w, heads, bias=bias, out=out, config=cfg, rows_per_index=16)
         ref = sparse_mlp_down_ref(h, w, heads, bias=bias, rows_per_index=16)
         assert_close(out, ref, dtype, seed)

@@ -12,7 +12,7 @@ def test_tuning_lookup_reads_recorded_tables(tmp_path, monkeypatch):
     from dejavu_lab import results
     from dejavu_lab.kernels import tuning
 
-    fast, slow = {"BLOCK_R": 16, "tag": "fast"}, {"BLOCK_R": 32, "tag": "slow"}
+    fast, slow = {"BLOCK_R": 16, "tag": "fast", "mode": "tile"}, {"BLOCK_R": 32, "tag": "slow"}
     rows = [
         {
             "op": "threshold_gemv",
@@ -45,6 +45,10 @@ def test_tuning_lookup_reads_recorded_tables(tmp_path, monkeypatch):
         assert tuning._lookup("threshold_gemv", 2048, 512, 0.1, 1, gpu) is None  # too far
         assert tuning._lookup("threshold_gemv", 11008, 4096, 0.1, 16, gpu) is None  # batch path
         assert tuning._lookup("threshold_gemv", 11008, 4096, 0.1, 1, "other GPU") is None
+        # asked for a mode: the fastest of that mode ("split" also takes configs without one)
+        assert tuning._lookup("threshold_gemv", 11008, 4096, 0.1, 1, gpu, "split")["tag"] == "slow"
+        assert tuning._lookup("threshold_gemv", 11008, 4096, 0.5, 1, gpu, "tile")["tag"] == "fast"
+        assert tuning._lookup("threshold_gemv", 11008, 4096, 0.5, 1, gpu, "other") is None
     finally:
         monkeypatch.delenv(tuning.ENV)
         tuning.reload()

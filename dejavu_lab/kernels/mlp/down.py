@@ -6,6 +6,10 @@ Stored transposed once at load time (``W2T = fc2.weight.T.contiguous()``, [4d, d
 selected neuron's output weights become one contiguous row and every warp issues full 128-byte
 loads. The kernel reduces over the selected rows.
 
+Batch 1 runs :mod:`.down_tile` by default: one tile of kept rows by output columns per
+program, summed with fp32 atomics (the order of the sums varies from run to run). The split
+kernel here (``config={"mode": "split"}``) is deterministic.
+
 Work split: programs tile the output columns (``BLOCK_D``) and, when that gives too few programs
 to fill the GPU, also split the selected rows (``split``): each split writes an fp32 partial
 and a small second kernel sums the partials, adds the bias and casts. With one split the
@@ -39,19 +43,9 @@ from .._common import (
 )
 from .._neurons import expand_rows
 from .._reduce import finish
+from .down_tile import TILE, kept_rows, launch_tile
 
 __all__ = ["sparse_mlp_down", "sparse_mlp_down_kernel", "sparse_mlp_down_ref"]
-
-
-@triton.jit
-def _rows(idx_ptr, offs_r, mask_r, G: tl.constexpr):
-    """Weight rows of the selected positions ``offs_r`` (blocks of G rows per index)."""
-    if G == 1:
-        rows = tl.load(idx_ptr + offs_r, mask=mask_r, other=0).to(tl.int64)
-    else:
-        blk = tl.load(idx_ptr + offs_r // G, mask=mask_r, other=0).to(tl.int64)
-        rows = blk * G + offs_r % G
-    return rows
 
 
 @triton.jit
@@ -96,12 +90,12 @@ def sparse_mlp_down_kernel(
         # (two tiles in flight per program; the row numbers one step further ahead)
         acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
         m_c = (r_lo + offs_k) < r_hi
-        rows_c = _rows(idx_ptr, r_lo + offs_k, m_c, G)
+        rows_c = kept_rows(idx_ptr, r_lo + offs_k, m_c, G)
         w_c = tl.load(w_ptr + rows_c[:, None] * stride_w + offs_d[None, :],
                       mask=m_c[:, None] & mask_d[None, :], other=0.0,
                       eviction_policy="evict_first")  # fmt: skip
         h_c = tl.load(h_ptr + r_lo + offs_k, mask=m_c, other=0.0)
-        rows_n = _rows(idx_ptr, r_lo + BLOCK_R + offs_k, (r_lo + BLOCK_R + offs_k) < r_hi, G)
+        rows_n = kept_rows(idx_ptr, r_lo + BLOCK_R + offs_k, (r_lo + BLOCK_R + offs_k) < r_hi, G)
         for r0 in range(r_lo, r_hi, BLOCK_R):
             nxt = r0 + BLOCK_R + offs_k
             m_n = nxt < r_hi
@@ -109,7 +103,7 @@ def sparse_mlp_down_kernel(
                           mask=m_n[:, None] & mask_d[None, :], other=0.0,
                           eviction_policy="evict_first")  # fmt: skip
             h_n = tl.load(h_ptr + nxt, mask=m_n, other=0.0)
-            rows_nn = _rows(idx_ptr, nxt + BLOCK_R, (nxt + BLOCK_R) < r_hi, G)
+            rows_nn = kept_rows(idx_ptr, nxt + BLOCK_R, (nxt + BLOCK_R) < r_hi, G)
             acc += h_c.to(tl.float32)[:, None] * w_c.to(tl.float32)
             w_c = w_n
             h_c = h_n
@@ -118,15 +112,15 @@ def sparse_mlp_down_kernel(
     elif BLOCK_B == 1:
         acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
         if PREFETCH:
-            rows_nxt = _rows(idx_ptr, r_lo + offs_k, (r_lo + offs_k) < r_hi, G)
+            rows_nxt = kept_rows(idx_ptr, r_lo + offs_k, (r_lo + offs_k) < r_hi, G)
         for r0 in range(r_lo, r_hi, BLOCK_R):
             offs_r = r0 + offs_k
             mask_r = offs_r < r_hi
             if PREFETCH:  # this step's rows were loaded last step: one latency per step
                 rows = rows_nxt
-                rows_nxt = _rows(idx_ptr, offs_r + BLOCK_R, (offs_r + BLOCK_R) < r_hi, G)
+                rows_nxt = kept_rows(idx_ptr, offs_r + BLOCK_R, (offs_r + BLOCK_R) < r_hi, G)
             else:
-                rows = _rows(idx_ptr, offs_r, mask_r, G)
+                rows = kept_rows(idx_ptr, offs_r, mask_r, G)
             w = tl.load(w_ptr + rows[:, None] * stride_w + offs_d[None, :],
                         mask=mask_r[:, None] & mask_d[None, :], other=0.0,
                         eviction_policy="evict_first")  # fmt: skip
@@ -139,7 +133,7 @@ def sparse_mlp_down_kernel(
         for r0 in range(r_lo, r_hi, BLOCK_R):
             offs_r = r0 + offs_k
             mask_r = offs_r < r_hi
-            rows = _rows(idx_ptr, offs_r, mask_r, G)
+            rows = kept_rows(idx_ptr, offs_r, mask_r, G)
             w = tl.load(w_ptr + rows[:, None] * stride_w + offs_d[None, :],
                         mask=mask_r[:, None] & mask_d[None, :], other=0.0)  # fmt: skip
             h_ptrs = h_ptr + offs_b[:, None] * stride_hb + offs_r[None, :]
@@ -230,19 +224,25 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
 
 
 def default_config(batch: int, k: int, d: int, device: torch.device,
-                   n_rows: int | None = None) -> dict:  # fmt: skip
-    """Tile shapes: tuned for this GPU and shape in kernels/tuned/tuning_*.json (:mod:`~dejavu_lab.kernels.tuning`,
-    when ``n_rows`` is given), else from the H200 sweeps in results/sparse_mlp_tuning*.json
-    (d = 12288), the configs results/sparse_mlp.json was measured with.
+                   n_rows: int | None = None, *, mode: str | None = None) -> dict:  # fmt: skip
+    """Launch config: tuned for this GPU and shape in kernels/tuned/tuning_*.json
+    (:mod:`~dejavu_lab.kernels.tuning`, when ``n_rows`` is given; the fastest of ``mode``), else
+    at batch 1 one tile per program (:mod:`.down_tile`; ``mode="split"``: the deterministic
+    split kernel), and for union batches the split kernel's tensor-core tiles from the H200
+    sweeps in results/sparse_mlp_tuning*.json (d = 12288).
 
-    >>> cfg = default_config(1, 4096, 12288, torch.device("cpu"))
+    >>> default_config(1, 4096, 12288, torch.device("cpu"))["mode"]
+    'tile'
+    >>> cfg = default_config(1, 4096, 12288, torch.device("cpu"), mode="split")
     >>> cfg["BLOCK_R"], cfg["BLOCK_D"], cfg["fused"]
     (32, 256, True)
     """
     if n_rows:
-        tuned = tuning.lookup("sparse_mlp_down", n_rows, d, k / n_rows, batch, device)
+        tuned = tuning.lookup("sparse_mlp_down", n_rows, d, k / n_rows, batch, device, mode)
         if tuned is not None:
             return tuned
+    if batch == 1 and mode != "split":
+        return dict(TILE)
     sms = sm_count(device)
     if batch == 1:  # FMA path, 4 programs per SM; index prefetch measured no faster
         cfg = {"BLOCK_R": 32, "BLOCK_D": 256, "num_warps": 4, "fused": True, "programs": 4 * sms}
@@ -318,7 +318,11 @@ def sparse_mlp_down(
     if not use_triton(device):
         res2.copy_(sparse_mlp_down_ref(hb, weight_t, idx, bias=bias, rows_per_index=g))
         return res
-    cfg = {**default_config(batch, k, d, device, n_rows), **(config or {})}
+    mode = (config or {}).get("mode")
+    cfg = {**default_config(batch, k, d, device, n_rows, mode=mode), **(config or {})}
+    if cfg.get("mode") == "tile" and batch == 1:
+        launch_tile(hb, weight_t, idx, bias, res2, g, cfg)
+        return res
     if "programs_per_sm" in cfg:  # tuned tables record programs per multiprocessor
         cfg["programs"] = max(1, round(cfg["programs_per_sm"] * sm_count(device)))
     block_b = max(16, batch_block(batch)) if cfg.get("dot") else batch_block(batch)

@@ -297,9 +297,10 @@ def fused_sparse_mlp(
     w_down_t: [n, d] = ``down_proj.weight.T`` contiguous; idx: [k] distinct int32/int64 kept
     neurons; b_in: [w_in rows], b_down: [d]. ``h = act(gate . x) * (up . x)`` (gated) or
     ``act(fc1 . x + b)``, activation one of :data:`FUSED_ACTIVATIONS`. Returns [d] or [B, d].
-    Two launches, no atomics: the result is the same bits on every call (``deterministic`` is
-    kept for callers of the former one-launch mode and changes nothing); ``validate`` as in
-    :func:`~.sparse_mlp_up` (pass ``False`` in timed loops and graphs).
+    Two launches: the up kernel, then :func:`~.sparse_mlp_down`, whose batch-1 tiles add fp32
+    sums with atomics in no fixed order; ``deterministic=True`` runs its split kernel instead,
+    the same bits on every call. ``validate`` as in :func:`~.sparse_mlp_up` (pass ``False`` in
+    timed loops and graphs).
 
     >>> _ = torch.manual_seed(0)
     >>> x = torch.randn(16, dtype=torch.float16)
@@ -329,5 +330,6 @@ def fused_sparse_mlp(
     h = torch.empty((batch, k), dtype=dtype, device=device)
     launch(xb, w_in, idx, None, b_in, h, cats=False, gated=gated, activation=activation, k=k, n=n,
            cfg=cfg)  # fmt: skip
-    sparse_mlp_down(h, w_down_t, idx, bias=b_down, out=res2, validate=False, config=cfg.get("down"))
+    down = {"mode": "split", **(cfg.get("down") or {})} if deterministic else cfg.get("down")
+    sparse_mlp_down(h, w_down_t, idx, bias=b_down, out=res2, validate=False, config=down)
     return res
