@@ -317,9 +317,11 @@ def test_bench_batch_quick_records_every_variant(tmp_path, monkeypatch):
     bench = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "bench_engine", bench)
     spec.loader.exec_module(bench)
-    bench.main(["--batch", "1,2", "--quick", "--prompts", "8", "--no-check"])
+    bench.main(["--batch", "1,2", "--quick", "--prompts", "8"])
     rows = json.loads((tmp_path / "engine_batch_quick.json").read_text())["rows"]
     assert not [r for r in rows if "error" in r]
+    checks = [r for r in rows if r["kind"] == "check"]  # batched vs alone, at both tiny models
+    assert len(checks) == 2 and all(r["check_ok"] for r in checks), checks
     got = {(r["model"], r["engine"], r["batch"]) for r in rows if r["kind"] == "batch"}
     want = {
         (m, e, b)

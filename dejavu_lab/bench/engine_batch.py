@@ -134,7 +134,7 @@ def _check(w, arch, base: dict, vocab: int, device: str, rows: list[dict]) -> No
     for b, p in enumerate(prompts):
         one = Decoder(w, max_seq_len=80, sparse=sp)
         for i in range(arch.n_layers):
-            one.set_indices(i, heads=heads.seq_heads[i, b])
+            one.set_indices(i, heads=heads.sets.seq_heads[i, b])
         errs.append(relerr(got[b], _forced_alone(one, p, cont[b])))
     row["heads_batch_vs_alone"] = max(errs)
     full = BatchDecoder(w, max_seq_len=80, max_batch=4, sparse=SparseConfig(ms_, hs_),

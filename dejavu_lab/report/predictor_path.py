@@ -20,7 +20,7 @@ from .methods import LABELS
 
 __all__ = ["FILES", "TOPK_FILES", "load", "path_sentence", "path_table", "topk_sentence"]
 
-FILES = ("engine_dejavu_scores", "engine_dejavu_scores_8b")
+FILES = ("engine_dejavu_down",)  # OPT-13B and Llama-3-8B, three fresh-process runs each
 TOPK_FILES = ("topk_select", "topk_split")  # ours against torch.topk; a split top-k (H200)
 FIXED = "sparse_fixed_sets"
 
@@ -83,6 +83,10 @@ def path_sentence(table: pd.DataFrame, provs: dict) -> str:
                for what in [_WHAT[k]]]  # fmt: skip
         if alt:
             text += " (" + ", ".join(alt) + ")"
+        split = LABELS["sparse_fixed_sets_down_split"]
+        if split in t:  # the fixed sets' step ran the one-tile down kernel, the predicted one not
+            text += (f", {t[LABELS['sparse']] - t[split]:.2f} over the same sets with the split "
+                     "down kernel the predicted step runs")  # fmt: skip
         parts.append(text)
     reps = max(int(table["repeats"].max()), 1)
     return (f"On the {' and '.join(gpus)} (batch 1, prompt 512, CUDA-graph replay, median of up "
