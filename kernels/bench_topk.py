@@ -2,8 +2,9 @@
 
 DejaVu's lookahead predictors score every neuron of the next layer, and the engine keeps the
 top-k of each row (``dejavu_lab.engine.sets``) with ``torch.topk``. Our
-``dejavu_lab.kernels.select.topk_select`` holds each row in one program's registers, finds the
-k-th largest by a radix select and writes the kept entries in index order. This bench times it
+``dejavu_lab.kernels.select.topk_select`` gives each row one program, finds the k-th largest
+by bisection over its key's bits (32 counting passes over the row, which stays in L1) and writes
+the kept entries in index order. This bench times it
 beside ``torch.topk`` (PyTorch selects in one single-block
 launch until a row is long for the number of rows, 20,000 entries for up to 20 rows, then in a
 multi-block select of about a dozen launches), per call in CUDA-graph replay, at the widths and
