@@ -29,7 +29,7 @@ def topk_into(s: torch.Tensor, k: int, values: torch.Tensor, indices: torch.Tens
     """The top-``k`` of each row of the scores ``s`` ([n] or [rows, n]) written into ``values``
     (fp32) / ``indices``: by ``torch.topk`` (unsorted), or with ``kernel`` by
     :func:`~dejavu_lab.kernels.select.topk_select` (one launch, the entries in index order;
-    slower on an H100, ``kernels/bench_topk.py``) — the same sets up to ties at the k-th value.
+    ``kernels/bench_topk.py`` times both) — the same sets up to ties at the k-th value.
 
     >>> s = torch.randn(20480)
     >>> v, i = torch.empty(3072), torch.empty(3072, dtype=torch.long)
@@ -76,9 +76,9 @@ class KeptSets:
         for i in range(L):
             self._fill_qkv(i)
         self._fused = None
-        # topk_into by torch.topk; True: our one-launch select (kernels/bench_topk.py: slower on
-        # an H100 at every width DejaVu runs but the heads', which tie)
-        self.topk_kernel = False
+        # topk_into by our one-launch select (kernels/bench_topk.py); False: torch.topk, whose
+        # multi-block select for rows of 20,000 entries and more takes a dozen launches
+        self.topk_kernel = True
         self.score_kernel = True  # scores(): kernels/predict.py (False: PyTorch's ops)
         # the batch-1 down projections' kernel while predictors share the GPU from a side
         # stream: the split kernel's few programs per SM leave room for them (an H100, OPT-13B:

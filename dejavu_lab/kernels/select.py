@@ -6,16 +6,16 @@ number of rows and in a multi-block select of about a dozen launches beyond (20,
 up to 20 rows: OPT-13B's 20,480 neurons and up); either costs tens of microseconds per layer at
 OPT widths (``kernels/bench_topk.py``), on the decode step's critical path.
 
-Here one program per row finds the k-th largest by bisection on integer keys with the scores'
-order (the fp32 bits, the lower 31 flipped where the sign is set, offset to unsigned): 32
-counting passes over the row, one per bit from the top, each keeping the bit when at least k
-keys reach the prefix with it set. The row (80 KB at 20,480 fp32 scores) stays in the SM's L1
-between passes, read in chunks that keep the registers free. No atomics: a byte-wide radix
-select with ``tl.histogram`` (an earlier form of this kernel) piled the row's few distinct
-sign-and-exponent bytes onto one or two bins of shared-memory atomics, 113 µs a call at 20,480
-entries on an H100. Then the entries above that key, and the first of the entries equal to it
-as many as the count leaves, are written in index order (one ``tl.cumsum`` per chunk of both
-counts gives each its slot). The kept set is the one
+Here one program holds a whole row's keys in registers (integers with the scores' order: the
+fp32 bits, the lower 31 flipped where the sign is set, offset to unsigned) and finds the k-th
+largest by bisection: 32 counts, one per bit from the top, each keeping the bit when at least k
+keys reach the prefix with it set. No atomics: a byte-wide radix select with ``tl.histogram``
+(an earlier form of this kernel) piled the row's few distinct sign-and-exponent bytes onto one
+or two bins of shared-memory atomics, 113 µs a call at 20,480 entries on an H100; reading the
+row from L1 at each of the 32 counts instead of holding it took 54 µs. Then a pass over the row
+in chunks writes the entries above that key, and the first of the entries equal to it as many
+as the count leaves, in index order (one ``tl.cumsum`` per chunk of both counts gives each its
+slot). The kept set is the one
 ``torch.topk`` keeps (up to ties at the k-th value: the lowest indices win here); the order is
 the index order, not the score order, which the sparse kernels' gathers prefer.
 """
@@ -30,8 +30,9 @@ from ._common import check_device, next_pow2, use_triton
 
 __all__ = ["MAX_ROW", "topk_select", "topk_select_kernel", "topk_select_ref"]
 
-#: the longest row one program selects from (OPT-175B's 49,152 neurons fit; longer: torch.topk)
-MAX_ROW = 65536
+#: the longest row one program holds in registers (16 warps, 64 keys a thread: OPT-30B's 28,672
+#: neurons fit; longer rows spill, and go to torch.topk)
+MAX_ROW = 32768
 CHUNK = 4096  # entries per step: a chunk's scan packs two counts below 2^16 into one int32
 
 
@@ -53,34 +54,31 @@ def topk_select_kernel(
     stride_s,
     stride_v,
     stride_i,
-    CHUNK: tl.constexpr,  # entries per step of each pass (the row stays in L1 between passes)
+    BLOCK: tl.constexpr,  # next_pow2(N): the whole row's keys, held in registers
+    CHUNK: tl.constexpr,  # entries per step of the writing pass
 ):
     row = tl.program_id(0)
     s_row = s_ptr + row.to(tl.int64) * stride_s
-    offs0 = tl.arange(0, CHUNK)
+    every = tl.arange(0, BLOCK)
+    key = _keys(s_row, every, every < N)
     # the k-th largest key, one bit at a time from the top: keep a bit when at least K keys
-    # reach the prefix with it set (32 counting passes, no atomics)
+    # reach the prefix with it set (32 counts over the registers, no atomics)
     thr = tl.zeros((), tl.uint32)
     for j in tl.static_range(32):
         cand = thr | tl.full((), 1 << (31 - j), tl.uint32)
-        acc = tl.zeros((CHUNK,), tl.int32)
-        for c0 in range(0, N, CHUNK):
-            acc += (_keys(s_row, c0 + offs0, c0 + offs0 < N) >= cand).to(tl.int32)
-        thr = tl.where(tl.sum(acc, axis=0) >= K, cand, thr)
-    acc = tl.zeros((CHUNK,), tl.int32)
-    for c0 in range(0, N, CHUNK):
-        acc += (_keys(s_row, c0 + offs0, c0 + offs0 < N) > thr).to(tl.int32)
-    need = K - tl.sum(acc, axis=0)  # how many of the entries equal to thr to keep
+        thr = tl.where(tl.sum((key >= cand).to(tl.int32), axis=0) >= K, cand, thr)
+    need = K - tl.sum((key > thr).to(tl.int32), axis=0)  # how many entries equal to thr to keep
+    offs0 = tl.arange(0, CHUNK)
     # the kept entries in index order: one scan per chunk gives both prefix counts (entries
     # above thr in the high half, ties in the low), plus the chunks before
     n_above = tl.zeros((), tl.int32)
     n_ties = tl.zeros((), tl.int32)
-    for c0 in range(0, N, CHUNK):
+    for c0 in range(0, N, CHUNK):  # the row again (L1/L2), a chunk at a time
         offs = c0 + offs0
         valid = offs < N
-        key = _keys(s_row, offs, valid)
-        above = valid & (key > thr)
-        tie = valid & (key == thr)
+        ck = _keys(s_row, offs, valid)
+        above = valid & (ck > thr)
+        tie = valid & (ck == thr)
         both = tl.cumsum(above.to(tl.int32) * 65536 + tie.to(tl.int32), axis=0)
         t = n_ties + (both & 0xFFFF)
         keep = above | (tie & (t <= need))
@@ -140,9 +138,9 @@ def topk_select(s: torch.Tensor, k: int, values: torch.Tensor | None = None,
     s2, v2, i2 = (t.reshape(-1, t.shape[-1]) for t in (s, values, indices))
     if s2.stride(-1) != 1:
         s2 = s2.contiguous()
-    chunk = min(CHUNK, max(16, next_pow2(n)))
+    block = max(16, next_pow2(n))
     topk_select_kernel[(s2.shape[0],)](
-        s2, v2, i2, n, k, s2.stride(0), v2.stride(0), i2.stride(0), CHUNK=chunk,
-        num_warps=max(1, min(16, chunk // 256)),
+        s2, v2, i2, n, k, s2.stride(0), v2.stride(0), i2.stride(0), BLOCK=block,
+        CHUNK=min(CHUNK, block), num_warps=max(1, min(16, block // 256)),
     )  # fmt: skip
     return values, indices

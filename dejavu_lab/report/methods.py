@@ -72,6 +72,7 @@ LABELS = {
     "dense_auto": "dense (ours, tuned ops)",
     "sparse": "DejaVu",
     "sparse_select_kernel": "DejaVu, kept sets by our select kernel",
+    "sparse_torch_topk": "DejaVu, kept sets by torch.topk",
     "sparse_torch_scores": "DejaVu, predictor scores by PyTorch ops",
     "sparse_side_priority_0": "DejaVu, predictors' stream at default priority",
     "sparse_down_tile": "DejaVu, down projections by the one-tile kernel",

@@ -77,7 +77,8 @@ def path_sentence(table: pd.DataFrame, provs: dict) -> str:
             f"at {model} the predictors add {t[LABELS['sparse']]:.2f} ms per token over fixed sets"
         )
         others = [(k, LABELS[k]) for k in ("sparse_torch_scores", "sparse_side_priority_0",
-                                            "sparse_down_tile", "sparse_select_kernel",
+                                            "sparse_down_tile", "sparse_torch_topk",
+                                            "sparse_select_kernel",
                                             "sparse_inline_predictors")]  # fmt: skip
         alt = [f"{t[label]:.2f} with {what}" for k, label in others if label in t
                for what in [_WHAT[k]]]  # fmt: skip
@@ -97,6 +98,7 @@ _WHAT = {"sparse_torch_scores": "the scores by PyTorch's ops",
          "sparse_side_priority_0": "the side stream at default priority",
          "sparse_down_tile": "the down projections by the one-tile kernel",
          "sparse_select_kernel": "the kept sets by our select kernel",
+         "sparse_torch_topk": "the kept sets by torch.topk",
          "sparse_inline_predictors": "everything inline"}  # fmt: skip
 
 

@@ -91,11 +91,11 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from dejavu_lab.kernels.select import topk_select_kernel as k
 
-for idx, src, block in [("i64", "fp32", 64), ("i32", "bf16", 4096)]:
+for idx, src, block in [("i64", "fp32", 64), ("i32", "bf16", 32768)]:
     sig = {"s_ptr": "*" + src, "val_ptr": "*fp32", "idx_ptr": "*" + idx, "N": "i32", "K": "i32",
            "stride_s": "i32", "stride_v": "i32", "stride_i": "i32"}
-    triton.compile(ASTSource(k, sig, constexprs={"CHUNK": block}),
-                   target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    triton.compile(ASTSource(k, sig, constexprs={"BLOCK": block, "CHUNK": min(block, 4096)}),
+                   target=GPUTarget("cuda", 90, 32), options={"num_warps": max(1, min(16, block // 256))})
 print("compiled")
 """
 
