@@ -19,8 +19,8 @@ not be trained to be timed), batch 1, for each prompt length, the variants of ``
   both ways first (rows ``kind: "op"``), the faster one used;
 - ``dejavu`` — rows ``sparse`` (85% MLP + 50% heads removed on OPT, 50% + 50% on Llama shapes,
   ``--dejavu-sparsity``; DejaVu's predictors at their default rank choose the top-k on a side
-  stream of high priority, their scores in two launches, the kept sets by
-  ``dejavu_lab.kernels.select``), ``sparse_torch_topk`` (the sets by ``torch.topk`` instead), ``sparse_torch_scores`` (the predictors'
+  stream of high priority, their scores in two launches, the kept sets by ``torch.topk``),
+  ``sparse_select_kernel`` (the sets by ``dejavu_lab.kernels.select`` instead), ``sparse_torch_scores`` (the predictors'
   scores by PyTorch ops, not ``dejavu_lab.kernels.predict``), ``sparse_side_priority_0`` (the
   side stream at the default priority), ``sparse_down_tile`` (the batch-1 down projections by
   the one-tile kernel, which the engine leaves to runs without side-stream predictors),

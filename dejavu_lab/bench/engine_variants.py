@@ -139,7 +139,7 @@ class Variant:
     ('teal', None, None)
     """
 
-    engine: str  # dense, dense_triton, sparse, sparse_torch_topk, sparse_torch_scores,
+    engine: str  # dense, dense_triton, sparse, sparse_select_kernel, sparse_torch_scores,
     #              sparse_side_priority_0, sparse_down_tile,
     #              sparse_fixed_sets,
     #              sparse_inline_predictors, teal, wina, cats, larosa, rsparse
@@ -151,7 +151,7 @@ class Variant:
     ops: str | None = None  # dense_ops of this decoder (None: --dense-ops)
     only_at_parts: bool = False  # time only at the breakdown's prompt
     columns: bool = False  # reads the columns layout (teal, wina, larosa, rsparse, dense_columns)
-    topk_kernel: bool = True  # dejavu: kept sets by our one-launch select (else torch.topk)
+    topk_kernel: bool = False  # dejavu: kept sets by our one-launch select (else torch.topk)
     score_kernel: bool = True  # dejavu: predictor scores by kernels/predict.py (else torch ops)
     down_mode: str = "engine"  # dejavu: the down projections' kernel (KeptSets.down_mode)
 
@@ -176,8 +176,8 @@ def variants(methods, sparsities, dejavu_budget, preds) -> list[Variant]:
             sp = SparseConfig(ms_, hs_)
             if preds is not None:
                 out.append(Variant("sparse", "dejavu", sparse=sp, predictors=True))
-                out.append(Variant("sparse_torch_topk", "dejavu", sparse=sp, predictors=True,
-                                   topk_kernel=False))  # fmt: skip
+                out.append(Variant("sparse_select_kernel", "dejavu", sparse=sp, predictors=True,
+                                   topk_kernel=True))  # fmt: skip
                 out.append(Variant("sparse_torch_scores", "dejavu", sparse=sp, predictors=True,
                                    score_kernel=False))  # fmt: skip
                 out.append(Variant("sparse_side_priority_0", "dejavu", predictors=True,

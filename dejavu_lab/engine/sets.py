@@ -76,9 +76,11 @@ class KeptSets:
         for i in range(L):
             self._fill_qkv(i)
         self._fused = None
-        # topk_into by our one-launch select (kernels/bench_topk.py); False: torch.topk, whose
-        # multi-block select for rows of 20,000 entries and more takes a dozen launches
-        self.topk_kernel = True
+        # topk_into by torch.topk; True: our one-launch select (kernels/bench_topk.py). On an
+        # H100 the select runs 46 µs a call at OPT-13B's 20,480 neurons against torch's 42 (a
+        # dozen launches), and the step with it 5.31 ms against 5.04; at Llama-3-8B's 14,336
+        # it wins alone (31 against 38 µs) but the steps tie (results/engine_dejavu_select.json)
+        self.topk_kernel = False
         self.score_kernel = True  # scores(): kernels/predict.py (False: PyTorch's ops)
         # the batch-1 down projections' kernel while predictors share the GPU from a side
         # stream: the split kernel's few programs per SM leave room for them (an H100, OPT-13B:

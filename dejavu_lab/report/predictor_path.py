@@ -116,7 +116,7 @@ def topk_sentence(names=TOPK_FILES) -> str:
         except ResultsError:
             continue
         r = df[(df["shape"] == "opt-13b") & (df["n"] == 20480) & (df["rows"] == 1)].iloc[0]
-        other, what = (("kernel_us", "our one-program radix select") if "kernel_us" in r
+        other, what = (("kernel_us", "our one-program select") if "kernel_us" in r
                        else ("split_us", "two single-block passes over halves"))  # fmt: skip
         rows.append(f"torch.topk {r['torch_us']:.0f} µs per call on the {prov['gpu']}, "
                     f"{what} {r[other]:.0f} µs")  # fmt: skip
