@@ -94,7 +94,8 @@ def run(
     vocab, d_embed = model.get_output_embeddings().weight.shape
     ms_, hs_ = SPARSITY[arch.family]
     preds = make_predictors(model, arch, device) if with_predictors else None
-    w = decoder_weights(model, arch, layout="both" if {"teal", "wina"} & set(methods) else "rows")
+    w = decoder_weights(model, arch, layout="both" if {"teal", "wina"} & set(methods) else "rows",
+                        release=True)  # fmt: skip
     ids = torch.randint(0, vocab, (1, prompt), device=device)
     for m in methods:
         if m == "dense":

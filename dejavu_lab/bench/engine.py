@@ -232,7 +232,7 @@ def bench_model(preset, prompts, new_tokens, hf_new, hf_prompts, device, ceiling
     torch._dynamo.reset()  # drop HF's compiled graphs and their memory before our weights
     gc.collect()
     torch.cuda.empty_cache() if cuda() else None
-    w = decoder_weights(model, arch)
+    w = decoder_weights(model, arch, release=True)  # the model is not run again
     check_ids = torch.randint(0, vocab, (1, sum(check_tokens)), device=device)
     ref = _decode_logits(Decoder(w, max_seq_len=sum(check_tokens) + 1, dense_ops=dense_ops),
                         check_ids, check_tokens[0])  # fmt: skip

@@ -221,7 +221,7 @@ def bench_model(preset, prompts, batches, new, ceiling, device, *, union_budget=
         return
     model, arch = build(preset, device)
     vocab, d_embed = model.get_output_embeddings().weight.shape
-    w = decoder_weights(model, arch)
+    w = decoder_weights(model, arch, release=True)
     del model  # the engine's copies hold what a step reads
     gc.collect()
     if cuda():

@@ -79,9 +79,10 @@ def build(preset: str, device: str, dtype=torch.float16):
 
 
 def does_not_fit(preset: str, device, dtype=torch.float16) -> str | None:
-    """Why ``preset`` cannot be built on ``device`` (its weights in ``dtype``, held twice while
-    the engine copies them into its layout, past the GPU's free memory), or None when it fits
-    (always on a CPU, and for a checkpoint that is not a preset).
+    """Why ``preset`` cannot be built on ``device`` (its weights in ``dtype``, plus two layers'
+    copies while the engine takes them over, :func:`~dejavu_lab.engine.decoder_weights` with
+    ``release=True``, and 2 GB for caches and workspaces, past the GPU's free memory), or None
+    when it fits (always on a CPU, and for a checkpoint that is not a preset).
 
     >>> does_not_fit("opt-30b", "cpu") is None
     True
@@ -89,13 +90,14 @@ def does_not_fit(preset: str, device, dtype=torch.float16) -> str | None:
     if preset not in PRESETS or torch.device(device).type != "cuda":
         return None
     m = random_model(preset, device="meta", dtype=dtype)  # shapes only, no memory
-    need = 2 * sum(p.numel() for p in m.model.parameters()) * torch.finfo(dtype).bits // 8
+    weights = sum(p.numel() for p in m.model.parameters()) * torch.finfo(dtype).bits // 8
+    need = weights * (1 + 2 / m.arch.n_layers) + 2e9
     free = torch.cuda.mem_get_info(torch.device(device))[0]
     if need <= free:
         return None
     kind = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, str(dtype))
-    return (f"its {kind} weights, held twice while the engine copies them ({need / 1e9:.0f} GB), "
-            f"do not fit the {free / 1e9:.0f} GB free on this GPU")  # fmt: skip
+    return (f"its {kind} weights and the engine's working memory ({need / 1e9:.0f} GB) do not fit "
+            f"the {free / 1e9:.0f} GB free on this GPU")  # fmt: skip
 
 
 def skipped_too_large(preset: str, device, rows: list[dict]) -> bool:

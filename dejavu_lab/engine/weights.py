@@ -222,6 +222,14 @@ def _cat(*ts: torch.Tensor | None) -> torch.Tensor | None:
     return torch.cat([t.detach() for t in ts])
 
 
+def _check_layer(lw: LayerWeights, arch: Arch, rows: bool) -> None:
+    n_qkv = (lw.w_qkv if rows else lw.w_qkv_t.T).shape[0]
+    if n_qkv != (arch.n_heads + 2 * arch.n_kv_heads) * arch.d_head:
+        raise EngineError("q/k/v projections do not match the model's head counts.")
+    if lw.w_down_t.shape != (arch.d_mlp, arch.d_model):
+        raise EngineError("the MLP's down projection does not match d_mlp x d_model.")
+
+
 def _cat_t(ws) -> torch.Tensor:
     """``cat(ws).T`` made contiguous, written block by block (no second full-size temporary)."""
     ws = [w.detach() for w in ws]
@@ -246,12 +254,23 @@ def _activation(arch: Arch) -> str:
 
 
 def decoder_weights(
-    model: nn.Module, arch: Arch | None = None, *, layout: str = "rows"
+    model: nn.Module, arch: Arch | None = None, *, layout: str = "rows", release: bool = False
 ) -> DecoderWeights:
     """Rearrange ``model``'s weights for :class:`dejavu_lab.engine.Decoder` (see module doc).
 
     ``layout``: ``"rows"`` (dense, DejaVu, CATS), ``"columns"`` (TEAL, WINA: W_QKV and the MLP
-    input stored transposed instead) or ``"both"``.
+    input stored transposed instead) or ``"both"``. The rearranged projections are copies, so
+    the model and the engine together hold about 1.6x the weights (OPT-30B in fp16: 100 GB).
+    ``release=True`` frees each layer's copied projections in ``model`` as soon as the engine
+    has its own, so the two together never hold more than the weights and one layer's copies;
+    ``model`` can then no longer run (its embeddings, norms, biases and any tensor the engine
+    shares stay).
+
+    >>> from dejavu_lab.models import random_model
+    >>> m = random_model("tiny-opt").model
+    >>> w = decoder_weights(m, release=True)
+    >>> m.model.decoder.layers[0].fc2.weight.numel(), tuple(w.layers[0].w_down_t.shape)
+    (0, (256, 64))
 
     >>> from dejavu_lab.models import random_model
     >>> w = decoder_weights(random_model("tiny-llama").model)  # 4 query heads, 2 KV heads of 16
@@ -277,6 +296,8 @@ def decoder_weights(
     layers = []
     with torch.no_grad():
         for i in range(arch.n_layers):
+            if i == 1:  # the shapes checked before any tensor of the model is released
+                _check_layer(layers[0], arch, rows)
             q, k, v, o = (arch.part(model, i, p) for p in "qkvo")
             w_in = arch.mlp_in(model, i)
             down = arch.part(model, i, "mlp_out")
@@ -301,12 +322,12 @@ def decoder_weights(
                     b_down=None if down.bias is None else down.bias.detach(),
                 )
             )
-    lw = layers[0]
-    n_qkv = (lw.w_qkv if rows else lw.w_qkv_t.T).shape[0]
-    if n_qkv != (arch.n_heads + 2 * arch.n_kv_heads) * arch.d_head:
-        raise EngineError("q/k/v projections do not match the model's head counts.")
-    if lw.w_down_t.shape != (arch.d_mlp, arch.d_model):
-        raise EngineError("the MLP's down projection does not match d_mlp x d_model.")
+            if release:
+                _check_layer(layers[0], arch, rows)
+                copied = [q, k, v, o, down] + (list(w_in) if w1 is None else [])
+                for module in copied:  # only the copied weights: shared tensors stay
+                    module.weight.data = module.weight.data.new_empty(0)
+    _check_layer(layers[0], arch, rows)
     final = None
     try:
         fn = arch.final_norm(model)
