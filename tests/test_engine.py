@@ -122,6 +122,29 @@ def test_lookahead_predictors_in_the_loop():
     assert all(row.unique().numel() == 64 for row in dec.sets.mlp_idx)
 
 
+def test_kernel_choices_each_decode_the_same_tokens():
+    """The settings the first capture times on a GPU (DecodeLoop._time_choices): with predictors
+    the kept sets by torch.topk or our select kernel times the two down kernels, with sets given
+    only the down kernels, none when told not to; each choice decodes the same greedy tokens."""
+    lm = random_model("tiny-opt", dtype=torch.bfloat16, seed=4)
+    pred = Predictors(fingerprint(lm.model, lm.arch), PredictorConfig(mode="lookahead"))
+    dec = Decoder(lm.model, max_seq_len=24, sparse=SparseConfig(0.75, 0.5), predictors=pred)
+    choices = dec._kernel_choices()
+    assert {(c["topk_kernel"], c["down_mode"]) for c in choices} == {
+        (t, d) for t in (False, True) for d in ("split", "tile")
+    }
+    prompt, outs = torch.tensor([[1, 2, 3, 4]]), []
+    for c in choices:
+        dec._apply_choice(c)
+        assert dec.sets.down_config == {"mode": c["down_mode"]}
+        outs.append(dec.generate(prompt, max_new_tokens=5, graph=False))
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+    fixed = Decoder(lm.model, max_seq_len=24, sparse=SparseConfig(0.75, 0.5))
+    assert [c["down_mode"] for c in fixed._kernel_choices()] == ["split", "tile"]
+    off = Decoder(lm.model, max_seq_len=24, sparse=SparseConfig(0.75, 0.5, tune_kernels=False))
+    assert off._kernel_choices() == [] and Decoder(lm.model, max_seq_len=8)._kernel_choices() == []
+
+
 def test_topk_into_by_rows():
     """A batch of rows (32 x Llama-3-8B's 14,336) keeps each row's top-k, into views of larger
     buffers as the batched engine passes them; our select and torch.topk keep the same sets."""

@@ -99,7 +99,26 @@ def _engine_row(dec: Decoder, ids, new_tokens: int) -> dict:
         if cuda():
             dec.capture()
         ms = timed(lambda: dec.decode(new_tokens - 1))
-    return {"ms_per_token": ms / (new_tokens - 1), "prefill_ms": prefill}
+    row = {"ms_per_token": ms / (new_tokens - 1), "prefill_ms": prefill}
+    if getattr(dec, "kernel_choice", None):  # the engine timed its kernels at the first capture
+        row["kernel_choice"] = choice_text(dec.kernel_choice)
+    return row
+
+
+def choice_text(kc: dict) -> str:
+    """One line for a decoder's timed kernel choice (:meth:`DecodeLoop._time_choices`).
+
+    >>> choice_text({"chosen": {"topk_kernel": True, "down_mode": "tile"}, "ms": [5.0, 4.5],
+    ...              "choices": [{"topk_kernel": False, "down_mode": "split"},
+    ...                          {"topk_kernel": True, "down_mode": "tile"}]})
+    'select/tile (torch.topk/split 5.000, select/tile 4.500 ms)'
+    """
+
+    def name(c):
+        return f"{'select' if c['topk_kernel'] else 'torch.topk'}/{c['down_mode']}"
+
+    timed_ = ", ".join(f"{name(c)} {ms:.3f}" for c, ms in zip(kc["choices"], kc["ms"], strict=True))
+    return f"{name(kc['chosen'])} ({timed_} ms)"
 
 
 def _parts_rows(dec: Decoder, base: dict) -> list[dict]:

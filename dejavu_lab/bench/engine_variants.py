@@ -142,7 +142,7 @@ class Variant:
     """
 
     engine: str  # dense, dense_triton, sparse, sparse_select_kernel, sparse_torch_scores,
-    #              sparse_side_priority_0, sparse_down_tile,
+    #              sparse_untuned, sparse_side_priority_0, sparse_down_tile,
     #              sparse_fixed_sets,
     #              sparse_inline_predictors, teal, wina, cats, larosa, rsparse
     method: str = "dense"  # the SparseConfig method ("dense": sparse=None)
@@ -175,23 +175,25 @@ def variants(methods, sparsities, dejavu_budget, preds) -> list[Variant]:
         elif m == "dense_auto":  # the faster of torch and ours per op, timed first
             out.append(Variant("dense_auto", ops="auto"))
         elif m == "dejavu":
-            sp = SparseConfig(ms_, hs_)
+            sp = SparseConfig(ms_, hs_)  # the engine's: its first capture times the kernels
+            pin = replace(sp, tune_kernels=False)  # the rows below change one thing each
             if preds is not None:
                 out.append(Variant("sparse", "dejavu", sparse=sp, predictors=True))
-                out.append(Variant("sparse_select_kernel", "dejavu", sparse=sp, predictors=True,
+                out.append(Variant("sparse_untuned", "dejavu", sparse=pin, predictors=True))
+                out.append(Variant("sparse_select_kernel", "dejavu", sparse=pin, predictors=True,
                                    topk_kernel=True))  # fmt: skip
-                out.append(Variant("sparse_torch_scores", "dejavu", sparse=sp, predictors=True,
+                out.append(Variant("sparse_torch_scores", "dejavu", sparse=pin, predictors=True,
                                    score_kernel=False))  # fmt: skip
                 out.append(Variant("sparse_side_priority_0", "dejavu", predictors=True,
-                                   sparse=replace(sp, side_priority=0)))  # fmt: skip
-                out.append(Variant("sparse_down_tile", "dejavu", sparse=sp, predictors=True,
+                                   sparse=replace(pin, side_priority=0)))  # fmt: skip
+                out.append(Variant("sparse_down_tile", "dejavu", sparse=pin, predictors=True,
                                    down_mode="tile"))  # fmt: skip
             out.append(Variant("sparse_fixed_sets", "dejavu", sparse=sp))
-            out.append(Variant("sparse_fixed_sets_down_split", "dejavu", sparse=sp,
+            out.append(Variant("sparse_fixed_sets_down_split", "dejavu", sparse=pin,
                                down_mode="split"))  # fmt: skip
             if preds is not None:
                 out.append(Variant("sparse_inline_predictors", "dejavu", predictors=True,
-                                   sparse=SparseConfig(ms_, hs_, side_stream=False),
+                                   sparse=replace(pin, side_stream=False),
                                    only_at_parts=True))  # fmt: skip
         else:
             cols = layout_for(m) == "columns"

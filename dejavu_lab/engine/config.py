@@ -93,6 +93,9 @@ class SparseConfig:
     # that stream's CUDA priority (lower runs sooner: -1 lets the predictors' small launches take
     # the next free SM ahead of the layer's own programs; 0 is the default priority)
     side_priority: int = -1
+    # dejavu on a GPU: the first capture times the step with each kernel for the kept sets and
+    # the down projections (Decoder._kernel_choices) and keeps the fastest; False: the defaults
+    tune_kernels: bool = True
     method: str = "dejavu"  # one of METHODS
     # dejavu: one-launch kernels (fused_sparse_mlp; qkv_rope = QKV + RoPE + KV write) instead of
     # up+down and QKV, RoPE, kv_window_write apart. Off by default: on the H200 the fused path is

@@ -128,6 +128,13 @@ class DecodeLoop:
         if self.pos == 0:
             raise EngineError("call prefill(prompt_ids) before capture().")
         self._side_stream()
+        choices = self._kernel_choices()
+        if len(choices) > 1 and getattr(self, "kernel_choice", None) is None:
+            self.kernel_choice = self._time_choices(choices)
+        self._record()
+
+    def _record(self) -> None:
+        """Warm the step up on a side stream (Triton compiles, cuBLAS handles), then record it."""
         saved = (self.tok_t.clone(), self.pos_t.clone())
         warm = torch.cuda.Stream()
         warm.wait_stream(torch.cuda.current_stream())
@@ -141,6 +148,36 @@ class DecodeLoop:
             self._graph_logits = self._step_body()
         self.tok_t.copy_(saved[0])
         self.pos_t.copy_(saved[1])
+
+    def _kernel_choices(self) -> list[dict]:
+        """Kernel settings of this step, the fastest of which the first :meth:`capture` keeps
+        (:meth:`_time_choices`); a decoder with one way to run its step has none."""
+        return []
+
+    def _apply_choice(self, choice: dict) -> None:
+        raise NotImplementedError  # a decoder with _kernel_choices sets them here
+
+    def _time_choices(self, choices: list[dict], replays: int = 16) -> dict:
+        """Record the step under each choice, time ``replays`` graph replays at this position
+        (each rewrites this token's cache rows, which the real step writes again), keep the
+        fastest: ``{"chosen": choice, "ms": [ms per step of each choice]}``."""
+        times = []
+        for choice in choices:
+            self._apply_choice(choice)
+            self._record()
+            for _ in range(2):
+                self.graph.replay()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(replays):
+                self.graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / replays)
+        best = choices[min(range(len(choices)), key=times.__getitem__)]
+        self._apply_choice(best)
+        self.graph = None
+        return {"chosen": best, "ms": times, "choices": choices}
 
     def _side_stream(self) -> None:
         """Create the lookahead predictors' stream once, at SparseConfig's priority."""

@@ -214,6 +214,7 @@ class Decoder(DecodeLoop):
         self.pos = 0  # host copy of pos_t
         self.base = 0
         self.graph = None
+        self.kernel_choice = None  # the first capture's timed choice (DecodeLoop._time_choices)
         self._side = None
         self._taps = None  # a callable (layer, site, tensor) the prefill reports to (calibration)
         self.st = StepState(a, dev, cos=self.cos, sin=self.sin, ops=self.ops, window=self.window)
@@ -236,6 +237,21 @@ class Decoder(DecodeLoop):
         batched decoder (:mod:`~dejavu_lab.engine.batch`) allocates one slot per sequence."""
         shape = (self.arch.n_layers, 2, self.Hkv, t_alloc, self.dh)
         return torch.zeros(shape, dtype=self.w.dtype, device=self.w.device)
+
+    def _kernel_choices(self) -> list[dict]:
+        """DejaVu on a GPU: the kept sets by torch.topk or our select kernel (with predictors),
+        the down projections by the split or the one-tile kernel. Which is faster depends on
+        the shape: on an H100 both alternatives lose at OPT-13B and both win at OPT-30B
+        (results/engine_dejavu_down.json, engine_dejavu_opt30b.json), so the first capture
+        times each pair (``SparseConfig.tune_kernels``)."""
+        sp = self.sparse
+        if self.sets is None or sp is None or not sp.tune_kernels:
+            return []
+        topk = (False, True) if self.predictors is not None else (self.sets.topk_kernel,)
+        return [{"topk_kernel": t, "down_mode": d} for t in topk for d in ("split", "tile")]
+
+    def _apply_choice(self, choice: dict) -> None:
+        self.sets.topk_kernel, self.sets.down_mode = choice["topk_kernel"], choice["down_mode"]
 
     def _new_sets(self, sparse: SparseConfig) -> KeptSets:
         """DejaVu's kept sets (a tensor-parallel rank cuts its predictors to its own units)."""

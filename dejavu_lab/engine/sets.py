@@ -86,7 +86,7 @@ class KeptSets:
         # stream: the split kernel's few programs per SM leave room for them (an H100, OPT-13B:
         # 5.06 ms a token against 5.36 with the one-tile kernel, which was the faster alone:
         # 4.08 against 4.19 ms with fixed sets; results/engine_dejavu_down_*.json); None: the
-        # kernel's own choice
+        # kernel's own choice. A Decoder's first capture times both (Decoder._kernel_choices)
         side = predictors is not None and sp.side_stream
         self.down_mode: str | None = "split" if side else None
         if self.predictors is not None:

@@ -71,6 +71,7 @@ LABELS = {
     "dense_columns": "dense (ours, TEAL's kernels, all kept: the default)",
     "dense_auto": "dense (ours, tuned ops)",
     "sparse": "DejaVu",
+    "sparse_untuned": "DejaVu, kernels not timed (torch.topk, split down)",
     "sparse_select_kernel": "DejaVu, kept sets by our select kernel",
     "sparse_torch_topk": "DejaVu, kept sets by torch.topk",
     "sparse_torch_scores": "DejaVu, predictor scores by PyTorch ops",
