@@ -159,21 +159,30 @@ class DecodeLoop:
 
     def _time_choices(self, choices: list[dict], replays: int = 16) -> dict:
         """Record the step under each choice, time ``replays`` graph replays at this position
-        (each rewrites this token's cache rows, which the real step writes again), keep the
-        fastest: ``{"chosen": choice, "ms": [ms per step of each choice]}``."""
-        times = []
+        (the step advances the device's position: it is set back before each replay, and each
+        replay rewrites this token's cache rows, which the real step writes again), keep the
+        fastest: ``{"chosen": choice, "ms": [ms per step of each choice], "choices": choices}``."""
+        times, saved = [], (self.tok_t.clone(), self.pos_t.clone())
+
+        def replay():
+            self.tok_t.copy_(saved[0])
+            self.pos_t.copy_(saved[1])
+            self.graph.replay()
+
         for choice in choices:
             self._apply_choice(choice)
             self._record()
             for _ in range(2):
-                self.graph.replay()
+                replay()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for _ in range(replays):
-                self.graph.replay()
+                replay()
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end) / replays)
+        self.tok_t.copy_(saved[0])
+        self.pos_t.copy_(saved[1])
         best = choices[min(range(len(choices)), key=times.__getitem__)]
         self._apply_choice(best)
         self.graph = None
