@@ -20,7 +20,7 @@ from .methods import LABELS
 
 __all__ = ["FILES", "TOPK_FILES", "load", "path_sentence", "path_table", "topk_sentence"]
 
-FILES = ("engine_dejavu_down",)  # OPT-13B and Llama-3-8B, three fresh-process runs each
+FILES = ("engine_dejavu_tuned",)  # OPT-13B, OPT-30B and Llama-3-8B, fresh-process runs
 TOPK_FILES = ("topk_select", "topk_split")  # ours against torch.topk; a split top-k (H200)
 FIXED = "sparse_fixed_sets"
 
@@ -31,7 +31,7 @@ def load(names=FILES) -> tuple[pd.DataFrame, dict]:
 
     >>> frame, provs = load()
     >>> sorted(set(frame.model)), "sparse_torch_scores" in set(frame.engine)
-    (['llama-3-8b', 'opt-13b'], True)
+    (['llama-3-8b', 'opt-13b', 'opt-30b'], True)
     """
     frame, provs, _ = results.load_many(
         names, lambda df: (df["kind"] == "e2e") & (df["method"] == "dejavu")
@@ -73,10 +73,11 @@ def path_sentence(table: pd.DataFrame, provs: dict) -> str:
         t = t.droplevel("model")["over fixed sets (ms)"]
         if LABELS["sparse"] not in t:
             continue
-        text = (
-            f"at {model} the predictors add {t[LABELS['sparse']]:.2f} ms per token over fixed sets"
-        )
-        others = [(k, LABELS[k]) for k in ("sparse_torch_scores", "sparse_side_priority_0",
+        cost = t[LABELS["sparse"]]
+        text = (f"at {model} the predictors add {cost:.2f} ms per token over fixed sets" if cost >= 0.01
+                else f"at {model} the predictors add nothing measurable over fixed sets ({cost:+.2f} ms)")  # fmt: skip
+        others = [(k, LABELS[k]) for k in ("sparse_untuned", "sparse_torch_scores",
+                                            "sparse_side_priority_0",
                                             "sparse_down_tile", "sparse_torch_topk",
                                             "sparse_select_kernel",
                                             "sparse_inline_predictors")]  # fmt: skip
@@ -84,17 +85,14 @@ def path_sentence(table: pd.DataFrame, provs: dict) -> str:
                for what in [_WHAT[k]]]  # fmt: skip
         if alt:
             text += " (" + ", ".join(alt) + ")"
-        split = LABELS["sparse_fixed_sets_down_split"]
-        if split in t:  # the fixed sets' step ran the one-tile down kernel, the predicted one not
-            text += (f", {t[LABELS['sparse']] - t[split]:.2f} over the same sets with the split "
-                     "down kernel the predicted step runs")  # fmt: skip
         parts.append(text)
     reps = max(int(table["repeats"].max()), 1)
     return (f"On the {' and '.join(gpus)} (batch 1, prompt 512, CUDA-graph replay, median of up "
             f"to {reps} fresh-process runs): " + "; ".join(parts) + ".")  # fmt: skip
 
 
-_WHAT = {"sparse_torch_scores": "the scores by PyTorch's ops",
+_WHAT = {"sparse_untuned": "the kernels not timed (torch.topk, split down projections)",
+         "sparse_torch_scores": "the scores by PyTorch's ops",
          "sparse_side_priority_0": "the side stream at default priority",
          "sparse_down_tile": "the down projections by the one-tile kernel",
          "sparse_select_kernel": "the kept sets by our select kernel",
