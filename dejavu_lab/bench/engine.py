@@ -50,6 +50,7 @@ __all__ = [
     "SPARSITY",
     "Variant",
     "bench_model",
+    "choice_text",
     "build",
     "make_decoder",
     "make_predictors",
