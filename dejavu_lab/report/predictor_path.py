@@ -121,4 +121,4 @@ def topk_sentence(names=TOPK_FILES) -> str:
     if not rows:
         raise ResultsError(f"none of {', '.join(names)} is recorded in results/.")
     return ("Selecting 3,072 of OPT-13B's 20,480 neurons takes " + "; ".join(rows)
-            + " (CUDA-graph replay): the engine keeps torch.topk.")  # fmt: skip
+            + " (CUDA-graph replay, one call alone); inside the step the engine times both.")  # fmt: skip
