@@ -57,6 +57,18 @@ def test_weights_taken_over_layer_by_layer_decode_the_same(preset):
     torch.testing.assert_close(decode_logits(Decoder(w, max_seq_len=16), ids, 8), want)
 
 
+def test_out_of_memory_while_copying_says_what_to_do(monkeypatch):
+    import dejavu_lab.engine.decoder as decoder_module
+
+    def full(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory.")
+
+    monkeypatch.setattr(decoder_module, "decoder_weights", full)
+    with pytest.raises(EngineError, match=r"release=True") as err:
+        Decoder(random_model("tiny-opt").model, max_seq_len=8)
+    assert str(err.value).count(". ") == 0  # one sentence
+
+
 @pytest.mark.slow
 def test_demo_dense_logits_and_greedy_generation(demo):
     model, tok, _ = demo

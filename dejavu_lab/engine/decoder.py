@@ -138,7 +138,14 @@ class Decoder(DecodeLoop):
             if method == "dense" and rows and dense_ops is None and self.dense_columns:
                 p = next(model.parameters())  # the fastest one-token dense step (GPU)
                 layout = dense_layout(p.device, p.dtype)
-            self.w = decoder_weights(model, arch, layout=layout)
+            try:
+                self.w = decoder_weights(model, arch, layout=layout)
+            except torch.cuda.OutOfMemoryError as exc:
+                raise EngineError(
+                    "the engine's copies of the projections do not fit beside the model's own on "
+                    f"{next(model.parameters()).device}; pass decoder_weights(model, release=True), "
+                    "which frees the model's as it copies them (the model then no longer runs)."
+                ) from exc
         # LaRoSA, R-Sparse: the plan's thresholds, rotations (folded into a copy) and factors
         given = (sparse.thresholds or {}) if sparse is not None else {}
         self.factors: dict = {}
