@@ -17,6 +17,7 @@ __all__ = [
     "attention_sentence",
     "bandwidth_figure",
     "decode_bytes_table",
+    "down_tile_sentence",
     "fit_sentence",
     "frac_table",
     "gather_sentence",
@@ -325,3 +326,38 @@ def attention_sentence(attn: pd.DataFrame, kept: float = 0.5) -> str:
         text += " (" + ", ".join(f"{r.frac_ideal_graph:.2f} at batch {int(r.batch)}"
                                  for r in rest.itertuples()) + ")"  # fmt: skip
     return text + "."
+
+
+def down_tile_sentence() -> str:
+    """The batch-1 down projection's two kernels at DejaVu's points, from each GPU's tuning
+    table (``kernels/bench_sparse_mlp.py --tune-dejavu``): the best one-tile configuration's
+    share of the bytes floor against the best split one's, over the points.
+
+    >>> print(down_tile_sentence())
+    At batch 1 the engine now runs ... of the bytes floor against ... for the best split configuration ...
+    """
+    import json
+
+    from ..kernels import tuning
+
+    parts = []
+    for path in sorted(tuning.TUNED_DIR.glob("tuning_sparse_mlp_down_*.json")):
+        data = json.loads(path.read_text())
+        best: dict = {}
+        for r in data["rows"]:
+            mode = "tile" if r["config"].get("mode") == "tile" else "split"
+            key = (r["d_in"], r["d_out"], mode)
+            best[key] = max(best.get(key, 0.0), float(r["frac_ideal"]))
+        tile = [v for (_, _, m), v in best.items() if m == "tile"]
+        split = [v for (_, _, m), v in best.items() if m == "split"]
+        if tile and split:
+            parts.append(f"on the {data['provenance']['gpu']}, at {len(tile)} points from OPT-13B "
+                         f"to OPT-66B and Llama-3-8B, its best tile reached {min(tile):.2f}-"
+                         f"{max(tile):.2f} of the bytes floor against {min(split):.2f}-"
+                         f"{max(split):.2f} for the best split configuration "
+                         f"(dejavu_lab/kernels/tuned/{path.name})")  # fmt: skip
+    if not parts:
+        return "No GPU has recorded the down projection's tiles yet."
+    return ("At batch 1 the engine now runs the down projection on TEAL's grid instead (one tile "
+            "of kept rows by output columns per program, fp32 atomics, "
+            "`dejavu_lab.kernels.mlp.down_tile`): " + "; ".join(parts) + ".")  # fmt: skip
