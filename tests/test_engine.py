@@ -155,6 +155,10 @@ def test_kernel_choices_each_decode_the_same_tokens():
     assert [c["down_mode"] for c in fixed._kernel_choices()] == ["split", "tile"]
     off = Decoder(lm.model, max_seq_len=24, sparse=SparseConfig(0.75, 0.5, tune_kernels=False))
     assert off._kernel_choices() == [] and Decoder(lm.model, max_seq_len=8)._kernel_choices() == []
+    int4 = Decoder(
+        lm.model, max_seq_len=24, sparse=SparseConfig(0.75, 0.5), weights="int4", group=32
+    )
+    assert int4._kernel_choices() == [{"topk_kernel": False, "down_mode": None}]  # its own GEMVs
 
 
 def test_topk_into_by_rows():

@@ -255,7 +255,8 @@ class Decoder(DecodeLoop):
         if self.sets is None or sp is None or not sp.tune_kernels:
             return []
         topk = (False, True) if self.predictors is not None else (self.sets.topk_kernel,)
-        return [{"topk_kernel": t, "down_mode": d} for t in topk for d in ("split", "tile")]
+        down = (self.sets.down_mode,) if self.int4 else ("split", "tile")  # int4: its own GEMVs
+        return [{"topk_kernel": t, "down_mode": d} for t in topk for d in down]
 
     def _apply_choice(self, choice: dict) -> None:
         self.sets.topk_kernel, self.sets.down_mode = choice["topk_kernel"], choice["down_mode"]
