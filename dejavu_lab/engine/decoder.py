@@ -95,6 +95,12 @@ class Decoder(DecodeLoop):
     rounds ``lm_head`` too (:func:`~dejavu_lab.engine.int4.quantize_head`). Its parts: ``attn[i]`` and ``mlp[i]`` (layer i's blocks), ``sets``
     (DejaVu's kept sets, else None), ``st`` (what every block of a step reads).
 
+    DejaVu on a GPU: the first :meth:`capture` times the step with each way the engine has to
+    run it (the kept sets by ``torch.topk`` or our select kernel, the down projections by the
+    split or the one-tile kernel; which is faster depends on the shape) and keeps the fastest;
+    ``kernel_choice`` holds the timings (``SparseConfig(tune_kernels=False)``: the defaults).
+    A model too large to be held twice: build ``decoder_weights(model, release=True)`` first.
+
     LaRoSA and R-Sparse (``SparseConfig(method="larosa" or "rsparse", plan=...)``) run their
     plan's thresholds through TEAL's kernels: LaRoSA over a copy of the weights with its
     rotation folded in (``model`` is left as it was), R-Sparse with a low-rank term per site
