@@ -161,6 +161,25 @@ def test_kernel_choices_each_decode_the_same_tokens():
     assert int4._kernel_choices() == [{"topk_kernel": False, "down_mode": None}]  # its own GEMVs
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_first_capture_times_the_kernel_choices_and_decodes_as_eager(monkeypatch):
+    """On a GPU: capture() times each choice (replays set back to this position: the window's
+    row stays in range), keeps the fastest, and the graph then decodes past the window as the
+    eager step does (the first token, before any rounding can flip a later choice)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    lm = random_model("tiny-opt", dtype=torch.float16, seed=4, device="cuda")
+    pred = Predictors(fingerprint(lm.model, lm.arch), PredictorConfig(mode="lookahead")).cuda()
+    prompt = torch.tensor([[1, 2, 3, 4]], device="cuda")
+    dec = Decoder(lm.model, max_seq_len=48, sparse=SparseConfig(0.75, 0.5), predictors=pred)
+    graph = dec.generate(prompt, max_new_tokens=30)  # past the 16-token window: a flush
+    assert dec.kernel_choice["chosen"] in dec.kernel_choice["choices"]
+    assert len(dec.kernel_choice["ms"]) == 4 and min(dec.kernel_choice["ms"]) > 0
+    eager = Decoder(lm.model, max_seq_len=48, sparse=SparseConfig(0.75, 0.5), predictors=pred)
+    eager._apply_choice(dec.kernel_choice["chosen"])
+    ref = eager.generate(prompt, max_new_tokens=30, graph=False)
+    assert graph.shape == ref.shape == (1, 34) and torch.equal(graph[:, :6], ref[:, :6])
+
+
 def test_topk_into_by_rows():
     """A batch of rows (32 x Llama-3-8B's 14,336) keeps each row's top-k, into views of larger
     buffers as the batched engine passes them; our select and torch.topk keep the same sets."""
