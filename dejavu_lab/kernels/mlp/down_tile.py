@@ -24,7 +24,7 @@ import triton.language as tl
 
 from .. import _workspace
 from ..pdl import await_inputs, pdl_args
-from ..threshold.tile import threshold_finalize_kernel
+from ..threshold.tile import add_tile, threshold_finalize_kernel
 
 __all__ = ["TILE", "kept_rows", "launch_tile", "sparse_mlp_down_tile_kernel"]
 
@@ -67,14 +67,8 @@ def sparse_mlp_down_tile_kernel(
     mask_r = offs_r < K
     rows = kept_rows(idx_ptr, offs_r, mask_r, G)
     hv = tl.load(h_ptr + offs_r, mask=mask_r, other=0.0)
-    w_ptrs = w_ptr + (rows[:, None] * stride_w + offs_d[None, :])
-    if EVEN_D:
-        w = tl.load(w_ptrs, mask=mask_r[:, None], other=0.0, eviction_policy="evict_first")
-    else:
-        w = tl.load(w_ptrs, mask=mask_r[:, None] & (offs_d < D)[None, :], other=0.0,
-                    eviction_policy="evict_first")  # fmt: skip
-    acc = tl.sum(w.to(tl.float32) * hv.to(tl.float32)[:, None], axis=0)
-    tl.atomic_add(ws_ptr + offs_d, acc, mask=offs_d < D, sem="relaxed")
+    add_tile(w_ptr + (rows[:, None] * stride_w + offs_d[None, :]), mask_r, hv, ws_ptr, offs_d, D,
+             EVEN_D)  # fmt: skip
 
 
 def launch_tile(h: torch.Tensor, weight_t: torch.Tensor, idx: torch.Tensor, bias, out: torch.Tensor,

@@ -45,8 +45,8 @@ from .._neurons import act
 from .._reduce import take_zero
 from ..pdl import await_inputs, pdl_args
 
-__all__ = ["TILE_B1", "fits", "launch", "threshold_finalize_kernel", "threshold_tile_batch_kernel",
-           "threshold_tile_kernel"]  # fmt: skip
+__all__ = ["TILE_B1", "add_tile", "fits", "launch", "threshold_finalize_kernel",
+           "threshold_tile_batch_kernel", "threshold_tile_kernel"]  # fmt: skip
 
 INT32_MAX = 2**31 - 1
 # the batch-1 config: within a few percent of the best tile at every engine site of
@@ -106,7 +106,15 @@ def threshold_tile_kernel(
     else:
         t = tl.load(thr_ptr + offs_r, mask=mask_r, other=float("inf"), eviction_policy="evict_last")
         keep = tl.abs(x) > t
-    w_ptrs = w_ptr + (offs_r[:, None] * stride_w + offs_d[None, :])
+    add_tile(w_ptr + (offs_r[:, None] * stride_w + offs_d[None, :]), keep, x, ws_ptr, offs_d, D,
+             EVEN_D)  # fmt: skip
+
+
+@triton.jit
+def add_tile(w_ptrs, keep, x, ws_ptr, offs_d, D, EVEN_D: tl.constexpr):
+    """``ws[offs_d] += sum over the kept rows of x[r] W[r, offs_d]``: the tile's rows masked by
+    ``keep`` (a dropped row costs no memory traffic), fp32 products summed over the rows, one
+    relaxed atomic add per column (``EVEN_D``: the columns need no mask)."""
     if EVEN_D:
         w = tl.load(w_ptrs, mask=keep[:, None], other=0.0, eviction_policy="evict_first")
     else:
