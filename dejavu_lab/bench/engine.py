@@ -101,7 +101,7 @@ def _engine_row(dec: Decoder, ids, new_tokens: int) -> dict:
             dec.capture()
         ms = timed(lambda: dec.decode(new_tokens - 1))
     row = {"ms_per_token": ms / (new_tokens - 1), "prefill_ms": prefill}
-    if getattr(dec, "kernel_choice", None):  # the engine timed its kernels at the first capture
+    if dec.kernel_choice:  # the engine timed its kernels at the first capture
         row["kernel_choice"] = choice_text(dec.kernel_choice)
     return row
 

@@ -129,7 +129,7 @@ class DecodeLoop:
             raise EngineError("call prefill(prompt_ids) before capture().")
         self._side_stream()
         choices = self._kernel_choices()
-        if len(choices) > 1 and getattr(self, "kernel_choice", None) is None:
+        if len(choices) > 1 and self.kernel_choice is None:
             self.kernel_choice = self._time_choices(choices)
         self._record()
 

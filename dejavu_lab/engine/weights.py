@@ -296,8 +296,6 @@ def decoder_weights(
     layers = []
     with torch.no_grad():
         for i in range(arch.n_layers):
-            if i == 1:  # the shapes checked before any tensor of the model is released
-                _check_layer(layers[0], arch, rows)
             q, k, v, o = (arch.part(model, i, p) for p in "qkvo")
             w_in = arch.mlp_in(model, i)
             down = arch.part(model, i, "mlp_out")
@@ -322,12 +320,12 @@ def decoder_weights(
                     b_down=None if down.bias is None else down.bias.detach(),
                 )
             )
-            if release:
+            if i == 0:  # the shapes, checked before any tensor of the model is released
                 _check_layer(layers[0], arch, rows)
+            if release:
                 copied = [q, k, v, o, down] + (list(w_in) if w1 is None else [])
                 for module in copied:  # only the copied weights: shared tensors stay
                     module.weight.data = module.weight.data.new_empty(0)
-    _check_layer(layers[0], arch, rows)
     final = None
     try:
         fn = arch.final_norm(model)
