@@ -11,12 +11,14 @@ asked for, in CUDA-graph replay over weights rotated through more than 4x the L2
   fastest of a few tilings (swept first, every candidate checked against the reference;
   ``--no-sweep`` runs the defaults);
 - the peer: gemlite's 4-bit GEMV (``gemlite==0.6.0.post2``) on the same codes, when it imports
-  (one line says so when it does not).
+  (one line says so when it does not);
+- the read floor: one streaming read of as many bytes as the dense int4 GEMV moves
+  (:mod:`dejavu_lab.bench.read_floor`), the most any kernel of those bytes could reach.
 
 Each row gives µs per call, its own bytes (int4: codes of the rows read + scales and mins of
 the groups touched), the fraction of the copy ceiling those bytes reach, the ratio to fp16
 (cuBLAS and ours) and to gemlite, and for the threshold GEMV the fraction of the ideal
-(dense int4 time x kept). Written to ``results/int4_gemv.json`` with provenance.
+(dense int4 time x kept); the dense int4 row also its fraction of the read floor. Written to ``results/int4_gemv.json`` with provenance.
 
     PYTHONPATH=. python kernels/bench_int4.py [--group 32,64,128] [--batch 1,16] [--no-sweep]
     TRITON_INTERPRET=1 python kernels/bench_int4.py --smoke   # tiny shapes, CPU: plumbing only
@@ -94,7 +96,7 @@ COLUMNS = [("shape", "shape", "15s"), ("g", "group", "4d"), ("B", "batch", "3d")
            ("provider", "provider", "10s"), ("kept", "kept", "5.2f"), ("us", "us", "8.1f"),
            ("TB/s", "tbps", "6.2f"), ("ceil", "frac_copy", "5.2f"), ("vs cuBLAS", "vs_cublas", "9.2f"),
            ("vs fp16", "vs_fp16_ours", "8.2f"), ("vs peer", "vs_gemlite", "8.2f"),
-           ("ideal", "frac_ideal", "6.2f")]  # fmt: skip
+           ("ideal", "frac_ideal", "6.2f"), ("of read", "of_read", "7.2f")]  # fmt: skip
 
 
 def _time(case, provider, kept, batch, config=None):
@@ -133,6 +135,7 @@ def measure(name, case, batch, picks, ceiling, peer):
             "group": case.group, "batch": batch, "copies": list(case.copies)}  # fmt: skip
     t = {p: _time(case, p, 1.0, batch) for p in ("cublas", "fp16_ours")}
     t["int4"] = _time(case, "int4", 1.0, batch, picks["int4"])
+    t["read"] = _time(case, "read", 1.0, batch)
     if peer:
         t["gemlite"] = _time(case, "gemlite", 1.0, batch)
     rows = []
@@ -152,7 +155,8 @@ def measure(name, case, batch, picks, ceiling, peer):
     ratios = {"vs_cublas": t["cublas"] / t["int4"], "vs_fp16_ours": t["fp16_ours"] / t["int4"]}
     if peer:
         ratios["vs_gemlite"] = t["gemlite"] / t["int4"]
-    row("int4", 1.0, t["int4"], b4, config=picks["int4"], **ratios)
+    row("read", 1.0, t["read"], b4)  # the read floor of int4's bytes
+    row("int4", 1.0, t["int4"], b4, config=picks["int4"], of_read=t["read"] / t["int4"], **ratios)
     for kept in KEPT:
         us = _time(case, "int4_thr", kept, batch, picks["int4_thr"])
         f16 = _time(case, "fp16_thr", kept, batch)

@@ -8,6 +8,8 @@ Providers, all on the same random weight (int4: :func:`~dejavu_lab.quant.quantiz
   fp16 threshold GEMV at the case's kept fraction;
 - ``int4``: :func:`~dejavu_lab.kernels.int4.int4_gemv`; ``int4_thr``:
   :func:`~dejavu_lab.kernels.int4.int4_threshold_gemv` at the kept fraction;
+- ``read``: the read floor, one streaming read of as many bytes as ``int4`` moves
+  (:func:`~dejavu_lab.bench.read_floor.stream_read`);
 - ``gemlite``: the peer, gemlite's ``GemLiteLinearTriton`` (4-bit, same group, the same codes,
   scales and mins passed in its HQQ form ``(q - z) s`` with ``z = -min / s``), when installed.
 
@@ -31,6 +33,7 @@ from ..kernels.int4 import (
     int4_threshold_gemv_ref,
 )
 from ..quant import Int4Weight, quantize
+from .read_floor import BLOCK, stream_read
 from .timing import cuda, relerr, rotation_copies
 
 __all__ = ["Int4Case", "gemlite_layer", "gemlite_version"]
@@ -137,12 +140,17 @@ class Int4Case:
         if provider == "int4_thr":
             return [lambda c=c: int4_threshold_gemv(xs[c], q[c], THR, out=out[c], config=config)
                     for c in range(n)]  # fmt: skip
+        if provider == "read":
+            words = -(-self.int4_bytes(1.0, batch) // 4)
+            bufs = [torch.zeros(words, dtype=torch.int32, device=self.device) for _ in range(n)]
+            sink = torch.empty(-(-words // BLOCK), dtype=torch.int32, device=self.device)
+            return [lambda c=c: stream_read(bufs[c], sink) for c in range(n)]
         if provider == "gemlite":
             if self.peer is None:
                 raise ValueError("this case was built without the peer (peer=False).")
             return [lambda c=c: self.peer[c](xs[c]) for c in range(n)]
         raise ValueError(f"provider {provider!r} is not one of cublas, fp16_ours, fp16_thr, "
-                         "int4, int4_thr, gemlite.")  # fmt: skip
+                         "int4, int4_thr, read, gemlite.")  # fmt: skip
 
     def int4_bytes(self, kept: float, batch: int = 1) -> int:
         """Bytes an int4 call must move: codes of the kept rows, the (scale, min) rows of every

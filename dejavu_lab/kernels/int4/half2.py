@@ -161,6 +161,57 @@ def _eight(base, c, n, r0, p_ptr, STRIDE_P, offs_w, mask_w, a0, a1, a2, a3):
 
 
 @triton.jit
+def _walked(pw, xp, kbits, inv, mask_w, ROW: tl.constexpr, STRIDE_P: tl.constexpr,
+            MODE: tl.constexpr, EVEN_D: tl.constexpr, STASHED: tl.constexpr):  # fmt: skip
+    """Row ``ROW`` of a walked program: its code words and its activation divided by the
+    program's magnitude, as a half2 ``(x, x)``. ``xp``: the program's activations
+    (``STASHED``: fp32 bits); threshold mode (``MODE`` 1): bit ``ROW % 64`` of ``kbits`` says if
+    the row is kept, a dropped row's load is predicated off (no bytes move) and its activation
+    is 0 (its decode costs issue slots only: ``(0 - 8) x 0``)."""
+    if STASHED:
+        xv = tl.load(xp + ROW).to(tl.float32, bitcast=True)
+    else:
+        xv = tl.load(xp + ROW).to(tl.float32)
+    if MODE == 1:
+        keep = ((kbits >> (ROW % 64)) & 1) != 0  # a register: the load waits on no load
+        use = mask_w & ((tl.zeros_like(mask_w.to(tl.int32)) + keep.to(tl.int32)) != 0)
+        words = tl.load(pw + ROW * STRIDE_P, mask=use, other=0, eviction_policy="evict_first")
+        xv = tl.where(keep, xv, 0.0)
+    elif EVEN_D:
+        words = tl.load(pw + ROW * STRIDE_P, eviction_policy="evict_first")
+    else:
+        words = tl.load(pw + ROW * STRIDE_P, mask=mask_w, other=0, eviction_policy="evict_first")
+    b = _bits((xv * inv).to(tl.float16))
+    return words, (b | (b << 16)) + tl.zeros_like(words)
+
+
+@triton.jit
+def _walk_eight(pw, xp, kbits, inv, mask_w, ROW: tl.constexpr, STRIDE_P: tl.constexpr,
+                MODE: tl.constexpr, EVEN_D: tl.constexpr, STASHED: tl.constexpr,
+                a0, a1, a2, a3):  # fmt: skip
+    """Rows ``ROW`` to ``ROW + 7`` added to the half2 sums, every load written before the first
+    product: eight rows in flight per thread (written row by row, the compiler kept two or
+    three)."""
+    w0, x0 = _walked(pw, xp, kbits, inv, mask_w, ROW, STRIDE_P, MODE, EVEN_D, STASHED)
+    w1, x1 = _walked(pw, xp, kbits, inv, mask_w, ROW + 1, STRIDE_P, MODE, EVEN_D, STASHED)
+    w2, x2 = _walked(pw, xp, kbits, inv, mask_w, ROW + 2, STRIDE_P, MODE, EVEN_D, STASHED)
+    w3, x3 = _walked(pw, xp, kbits, inv, mask_w, ROW + 3, STRIDE_P, MODE, EVEN_D, STASHED)
+    w4, x4 = _walked(pw, xp, kbits, inv, mask_w, ROW + 4, STRIDE_P, MODE, EVEN_D, STASHED)
+    w5, x5 = _walked(pw, xp, kbits, inv, mask_w, ROW + 5, STRIDE_P, MODE, EVEN_D, STASHED)
+    w6, x6 = _walked(pw, xp, kbits, inv, mask_w, ROW + 6, STRIDE_P, MODE, EVEN_D, STASHED)
+    w7, x7 = _walked(pw, xp, kbits, inv, mask_w, ROW + 7, STRIDE_P, MODE, EVEN_D, STASHED)
+    a0, a1, a2, a3 = _row(w0, x0, a0, a1, a2, a3)
+    a0, a1, a2, a3 = _row(w1, x1, a0, a1, a2, a3)
+    a0, a1, a2, a3 = _row(w2, x2, a0, a1, a2, a3)
+    a0, a1, a2, a3 = _row(w3, x3, a0, a1, a2, a3)
+    a0, a1, a2, a3 = _row(w4, x4, a0, a1, a2, a3)
+    a0, a1, a2, a3 = _row(w5, x5, a0, a1, a2, a3)
+    a0, a1, a2, a3 = _row(w6, x6, a0, a1, a2, a3)
+    a0, a1, a2, a3 = _row(w7, x7, a0, a1, a2, a3)
+    return a0, a1, a2, a3
+
+
+@triton.jit
 def _emulated(words, xh):
     """The interpreter's stand-in for the half2 sums of a [rows, words] tile: nibble k of each
     word (output 8w + k) centred, times its row's fp16 activation, each product rounded to fp16,
@@ -256,6 +307,11 @@ def int4_half2_kernel(
     r0 = tl.program_id(1) * ROWS
     offs_w = pid_d * NW + tl.arange(0, NW)
     mask_w = (offs_w * 8 < D) | EVEN_D
+    # the group's scales and mins first, in flight with the codes (loaded last, they were a
+    # round trip of their own after the walk)
+    sm = (r0 // GROUP) * D + offs_w[:, None] * 8 + tl.arange(0, 8)[None, :]
+    s = tl.load(s_ptr + sm, mask=mask_w[:, None], other=0.0)
+    m = tl.load(m_ptr + sm, mask=mask_w[:, None], other=0.0)
     offs_x = r0 + tl.arange(0, ROWS)
     xs = _x_of(x_ptr, xb_ptr, offs_x, K, ACT_X, GATED_X, HAS_XBIAS, ty)
     if MODE == 1:
@@ -310,37 +366,22 @@ def int4_half2_kernel(
             stash = list_ptr + (tl.program_id(1) * tl.num_programs(0) + pid_d) * ROWS
             tl.store(stash + tl.arange(0, ROWS), xs.to(tl.int32, bitcast=True))
             tl.debug_barrier()
+        xp = px if ACT_X == "" else stash
+        kbits = tl.zeros((), tl.int64)
+        r = tl.arange(0, ROWS)
         for c in tl.static_range(ROWS // SUB):
+            if MODE == 1 and (c * SUB) % 64 == 0:  # bit j: row 64 h + j is kept (xs is
+                # thresholded already), for the rows 64 h to 64 h + 63 walked next
+                bit = tl.full((ROWS,), 1, tl.int64) << (r % 64).to(tl.int64)
+                in_h = (xs != 0) & (r // 64 == (c * SUB) // 64)
+                kbits = tl.sum(tl.where(in_h, bit, 0), axis=0)
             a0 = tl.zeros((NW,), tl.int32)  # half2 (0, 0)
             a1 = tl.zeros((NW,), tl.int32)
             a2 = tl.zeros((NW,), tl.int32)
             a3 = tl.zeros((NW,), tl.int32)
-            for i in tl.static_range(SUB):
-                row = r0 + c * SUB + i
-                if ACT_X == "":
-                    xv = tl.load(px + c * SUB + i).to(tl.float32)
-                else:
-                    xv = tl.load(stash + c * SUB + i).to(tl.float32, bitcast=True)
-                if MODE == 1:
-                    if THR_SCALAR:
-                        keep = tl.abs(xv) > thr_value
-                    else:
-                        keep = tl.abs(xv) > tl.load(thr_ptr + row)
-                    use = mask_w & ((tl.zeros((NW,), tl.int32) + keep.to(tl.int32)) != 0)
-                    words = tl.load(pw + (c * SUB + i) * STRIDE_P, mask=use, other=0,
-                                    eviction_policy="evict_first")  # fmt: skip
-                elif EVEN_D:
-                    keep = True
-                    words = tl.load(pw + (c * SUB + i) * STRIDE_P, eviction_policy="evict_first")
-                else:
-                    keep = True
-                    words = tl.load(pw + (c * SUB + i) * STRIDE_P, mask=mask_w, other=0,
-                                    eviction_policy="evict_first")  # fmt: skip
-                if keep:  # uniform: every thread holds the same row's activation
-                    xh = (xv * inv).to(tl.float16)
-                    b = _bits(xh)
-                    x2 = (b | (b << 16)) + tl.zeros((NW,), tl.int32)
-                    a0, a1, a2, a3 = _row(words, x2, a0, a1, a2, a3)
+            for k in tl.static_range(SUB // 8):
+                a0, a1, a2, a3 = _walk_eight(pw, xp, kbits, inv, mask_w, c * SUB + 8 * k, STRIDE_P,
+                                             MODE, EVEN_D, ACT_X != "", a0, a1, a2, a3)  # fmt: skip
             f0, f1, f2, f3, f4, f5, f6, f7 = _flush(f0, f1, f2, f3, f4, f5, f6, f7, a0, a1, a2, a3)
         sums = _joined(f0, f1, f2, f3, f4, f5, f6, f7)
     else:  # the interpreter: the same decode and centring on a [ROWS, words] tile at once
@@ -354,10 +395,8 @@ def int4_half2_kernel(
         xh = (xs * inv).to(tl.float16)
         sums = _emulated(words, xh)
     sums = sums * scale
-    offs_n = tl.arange(0, 8)
-    sm = (r0 // GROUP) * D + offs_w[:, None] * 8 + offs_n[None, :]
-    s = tl.load(s_ptr + sm, mask=mask_w[:, None], other=0.0).to(tl.float32)
-    m = tl.load(m_ptr + sm, mask=mask_w[:, None], other=0.0).to(tl.float32)
+    s = s.to(tl.float32)
+    m = m.to(tl.float32)
     y = tl.reshape(s * sums + (m + 8.0 * s) * tl.sum(xs, axis=0), (BLOCK_D,))
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     if FUSED:  # fp32 atomics, then the last arrival rounds the sums into the output
