@@ -23,12 +23,15 @@ threads), and every ``SUB`` rows the half2 sums are added to fp32 ones. Then
 (``p`` the magnitude divided out) goes to an fp32 workspace with relaxed atomics, and the
 finishing launch of :mod:`.tile` rounds it into the output (``fused=1``: no second launch, the
 last program of each column tile to arrive does it, :func:`~dejavu_lab.kernels._reduce.
-split_reduce`). Threshold mode (TEAL / WINA): a row
-whose entry falls under its threshold has its code load masked off and its decode skipped (the
-branch is uniform: every thread of the program sees the same activation). That branch keeps
-one row's loads in flight at a time; ``compact=1`` instead lists the program's kept rows first
-(each with its scaled activation) and walks the list eight rows at a time, every load of the
-eight issued before their arithmetic, so a dropped row costs neither bytes nor instructions.
+split_reduce`). Rows are walked eight at a time, the eight loads written before their
+arithmetic (row by row, the compiler kept only two or three in flight per thread), and the
+group's scales and mins are loaded before the walk. Threshold mode (TEAL / WINA): the program
+builds a register mask of its kept rows once per 64 rows; a dropped row's code load is
+predicated off (no bytes move) and its activation is zero, with no branch, so no load waits on
+another; its decode still costs issue slots. ``compact=1`` instead lists the program's kept
+rows first (each with its scaled activation) and walks the list eight rows at a time, so a
+dropped row costs neither bytes nor instructions, at the price of a list written, a barrier
+and a dependent load before the first code load.
 
 The fp16 sums of ``SUB`` products make this kernel less exact than :mod:`.tile`: a relative
 error of about 2e-3 against the fp32 reference where the tile kernel has 2e-5 (an H100 on
