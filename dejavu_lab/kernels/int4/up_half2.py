@@ -36,7 +36,7 @@ import triton.language as tl
 
 from .. import _workspace
 from .._neurons import act
-from .half2 import DECODE_CONSTANTS, DECODE_REGS, _bits, centre_ptx
+from .half2_decode import DECODE_CONSTANTS, DECODE_REGS, _bits, centre_ptx
 from .tile import finish
 
 __all__ = ["CATS_HALF2", "UP_HALF2", "int4_pairs_kernel", "int4_up_half2_kernel", "launch_up_half2"]
@@ -57,7 +57,7 @@ CATS_HALF2 = {"mode": "half2", "BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 1, "n
 def _dot8_ptx() -> str:
     """One word's eight products: ``$0`` their fp32 sum (as b32), ``$1`` the word, ``$2-$5``
     the half2 activations of pairs 0-3 (inputs ``p`` and ``p + 4`` of the word; the pairs
-    decoded as :mod:`.half2` decodes them, :func:`~.half2.centre_ptx`)."""
+    decoded as :mod:`.half2` decodes them, :func:`~.half2_decode.centre_ptx`)."""
     steps = []
     for p, src in enumerate(("$1", "$1", "u", "u")):
         add = f"mul.rn.f16x2 a, t, ${2 + p};\n" if p == 0 else f"fma.rn.f16x2 a, t, ${2 + p}, a;\n"
