@@ -12,6 +12,8 @@ asked for, in CUDA-graph replay over weights rotated through more than 4x the L2
   ``--no-sweep`` runs the defaults);
 - the peer: gemlite's 4-bit GEMV (``gemlite==0.6.0.post2``) on the same codes, when it imports
   (one line says so when it does not);
+- the dense int4 kernel alone (``int4_sums``: its fp32 sums left for the next launch, as the
+  decode step runs it), batch 1;
 - the read floor: one streaming read of as many bytes as the dense int4 GEMV moves
   (:mod:`dejavu_lab.bench.read_floor`), the most any kernel of those bytes could reach.
 
@@ -136,6 +138,8 @@ def measure(name, case, batch, picks, ceiling, peer):
     t = {p: _time(case, p, 1.0, batch) for p in ("cublas", "fp16_ours")}
     t["int4"] = _time(case, "int4", 1.0, batch, picks["int4"])
     t["read"] = _time(case, "read", 1.0, batch)
+    if batch == 1:  # the kernel alone, as the decode step runs it (sums for the next launch)
+        t["int4_sums"] = _time(case, "int4_sums", 1.0, batch, picks["int4"])
     if peer:
         t["gemlite"] = _time(case, "gemlite", 1.0, batch)
     rows = []
@@ -157,6 +161,8 @@ def measure(name, case, batch, picks, ceiling, peer):
         ratios["vs_gemlite"] = t["gemlite"] / t["int4"]
     row("read", 1.0, t["read"], b4)  # the read floor of int4's bytes
     row("int4", 1.0, t["int4"], b4, config=picks["int4"], of_read=t["read"] / t["int4"], **ratios)
+    if batch == 1:
+        row("int4_sums", 1.0, t["int4_sums"], b4, of_read=t["read"] / t["int4_sums"])
     for kept in KEPT:
         us = _time(case, "int4_thr", kept, batch, picks["int4_thr"])
         f16 = _time(case, "fp16_thr", kept, batch)

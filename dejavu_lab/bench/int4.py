@@ -8,6 +8,9 @@ Providers, all on the same random weight (int4: :func:`~dejavu_lab.quant.quantiz
   fp16 threshold GEMV at the case's kept fraction;
 - ``int4``: :func:`~dejavu_lab.kernels.int4.int4_gemv`; ``int4_thr``:
   :func:`~dejavu_lab.kernels.int4.int4_threshold_gemv` at the kept fraction;
+- ``int4_sums``: the dense int4 GEMV as the decode step runs it, leaving fp32 sums for the
+  next launch (:func:`~dejavu_lab.kernels.int4.sums.int4_sums`; never finished or zeroed
+  here, so only its time means anything): the kernel without the finishing launch;
 - ``read``: the read floor, one streaming read of as many bytes as ``int4`` moves
   (:func:`~dejavu_lab.bench.read_floor.stream_read`);
 - ``gemlite``: the peer, gemlite's ``GemLiteLinearTriton`` (4-bit, same group, the same codes,
@@ -32,6 +35,7 @@ from ..kernels.int4 import (
     int4_threshold_gemv,
     int4_threshold_gemv_ref,
 )
+from ..kernels.int4.sums import int4_sums
 from ..quant import Int4Weight, quantize
 from .read_floor import BLOCK, stream_read
 from .timing import cuda, relerr, rotation_copies
@@ -140,6 +144,10 @@ class Int4Case:
         if provider == "int4_thr":
             return [lambda c=c: int4_threshold_gemv(xs[c], q[c], THR, out=out[c], config=config)
                     for c in range(n)]  # fmt: skip
+        if provider == "int4_sums":
+            if batch != 1:
+                raise ValueError("int4_sums runs one token (batch 1).")
+            return [lambda c=c: int4_sums(xs[c], q[c]) for c in range(n)]
         if provider == "read":
             words = -(-self.int4_bytes(1.0, batch) // 4)
             bufs = [torch.zeros(words, dtype=torch.int32, device=self.device) for _ in range(n)]
@@ -150,7 +158,7 @@ class Int4Case:
                 raise ValueError("this case was built without the peer (peer=False).")
             return [lambda c=c: self.peer[c](xs[c]) for c in range(n)]
         raise ValueError(f"provider {provider!r} is not one of cublas, fp16_ours, fp16_thr, "
-                         "int4, int4_thr, read, gemlite.")  # fmt: skip
+                         "int4, int4_thr, int4_sums, read, gemlite.")  # fmt: skip
 
     def int4_bytes(self, kept: float, batch: int = 1) -> int:
         """Bytes an int4 call must move: codes of the kept rows, the (scale, min) rows of every
