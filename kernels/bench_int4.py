@@ -172,6 +172,10 @@ def measure(name, case, batch, picks, ceiling, peer):
         row("int4_thr", kept, us, case.int4_bytes(kept, batch), config=picks["int4_thr"],
             vs_cublas=t["cublas"] / us, vs_fp16_ours=f16 / us, frac_ideal=t["int4"] * kept / us,
             **extra)  # fmt: skip
+        if batch == 1:  # the threshold kernel alone, against the dense kernel alone
+            alone = _time(case, "int4_sums", kept, batch)
+            row("int4_sums", kept, alone, case.int4_bytes(kept, batch),
+                frac_ideal=t["int4_sums"] * kept / alone)  # fmt: skip
     return rows
 
 

@@ -8,8 +8,8 @@ Providers, all on the same random weight (int4: :func:`~dejavu_lab.quant.quantiz
   fp16 threshold GEMV at the case's kept fraction;
 - ``int4``: :func:`~dejavu_lab.kernels.int4.int4_gemv`; ``int4_thr``:
   :func:`~dejavu_lab.kernels.int4.int4_threshold_gemv` at the kept fraction;
-- ``int4_sums``: the dense int4 GEMV as the decode step runs it, leaving fp32 sums for the
-  next launch (:func:`~dejavu_lab.kernels.int4.sums.int4_sums`; never finished or zeroed
+- ``int4_sums``: the dense int4 GEMV (below 1 kept: the threshold GEMV) as the decode step
+  runs it, leaving fp32 sums for the next launch (:func:`~dejavu_lab.kernels.int4.sums.int4_sums`; never finished or zeroed
   here, so only its time means anything): the kernel without the finishing launch;
 - ``read``: the read floor, one streaming read of as many bytes as ``int4`` moves
   (:func:`~dejavu_lab.bench.read_floor.stream_read`);
@@ -147,7 +147,9 @@ class Int4Case:
         if provider == "int4_sums":
             if batch != 1:
                 raise ValueError("int4_sums runs one token (batch 1).")
-            return [lambda c=c: int4_sums(xs[c], q[c]) for c in range(n)]
+            thr = THR if kept < 1 else None  # kept < 1: the threshold GEMV's kernel alone
+            # a workspace of its own: the sums pile up there, where no other kernel reads
+            return [lambda c=c: int4_sums(xs[c], q[c], thr, kind="bench_sums") for c in range(n)]
         if provider == "read":
             words = -(-self.int4_bytes(1.0, batch) // 4)
             bufs = [torch.zeros(words, dtype=torch.int32, device=self.device) for _ in range(n)]
