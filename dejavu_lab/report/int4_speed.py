@@ -315,7 +315,7 @@ def decode_sentence(name: str = DECODE_FILE) -> str:
 
 def listed_rows_sentence(name: str = DECODE_FILE) -> str:
     """What the batch-1 sweep of ``results/<name>.json`` shows about the threshold GEMV walking a
-    list of its kept rows (``compact``) against masking every row: the fastest config of each
+    list of its kept rows (``compact``) against the masked walk: the fastest config of each
     per shape at each kept fraction, and the list's time against the ideal (the fastest dense
     time times the kept fraction); or '' when the sweep holds no listed-rows config.
 
@@ -347,7 +347,8 @@ def listed_rows_sentence(name: str = DECODE_FILE) -> str:
                          f"({dense * kept / lst:.2f} of the ideal)")  # fmt: skip
     return (f"On the same {prov.get('gpu', 'GPU')} run, the threshold GEMV that first lists its "
             "kept rows and then walks the list, eight rows' loads in flight at a time, against "
-            "the one that masks every row and branches past the dropped ones: "
+            "the masked walk (every row's loads predicated by the kept mask; recordings before "
+            "that walk branched past each dropped row instead), the fastest config of each: "
             + "; ".join(parts) + ".")  # fmt: skip
 
 

@@ -1,0 +1,61 @@
+"""How close the int4 GEMV comes to reading its own bytes: the read floor (the 4-bit chapter).
+
+``kernels/bench_int4.py`` times, beside each dense int4 GEMV, one streaming read of as many
+bytes (:mod:`dejavu_lab.bench.read_floor`) and, at batch 1, the kernel alone as the decode step
+runs it (``int4_sums``: fp32 sums left for the next launch, no finishing launch).
+:func:`floor_sentence` puts the three side by side against the copy ceiling.
+"""
+
+from __future__ import annotations
+
+from .. import results
+from ..errors import ResultsError
+
+__all__ = ["FLOOR_FILES", "floor_sentence"]
+
+#: the batch-1 recordings that hold the read floor, newest layout first
+FLOOR_FILES = ("int4_gemv_g128_b1_kernel", "int4_gemv_g128_b1")
+
+
+def floor_sentence(names=FLOOR_FILES) -> str:
+    """Per shape, the read floor of the dense int4 bytes (µs and fraction of the copy ceiling),
+    the standalone GEMV and, where recorded, the kernel alone, each as a fraction of that read;
+    from the first of ``names`` that holds read-floor rows. Empty when none does.
+
+    >>> s = floor_sentence()
+    >>> s == "" or "read" in s
+    True
+    >>> floor_sentence(("no_such_recording",))
+    ''
+    """
+    for name in names:
+        try:
+            frame, prov = results.load(name)
+        except ResultsError:
+            continue
+        if "provider" not in frame or not (frame["provider"] == "read").any():
+            continue
+        f = frame[(frame["kind"] == "time") & (frame["batch"] == 1) & (frame["kept"] == 1.0)]
+        parts = []
+        for shape, g in f.groupby("shape", sort=False):
+            us = g.groupby("provider")["us"].min()
+            if "read" not in us or "int4" not in us:
+                continue
+            read = g.loc[g["provider"] == "read"].iloc[0]
+            text = (f"{shape}: the read {us['read']:.1f} µs ({read['frac_copy']:.2f} of the "
+                    f"ceiling), the GEMV {us['int4']:.1f} µs ({us['read'] / us['int4']:.2f} of "
+                    "the read)")  # fmt: skip
+            if "int4_sums" in us:
+                text += (f", its kernel alone {us['int4_sums']:.1f} µs "
+                         f"({us['read'] / us['int4_sums']:.2f})")  # fmt: skip
+            parts.append(text)
+        if not parts:
+            continue
+        return (f"On the {prov.get('gpu', 'GPU')} (code at {str(prov.get('git_sha', '?'))[:7]}), "
+                "one plain streaming read of as many bytes as the dense int4 GEMV moves, "
+                "launched and timed the same way, is the most those bytes can reach at this "
+                "size (a launch's ramp and tail weigh on 30 MB, where the copy ceiling is "
+                "measured on 2 GiB); the kernel alone is the GEMV as the decode step runs it, its "
+                "fp32 sums left for the next launch instead of a finishing launch of their own. "
+                + "; ".join(parts) + ".")  # fmt: skip
+    return ""
