@@ -320,14 +320,15 @@ def launch_half2(xb: torch.Tensor, w, res2: torch.Tensor | None, cfg: dict, *, m
                  x_gated: bool = False, x_bias=None) -> torch.Tensor | None:  # fmt: skip
     """Run :func:`int4_half2_kernel` and the finishing launch on checked inputs: ``xb`` [1, K],
     ``w`` an Int4Weight on xb's device and dtype with ``d_out % 8 == 0``, ``res2`` the [1, D]
-    output ([1, D / 2] when ``gated``: :func:`~.tile.finish`); ``mode`` dense or threshold (``thr`` a float or fp32 [K]). ``cfg``: ``ROWS`` (a
-    power of two dividing the group), ``SUB`` (dividing ``ROWS``), ``BLOCK_D`` (a power of two
-    >= 8), ``num_warps``; optional ``compact`` (threshold mode: walk a list of the kept rows,
-    ``SUB`` a multiple of 8) and ``fused`` (no finishing launch). ``res2=None`` skips the
-    finishing launch and returns the fp32 sums' [D] view of the workspace, for the next launch
-    to take and zero (:func:`~.sums.int4_sums`); ``kind`` names that workspace. ``x_act``: xb
-    is a previous launch's fp32 sums, finished as each program loads them,
-    ``x_act(xb + x_bias)`` (``x_gated``: ``act(gate) * up`` of its halves [1, 2K]).
+    output ([1, D / 2] when ``gated``: :func:`~.tile.finish`); ``mode`` dense or threshold
+    (``thr`` a float or fp32 [K]). ``cfg``: ``ROWS`` (a power of two dividing the group),
+    ``SUB`` (a multiple of 8 dividing ``ROWS``), ``BLOCK_D`` (a power of two >= 8),
+    ``num_warps``; optional ``compact`` (threshold mode: walk a list of the kept rows) and
+    ``fused`` (no finishing launch). ``res2=None`` skips the finishing launch and returns the
+    fp32 sums' [D] view of the workspace, for the next launch to take and zero
+    (:func:`~.sums.int4_sums`); ``kind`` names that workspace. ``x_act``: xb is a previous
+    launch's fp32 sums, finished as each program loads them, ``x_act(xb + x_bias)``
+    (``x_gated``: ``act(gate) * up`` of its halves [1, 2K]).
 
     >>> from dejavu_lab.quant import quantize
     >>> w = quantize(torch.eye(32)[:, :8], group=32, dtype=torch.float16)  # w_t [32, 8]
@@ -344,9 +345,9 @@ def launch_half2(xb: torch.Tensor, w, res2: torch.Tensor | None, cfg: dict, *, m
     if rows & (rows - 1) or block_d & (block_d - 1) or block_d < 8 or w.group % rows or rows % sub:
         raise ValueError(f"config ROWS={rows} (dividing the group {w.group}), SUB={sub} "
                          f"(dividing ROWS) and BLOCK_D={block_d} (>= 8) must be powers of two.")  # fmt: skip
-    if compact and sub % 8:
-        raise ValueError(f"config SUB={sub} must be a multiple of 8 with compact=1 (kept rows "
-                         "are read eight at a time).")  # fmt: skip
+    if sub % 8:
+        raise ValueError(f"config SUB={sub} must be a multiple of 8 (rows are read eight at a "
+                         "time).")  # fmt: skip
     if xb.shape[0] != 1 or d_out % 8:
         raise ValueError("the half2 kernel runs one token with d_out a multiple of 8.")
     codes = w.packed.view(torch.int32)
