@@ -195,6 +195,9 @@ def main(argv=None):
     ap.add_argument("--tune", action="store_true",
                     help="also record the sweep as the kernels' tuning table "
                     "(dejavu_lab/kernels/tuned/tuning_int4_gemv.json)")  # fmt: skip
+    ap.add_argument("--tune-name", default="tuning_int4_gemv",
+                    help="the tuning table --tune writes (one per GPU model: a table holds one "
+                    "GPU's rows, e.g. tuning_int4_gemv_h200)")  # fmt: skip
     ap.add_argument("--no-peer", action="store_true", help="skip gemlite even when it imports")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (plumbing)")
     ap.add_argument("--name", default="", help="results file name (default int4_gemv[_smoke])")
@@ -253,13 +256,17 @@ def main(argv=None):
             print(f"{name}: fastest group {best['group']} ({best['us']:.1f} us)")
     if args.tune and not args.smoke:
         swept = [r for r in rows if r["kind"] == "sweep"]
-        path = tuning.TUNED_DIR / "tuning_int4_gemv.json"
+        if not args.tune_name.startswith("tuning_"):
+            raise SystemExit(
+                "--tune-name must start with 'tuning_' (the kernels read tuning_*.json)."
+            )
+        path = tuning.TUNED_DIR / f"{args.tune_name}.json"
         if path.is_file():  # keep the points this run did not sweep (another group, say)
             new = {(r["op"], r["d_in"], r["d_out"], r["batch"]) for r in swept}
             old = json.loads(path.read_text())["rows"]
             swept = [r for r in old if (r["op"], r["d_in"], r["d_out"], r["batch"]) not in new]
             swept += [r for r in rows if r["kind"] == "sweep"]
-        path = results.save("tuning_int4_gemv", swept, command=command, folder=tuning.TUNED_DIR)
+        path = results.save(args.tune_name, swept, command=command, folder=tuning.TUNED_DIR)
         tuning.reload()
         print(f"wrote {path}")
     out = args.name or ("int4_gemv_smoke" if args.smoke else "int4_gemv")
