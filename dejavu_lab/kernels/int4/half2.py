@@ -57,13 +57,13 @@ from .tile import finish
 __all__ = ["HALF2", "HALF2_OPS", "int4_half2_kernel", "launch_half2"]
 
 # ROWS x BLOCK_D per program, SUB rows per fp16 sum. Chosen by kernels/bench_int4.py on an H100
-# (results/int4_gemv_g128_b1.json, group 128, CUDA-graph replay, cold weights): at
-# 4096->14336, 14336->4096 and 5120->13824 dense 16.9 / 17.5 / 19.2 µs against the tile's
-# 22.6 / 22.5 / 26.3 and gemlite's 20.6 / 20.5 / 25.1; the threshold GEMV on a list of the kept
-# rows of 64 (compact) 13.7 / 13.7 / 15.0 µs at 50% kept and 10.0 / 10.4 / 10.7 at 20%, against
-# 16.4 / 17.7 / 18.4 and 12.3 / 13.8 / 13.7 masking every row (32 rows a program, the previous
-# default; dense rows 64 there: 23.2 / 23.5 / 23.8 at 50%). The fused epilogue (fused=1) ran
-# 3-6 µs slower than the finishing launch at every shape: its fence and counter wait per program.
+# (results/int4_gemv_g128_b1.json at 54b3baa, group 128, CUDA-graph replay, cold weights): at
+# 4096->14336, 14336->4096 and 5120->13824 dense 15.6 / 16.3 / 17.9 µs against the fp32 tile's
+# 22.8 / 22.5 / 26.4 and gemlite's 20.7 / 20.5 / 23.3 (a plain read of the same bytes: 11.7 /
+# 11.7 / 14.0); the threshold GEMV on a list of the kept rows of 64 (compact) 14.4 / 13.6 /
+# 15.5 µs at 50% kept and 9.9 / 10.3 / 10.5 at 20%, against 14.1 / 14.5 / 16.5 and 10.0 / 10.6
+# / 10.8 for the masked walk. The fused epilogue (fused=1) ran 4-5 µs slower than the
+# finishing launch at every shape: its fence and counter wait per program.
 HALF2 = {"mode": "half2", "ROWS": 64, "SUB": 32, "BLOCK_D": 512, "num_warps": 2}
 HALF2_OPS = {
     "int4_gemv": HALF2,
