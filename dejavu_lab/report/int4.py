@@ -149,8 +149,8 @@ def bytes_figure(table: pd.DataFrame):
 
     models = list(dict.fromkeys(table["model"]))
     groups = {m: int(table.loc[table["model"] == m, "group"].max()) for m in models}
-    titles = [f"{m} (int4: group {groups[m]})" for m in models]
-    fig = make_subplots(rows=1, cols=len(models), subplot_titles=titles)
+    titles = [f"{m}<br>(int4: group {groups[m]})" for m in models]  # two lines: no overlap
+    fig = make_subplots(rows=1, cols=len(models), subplot_titles=titles, horizontal_spacing=0.12)
     colors = ["#444444", "#d62728", "#1f77b4"]
     for col, model in enumerate(models, start=1):
         t = table[table["model"] == model]
