@@ -142,7 +142,7 @@ def bytes_figure(table: pd.DataFrame):
 
     >>> fig = bytes_figure(bytes_table())
     >>> [t.name for t in fig.data][:3], fig.layout.annotations[1].text
-    (['fp16', 'int4', 'lm_head + KV cache (not skipped)'], 'smollm2-135m (int4: group 64)')
+    (['fp16', 'int4', 'lm_head + KV cache (not skipped)'], 'smollm2-135m<br>(int4: group 64)')
     """
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
