@@ -96,40 +96,43 @@ def _eight(base, c, n, r0, p_ptr, STRIDE_P, offs_w, mask_w, a0, a1, a2, a3):
     w5, x5 = _listed(base, c + 5, n, r0, p_ptr, STRIDE_P, offs_w, mask_w)
     w6, x6 = _listed(base, c + 6, n, r0, p_ptr, STRIDE_P, offs_w, mask_w)
     w7, x7 = _listed(base, c + 7, n, r0, p_ptr, STRIDE_P, offs_w, mask_w)
-    a0, a1, a2, a3 = _row(w0, x0, a0, a1, a2, a3)
-    a0, a1, a2, a3 = _row(w1, x1, a0, a1, a2, a3)
-    a0, a1, a2, a3 = _row(w2, x2, a0, a1, a2, a3)
-    a0, a1, a2, a3 = _row(w3, x3, a0, a1, a2, a3)
-    a0, a1, a2, a3 = _row(w4, x4, a0, a1, a2, a3)
-    a0, a1, a2, a3 = _row(w5, x5, a0, a1, a2, a3)
-    a0, a1, a2, a3 = _row(w6, x6, a0, a1, a2, a3)
-    a0, a1, a2, a3 = _row(w7, x7, a0, a1, a2, a3)
-    return a0, a1, a2, a3
+    return _add_eight(w0, w1, w2, w3, w4, w5, w6, w7, x0, x1, x2, x3, x4, x5, x6, x7,
+                      a0, a1, a2, a3)  # fmt: skip
+
+
+@triton.jit
+def _take(pw, xp, r, keep, inv, mask_w, STRIDE_P: tl.constexpr, MASKED: tl.constexpr,
+          EVEN_D: tl.constexpr, STASHED: tl.constexpr):  # fmt: skip
+    """Row ``r`` of a block (``pw`` its row 0's words, ``xp`` its activations; ``STASHED``:
+    fp32 bits): the row's code words and its activation divided by the program's magnitude, as
+    a half2 ``(x, x)``. ``MASKED``: ``keep`` (the same in every thread) says whether the row is
+    kept; a dropped row's load is predicated off (no bytes move) and its activation is 0 (its
+    decode costs issue slots only: ``(0 - 8) x 0``). A constant ``r`` puts the load at an
+    immediate offset."""
+    if STASHED:
+        xv = tl.load(xp + r).to(tl.float32, bitcast=True)
+    else:
+        xv = tl.load(xp + r).to(tl.float32)
+    if MASKED:
+        use = mask_w & ((tl.zeros_like(mask_w.to(tl.int32)) + keep.to(tl.int32)) != 0)
+        words = tl.load(pw + r * STRIDE_P, mask=use, other=0, eviction_policy="evict_first")
+        xv = tl.where(keep, xv, 0.0)
+    elif EVEN_D:
+        words = tl.load(pw + r * STRIDE_P, eviction_policy="evict_first")
+    else:
+        words = tl.load(pw + r * STRIDE_P, mask=mask_w, other=0, eviction_policy="evict_first")
+    b = _bits((xv * inv).to(tl.float16))
+    return words, (b | (b << 16)) + tl.zeros_like(words)
 
 
 @triton.jit
 def _walked(pw, xp, kbits, inv, mask_w, ROW: tl.constexpr, STRIDE_P: tl.constexpr,
             MODE: tl.constexpr, EVEN_D: tl.constexpr, STASHED: tl.constexpr):  # fmt: skip
-    """Row ``ROW`` of a walked program: its code words and its activation divided by the
-    program's magnitude, as a half2 ``(x, x)``. ``xp``: the program's activations
-    (``STASHED``: fp32 bits); threshold mode (``MODE`` 1): bit ``ROW % 64`` of ``kbits`` says if
-    the row is kept, a dropped row's load is predicated off (no bytes move) and its activation
-    is 0 (its decode costs issue slots only: ``(0 - 8) x 0``)."""
-    if STASHED:
-        xv = tl.load(xp + ROW).to(tl.float32, bitcast=True)
-    else:
-        xv = tl.load(xp + ROW).to(tl.float32)
-    if MODE == 1:
-        keep = ((kbits >> (ROW % 64)) & 1) != 0  # a register: the load waits on no load
-        use = mask_w & ((tl.zeros_like(mask_w.to(tl.int32)) + keep.to(tl.int32)) != 0)
-        words = tl.load(pw + ROW * STRIDE_P, mask=use, other=0, eviction_policy="evict_first")
-        xv = tl.where(keep, xv, 0.0)
-    elif EVEN_D:
-        words = tl.load(pw + ROW * STRIDE_P, eviction_policy="evict_first")
-    else:
-        words = tl.load(pw + ROW * STRIDE_P, mask=mask_w, other=0, eviction_policy="evict_first")
-    b = _bits((xv * inv).to(tl.float16))
-    return words, (b | (b << 16)) + tl.zeros_like(words)
+    """Row ``ROW`` of a walked block (:func:`_take` at a constant offset); threshold mode
+    (``MODE`` 1): kept where bit ``ROW % 64`` of ``kbits`` (:func:`_block_bits`) is set, a
+    register, so the row's load waits on no load."""
+    keep = ((kbits >> (ROW % 64)) & 1) != 0
+    return _take(pw, xp, ROW, keep, inv, mask_w, STRIDE_P, MODE == 1, EVEN_D, STASHED)
 
 
 @triton.jit
@@ -151,61 +154,40 @@ def _walk_eight(pw, xp, kbits, inv, mask_w, ROW: tl.constexpr, STRIDE_P: tl.cons
 
 
 @triton.jit
-def _next_row(bits):
-    """The lowest set bit of ``bits`` (int64; -1 when none is left) and ``bits`` without it:
-    register arithmetic, no load."""
-    return libdevice.ffs(bits) - 1, bits & (bits - 1)
+def _block_bits(xs, h, ROWS: tl.constexpr):
+    """Bit ``j`` set where row ``64 h + j`` of the program is kept (``xs`` thresholded already:
+    a kept row's activation is nonzero)."""
+    r = tl.arange(0, ROWS)
+    bit = tl.full((ROWS,), 1, tl.int64) << (r % 64).to(tl.int64)
+    return tl.sum(tl.where((xs != 0) & (r // 64 == h), bit, 0), axis=0)
 
 
 @triton.jit
-def _bit_row(pw, xp, i, inv, mask_w, STRIDE_P: tl.constexpr, STASHED: tl.constexpr):
-    """Row ``i`` of a block (none when ``i < 0``): its code words and its activation divided by
-    the program's magnitude, as a half2 ``(x, x)`` (0 for no row)."""
-    ok = i >= 0
-    j = tl.maximum(i, 0)
-    if STASHED:
-        xv = tl.load(xp + j).to(tl.float32, bitcast=True)
-    else:
-        xv = tl.load(xp + j).to(tl.float32)
-    xv = tl.where(ok, xv, 0.0)
-    use = mask_w & ((tl.zeros_like(mask_w.to(tl.int32)) + ok.to(tl.int32)) != 0)
-    words = tl.load(pw + j * STRIDE_P, mask=use, other=0, eviction_policy="evict_first")
-    b = _bits((xv * inv).to(tl.float16))
-    return words, (b | (b << 16)) + tl.zeros_like(words)
+def _next_take(bits, pw, xp, inv, mask_w, STRIDE_P: tl.constexpr, STASHED: tl.constexpr):
+    """The lowest set bit of ``bits`` (int64) taken (:func:`_take`; none left: no row) and
+    cleared: the row's number comes from register arithmetic (``ffs``), not a load."""
+    i = libdevice.ffs(bits) - 1
+    words, x2 = _take(pw, xp, tl.maximum(i, 0), i >= 0, inv, mask_w, STRIDE_P, True, False,
+                      STASHED)  # fmt: skip
+    return bits & (bits - 1), words, x2
 
 
 @triton.jit
 def _eight_bits(bits, pw, xp, inv, mask_w, STRIDE_P: tl.constexpr, STASHED: tl.constexpr,
                 a0, a1, a2, a3):  # fmt: skip
-    """The next eight kept rows of a block's bit mask added to the half2 sums: their numbers
-    come from register arithmetic (:func:`_next_row`), so the eight loads wait on no load."""
-    i0, bits = _next_row(bits)
-    i1, bits = _next_row(bits)
-    i2, bits = _next_row(bits)
-    i3, bits = _next_row(bits)
-    i4, bits = _next_row(bits)
-    i5, bits = _next_row(bits)
-    i6, bits = _next_row(bits)
-    i7, bits = _next_row(bits)
-    r = _load_bits(pw, xp, inv, mask_w, STRIDE_P, STASHED, i0, i1, i2, i3, i4, i5, i6, i7)
-    a0, a1, a2, a3 = _add_eight(*r, a0, a1, a2, a3)
+    """The next eight kept rows of a block's bit mask added to the half2 sums, their eight
+    loads written before the first product."""
+    bits, w0, x0 = _next_take(bits, pw, xp, inv, mask_w, STRIDE_P, STASHED)
+    bits, w1, x1 = _next_take(bits, pw, xp, inv, mask_w, STRIDE_P, STASHED)
+    bits, w2, x2 = _next_take(bits, pw, xp, inv, mask_w, STRIDE_P, STASHED)
+    bits, w3, x3 = _next_take(bits, pw, xp, inv, mask_w, STRIDE_P, STASHED)
+    bits, w4, x4 = _next_take(bits, pw, xp, inv, mask_w, STRIDE_P, STASHED)
+    bits, w5, x5 = _next_take(bits, pw, xp, inv, mask_w, STRIDE_P, STASHED)
+    bits, w6, x6 = _next_take(bits, pw, xp, inv, mask_w, STRIDE_P, STASHED)
+    bits, w7, x7 = _next_take(bits, pw, xp, inv, mask_w, STRIDE_P, STASHED)
+    a0, a1, a2, a3 = _add_eight(w0, w1, w2, w3, w4, w5, w6, w7, x0, x1, x2, x3, x4, x5, x6, x7,
+                                a0, a1, a2, a3)  # fmt: skip
     return bits, a0, a1, a2, a3
-
-
-@triton.jit
-def _load_bits(pw, xp, inv, mask_w, STRIDE_P: tl.constexpr, STASHED: tl.constexpr,
-               i0, i1, i2, i3, i4, i5, i6, i7):  # fmt: skip
-    """Rows ``i0``-``i7`` of a block (:func:`_bit_row`), every load written before any
-    product."""
-    w0, x0 = _bit_row(pw, xp, i0, inv, mask_w, STRIDE_P, STASHED)
-    w1, x1 = _bit_row(pw, xp, i1, inv, mask_w, STRIDE_P, STASHED)
-    w2, x2 = _bit_row(pw, xp, i2, inv, mask_w, STRIDE_P, STASHED)
-    w3, x3 = _bit_row(pw, xp, i3, inv, mask_w, STRIDE_P, STASHED)
-    w4, x4 = _bit_row(pw, xp, i4, inv, mask_w, STRIDE_P, STASHED)
-    w5, x5 = _bit_row(pw, xp, i5, inv, mask_w, STRIDE_P, STASHED)
-    w6, x6 = _bit_row(pw, xp, i6, inv, mask_w, STRIDE_P, STASHED)
-    w7, x7 = _bit_row(pw, xp, i7, inv, mask_w, STRIDE_P, STASHED)
-    return w0, w1, w2, w3, w4, w5, w6, w7, x0, x1, x2, x3, x4, x5, x6, x7
 
 
 @triton.jit
@@ -304,6 +286,11 @@ def int4_half2_kernel(
     f5 = tl.zeros((NW,), tl.float32)
     f6 = tl.zeros((NW,), tl.float32)
     f7 = tl.zeros((NW,), tl.float32)
+    xp = x_ptr + r0  # the walks read each row's activation here, or (ACT_X) from a stash
+    if ASM and ACT_X != "" and not (MODE == 1 and COMPACT == 1):  # (the list holds its own)
+        xp = list_ptr + (tl.program_id(1) * tl.num_programs(0) + pid_d) * ROWS
+        tl.store(xp + tl.arange(0, ROWS), xs.to(tl.int32, bitcast=True))  # fp32 bits, once
+        tl.debug_barrier()
     if MODE == 1 and COMPACT == 1:  # the kept rows listed first, then walked SUB at a time
         keep = xs != 0
         n = tl.sum(keep.to(tl.int32), axis=0)
@@ -334,45 +321,26 @@ def int4_half2_kernel(
             xh = _half((e >> 16) & 0xFFFF)
             sums = _emulated(words, xh)
     elif MODE == 1 and COMPACT == 2 and ASM:  # kept rows found in a register mask per 64 rows
-        stash = x_ptr + r0
-        if ACT_X != "":  # the finished x stashed once (its fp32 bits)
-            stash = list_ptr + (tl.program_id(1) * tl.num_programs(0) + pid_d) * ROWS
-            tl.store(stash + tl.arange(0, ROWS), xs.to(tl.int32, bitcast=True))
-            tl.debug_barrier()
-        r = tl.arange(0, ROWS)
         for h in tl.static_range((ROWS + 63) // 64):
-            in_h = (xs != 0) & (r // 64 == h)
-            bit = tl.full((ROWS,), 1, tl.int64) << (r % 64).to(tl.int64)
-            bits = tl.sum(tl.where(in_h, bit, 0), axis=0)
-            n = tl.sum(in_h.to(tl.int32), axis=0)
+            bits = _block_bits(xs, h, ROWS)
             pw = p_ptr + (r0 + 64 * h).to(tl.int64) * STRIDE_P + offs_w
-            for _c in range(0, n, SUB):
+            for _c in range(0, libdevice.popc(bits), SUB):
                 a0 = tl.zeros((NW,), tl.int32)
                 a1 = tl.zeros((NW,), tl.int32)
                 a2 = tl.zeros((NW,), tl.int32)
                 a3 = tl.zeros((NW,), tl.int32)
                 for _k in tl.static_range(SUB // 8):
-                    bits, a0, a1, a2, a3 = _eight_bits(bits, pw, stash + 64 * h, inv, mask_w,
+                    bits, a0, a1, a2, a3 = _eight_bits(bits, pw, xp + 64 * h, inv, mask_w,
                                                        STRIDE_P, ACT_X != "", a0, a1, a2, a3)  # fmt: skip
                 f0, f1, f2, f3, f4, f5, f6, f7 = _flush(f0, f1, f2, f3, f4, f5, f6, f7,
                                                         a0, a1, a2, a3)  # fmt: skip
         sums = _joined(f0, f1, f2, f3, f4, f5, f6, f7)
     elif ASM:  # each thread walks the rows; half2 sums of SUB rows, then fp32
         pw = p_ptr + r0.to(tl.int64) * STRIDE_P + offs_w  # row r0's words; the rest at constants
-        px = x_ptr + r0
-        if ACT_X != "":  # the finished x stashed once (its fp32 bits), then read a row at a time
-            stash = list_ptr + (tl.program_id(1) * tl.num_programs(0) + pid_d) * ROWS
-            tl.store(stash + tl.arange(0, ROWS), xs.to(tl.int32, bitcast=True))
-            tl.debug_barrier()
-        xp = px if ACT_X == "" else stash
         kbits = tl.zeros((), tl.int64)
-        r = tl.arange(0, ROWS)
         for c in tl.static_range(ROWS // SUB):
-            if MODE == 1 and (c * SUB) % 64 == 0:  # bit j: row 64 h + j is kept (xs is
-                # thresholded already), for the rows 64 h to 64 h + 63 walked next
-                bit = tl.full((ROWS,), 1, tl.int64) << (r % 64).to(tl.int64)
-                in_h = (xs != 0) & (r // 64 == (c * SUB) // 64)
-                kbits = tl.sum(tl.where(in_h, bit, 0), axis=0)
+            if MODE == 1 and (c * SUB) % 64 == 0:  # the kept rows of the 64 walked next
+                kbits = _block_bits(xs, (c * SUB) // 64, ROWS)
             a0 = tl.zeros((NW,), tl.int32)  # half2 (0, 0)
             a1 = tl.zeros((NW,), tl.int32)
             a2 = tl.zeros((NW,), tl.int32)
