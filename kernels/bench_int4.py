@@ -20,7 +20,8 @@ asked for, in CUDA-graph replay over weights rotated through more than 4x the L2
 Each row gives µs per call, its own bytes (int4: codes of the rows read + scales and mins of
 the groups touched), the fraction of the copy ceiling those bytes reach, the ratio to fp16
 (cuBLAS and ours) and to gemlite, and for the threshold GEMV the fraction of the ideal
-(dense int4 time x kept); the dense int4 row also its fraction of the read floor. Written to ``results/int4_gemv.json`` with provenance.
+(dense int4 time x kept); the dense int4 row also its fraction of the read floor. Written to
+``results/int4_gemv.json`` with provenance.
 
     PYTHONPATH=. python kernels/bench_int4.py [--group 32,64,128] [--batch 1,16] [--no-sweep]
     TRITON_INTERPRET=1 python kernels/bench_int4.py --smoke   # tiny shapes, CPU: plumbing only
@@ -141,7 +142,7 @@ def measure(name, case, batch, picks, ceiling, peer):
     t["int4"] = _time(case, "int4", 1.0, batch, picks["int4"])
     t["read"] = _time(case, "read", 1.0, batch)
     if batch == 1:  # the kernel alone, as the decode step runs it (sums for the next launch)
-        t["int4_sums"] = _time(case, "int4_sums", 1.0, batch, picks["int4"])
+        t["int4_sums"] = _time(case, "int4_sums", 1.0, batch)  # the tuned config, as the step
     if peer:
         t["gemlite"] = _time(case, "gemlite", 1.0, batch)
     rows = []
@@ -202,6 +203,8 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (plumbing)")
     ap.add_argument("--name", default="", help="results file name (default int4_gemv[_smoke])")
     args = ap.parse_args(argv)
+    if not args.tune_name.startswith("tuning_"):  # before any GPU time is spent
+        raise SystemExit("--tune-name must start with 'tuning_' (the kernels read tuning_*.json).")
     command = "python kernels/bench_int4.py " + " ".join(argv if argv is not None else sys.argv[1:])
     groups = [int(g) for g in args.group.split(",")]
     batches = [int(b) for b in args.batch.split(",")]
@@ -256,10 +259,6 @@ def main(argv=None):
             print(f"{name}: fastest group {best['group']} ({best['us']:.1f} us)")
     if args.tune and not args.smoke:
         swept = [r for r in rows if r["kind"] == "sweep"]
-        if not args.tune_name.startswith("tuning_"):
-            raise SystemExit(
-                "--tune-name must start with 'tuning_' (the kernels read tuning_*.json)."
-            )
         path = tuning.TUNED_DIR / f"{args.tune_name}.json"
         if path.is_file():  # keep the points this run did not sweep (another group, say)
             new = {(r["op"], r["d_in"], r["d_out"], r["batch"]) for r in swept}

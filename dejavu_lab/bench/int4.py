@@ -9,8 +9,9 @@ Providers, all on the same random weight (int4: :func:`~dejavu_lab.quant.quantiz
 - ``int4``: :func:`~dejavu_lab.kernels.int4.int4_gemv`; ``int4_thr``:
   :func:`~dejavu_lab.kernels.int4.int4_threshold_gemv` at the kept fraction;
 - ``int4_sums``: the dense int4 GEMV (below 1 kept: the threshold GEMV) as the decode step
-  runs it, leaving fp32 sums for the next launch (:func:`~dejavu_lab.kernels.int4.sums.int4_sums`; never finished or zeroed
-  here, so only its time means anything): the kernel without the finishing launch;
+  runs it, leaving fp32 sums for the next launch
+  (:func:`~dejavu_lab.kernels.int4.sums.int4_sums`, its tuned config; never finished or
+  zeroed here, so only its time means anything): the kernel without the finishing launch;
 - ``read``: the read floor, one streaming read of as many bytes as ``int4`` moves
   (:func:`~dejavu_lab.bench.read_floor.stream_read`);
 - ``gemlite``: the peer, gemlite's ``GemLiteLinearTriton`` (4-bit, same group, the same codes,
