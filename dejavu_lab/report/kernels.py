@@ -7,11 +7,14 @@ with their provenance, so every figure can say which GPU and date its numbers co
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pandas as pd
 import torch
 
 from .. import results
+from ..kernels import tuning
 
 __all__ = [
     "attention_sentence",
@@ -336,10 +339,6 @@ def down_tile_sentence() -> str:
     >>> print(down_tile_sentence())
     At batch 1 the engine now runs ... of the bytes floor against ... for the best split configuration ...
     """
-    import json
-
-    from ..kernels import tuning
-
     parts = []
     for path in sorted(tuning.TUNED_DIR.glob("tuning_sparse_mlp_down_*.json")):
         data = json.loads(path.read_text())
