@@ -10,7 +10,16 @@ H200 (CUDA-graph replay, 64 links; ``kernels/bench_engine.py`` times the whole s
 threshold tile GEMVs at 4096 x 4096 went from 6.77 to 6.46 µs per link, and a tile GEMV followed
 by a one-program row kernel from 8.76 to 7.61 µs per pair.
 
-``PDL = False`` (or ``DEJAVU_PDL=0`` in the environment) turns it off, for timing the difference.
+Each kernel also signals, once its blocks have passed the wait, that the next one may be
+launched (``griddepcontrol.launch_dependents``): the next kernel's blocks are then scheduled
+while this one still runs, where it has room, and wait there. A kernel that only reads
+inputs after :func:`await_inputs` gains the launch processing from this; the int4 GEMV
+(:mod:`.int4.half2`) also starts reading its weights, which no kernel writes, before its wait,
+so the first round trip to memory overlaps the kernel before it.
+
+``PDL = False`` (or ``DEJAVU_PDL=0`` in the environment) turns it off, for timing the difference;
+``EARLY = False`` (``DEJAVU_PDL_EARLY=0``) keeps the wait but leaves out the early signal (the
+next kernel is then launched as this one's blocks exit).
 """
 
 from __future__ import annotations
@@ -21,20 +30,24 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-__all__ = ["PDL", "await_inputs", "pdl_args"]
+__all__ = ["EARLY", "PDL", "await_inputs", "pdl_args"]
 
 PDL = os.environ.get("DEJAVU_PDL", "1") != "0"
+EARLY = os.environ.get("DEJAVU_PDL_EARLY", "1") != "0"
 
 
 @triton.jit
 def await_inputs(PDL: tl.constexpr):
-    """The kernel's first step: under programmatic dependent launch, wait for the grid before.
-    Kernels call it under ``if PDL:``: the interpreter pays for every nested jit call (about
-    0.2 ms a program), even one that does nothing."""
+    """The kernel's first step: under programmatic dependent launch, wait for the grid before
+    (``PDL`` 2: then let the next grid launch). Kernels call it under ``if PDL:``: the
+    interpreter pays for every nested jit call (about 0.2 ms a program), even one that does
+    nothing."""
     if PDL:
         gdc_wait()
+    if PDL == 2:
+        gdc_launch_dependents()
 
 
 @functools.cache
@@ -43,9 +56,10 @@ def _hopper(index: int) -> bool:
 
 
 def pdl_args(device: torch.device) -> dict:
-    """Launch arguments of a kernel that calls :func:`await_inputs`: ``PDL`` and
-    ``launch_pdl`` on a CUDA GPU of compute capability 9.0 or newer while :data:`PDL` is on,
-    else none (the kernel's ``PDL`` stays False and it launches as usual).
+    """Launch arguments of a kernel that calls :func:`await_inputs`: ``PDL`` (2 while
+    :data:`EARLY` is on, else 1) and ``launch_pdl`` on a CUDA GPU of compute capability 9.0 or
+    newer while :data:`PDL` is on, else none (the kernel's ``PDL`` stays False and it launches
+    as usual).
 
     >>> pdl_args(torch.device("cpu"))
     {}
@@ -54,4 +68,4 @@ def pdl_args(device: torch.device) -> dict:
         return {}
     if not _hopper(device.index if device.index is not None else torch.cuda.current_device()):
         return {}
-    return {"PDL": True, "launch_pdl": True}
+    return {"PDL": 2 if EARLY else 1, "launch_pdl": True}

@@ -52,10 +52,14 @@ from triton.language.extra import libdevice
 from .. import _workspace
 from .._neurons import act
 from .._reduce import split_reduce
+from ..pdl import await_inputs, pdl_args
 from .half2_decode import _bits, _emulated, _flush, _half, _joined, _row
 from .tile import finish
 
-__all__ = ["HALF2", "HALF2_OPS", "int4_half2_kernel", "launch_half2"]
+__all__ = ["HALF2", "HALF2_OPS", "READ_AHEAD", "int4_half2_kernel", "launch_half2"]
+
+# the pointers the kernel reads before it waits for the kernel before it (pdl): weights only
+READ_AHEAD = ("p_ptr", "s_ptr", "m_ptr")
 
 # ROWS x BLOCK_D per program, SUB rows per fp16 sum. Chosen by kernels/bench_int4.py on an H100
 # (results/int4_gemv_g128_b1.json at 54b3baa, group 128, CUDA-graph replay, cold weights): at
@@ -109,20 +113,62 @@ def _take(pw, xp, r, keep, inv, mask_w, STRIDE_P: tl.constexpr, MASKED: tl.const
     kept; a dropped row's load is predicated off (no bytes move) and its activation is 0 (its
     decode costs issue slots only: ``(0 - 8) x 0``). A constant ``r`` puts the load at an
     immediate offset."""
+    if MASKED:
+        use = mask_w & ((tl.zeros_like(mask_w.to(tl.int32)) + keep.to(tl.int32)) != 0)
+        words = tl.load(pw + r * STRIDE_P, mask=use, other=0, eviction_policy="evict_first")
+    else:
+        words = _words(pw, r, mask_w, STRIDE_P, EVEN_D)
+    return words, _x2(xp, r, keep, inv, words, MASKED, STASHED)
+
+
+@triton.jit
+def _x2(xp, r, keep, inv, like, MASKED: tl.constexpr, STASHED: tl.constexpr):
+    """Row ``r`` 's activation (``MASKED``: 0 unless ``keep``) divided by the program's
+    magnitude, as a half2 ``(x, x)`` in every lane of ``like``."""
     if STASHED:
         xv = tl.load(xp + r).to(tl.float32, bitcast=True)
     else:
         xv = tl.load(xp + r).to(tl.float32)
     if MASKED:
-        use = mask_w & ((tl.zeros_like(mask_w.to(tl.int32)) + keep.to(tl.int32)) != 0)
-        words = tl.load(pw + r * STRIDE_P, mask=use, other=0, eviction_policy="evict_first")
         xv = tl.where(keep, xv, 0.0)
-    elif EVEN_D:
-        words = tl.load(pw + r * STRIDE_P, eviction_policy="evict_first")
-    else:
-        words = tl.load(pw + r * STRIDE_P, mask=mask_w, other=0, eviction_policy="evict_first")
     b = _bits((xv * inv).to(tl.float16))
-    return words, (b | (b << 16)) + tl.zeros_like(words)
+    return (b | (b << 16)) + tl.zeros_like(like)
+
+
+@triton.jit
+def _words(pw, r, mask_w, STRIDE_P: tl.constexpr, EVEN_D: tl.constexpr):
+    """Row ``r`` 's code words of a block (``pw`` its row 0's words), every one read."""
+    if EVEN_D:
+        return tl.load(pw + r * STRIDE_P, eviction_policy="evict_first")
+    return tl.load(pw + r * STRIDE_P, mask=mask_w, other=0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _ahead(pw, mask_w, STRIDE_P: tl.constexpr, EVEN_D: tl.constexpr):
+    """A block's first eight rows of code words, read before the kernel waits for its inputs
+    (the weights are no kernel's output, so the first round trip to memory overlaps the kernel
+    before: :mod:`~dejavu_lab.kernels.pdl`)."""
+    return (_words(pw, 0, mask_w, STRIDE_P, EVEN_D), _words(pw, 1, mask_w, STRIDE_P, EVEN_D),
+            _words(pw, 2, mask_w, STRIDE_P, EVEN_D), _words(pw, 3, mask_w, STRIDE_P, EVEN_D),
+            _words(pw, 4, mask_w, STRIDE_P, EVEN_D), _words(pw, 5, mask_w, STRIDE_P, EVEN_D),
+            _words(pw, 6, mask_w, STRIDE_P, EVEN_D), _words(pw, 7, mask_w, STRIDE_P, EVEN_D))  # fmt: skip
+
+
+@triton.jit
+def _first_eight(w0, w1, w2, w3, w4, w5, w6, w7, xp, inv, STASHED: tl.constexpr,
+                 a0, a1, a2, a3):  # fmt: skip
+    """Rows 0 to 7 of a dense walk added to the half2 sums, their words read ahead
+    (:func:`_ahead`)."""
+    x0 = _x2(xp, 0, True, inv, w0, False, STASHED)
+    x1 = _x2(xp, 1, True, inv, w0, False, STASHED)
+    x2 = _x2(xp, 2, True, inv, w0, False, STASHED)
+    x3 = _x2(xp, 3, True, inv, w0, False, STASHED)
+    x4 = _x2(xp, 4, True, inv, w0, False, STASHED)
+    x5 = _x2(xp, 5, True, inv, w0, False, STASHED)
+    x6 = _x2(xp, 6, True, inv, w0, False, STASHED)
+    x7 = _x2(xp, 7, True, inv, w0, False, STASHED)
+    return _add_eight(w0, w1, w2, w3, w4, w5, w6, w7, x0, x1, x2, x3, x4, x5, x6, x7,
+                      a0, a1, a2, a3)  # fmt: skip
 
 
 @triton.jit
@@ -256,6 +302,7 @@ def int4_half2_kernel(
     ACT_X: tl.constexpr = "",  # x is fp32 sums [K] (GATED_X: [gate | up]): act(x + xb) first
     GATED_X: tl.constexpr = False,
     HAS_XBIAS: tl.constexpr = False,
+    PDL: tl.constexpr = 0,  # launched with launch_pdl (pdl.pdl_args)
 ):
     NW: tl.constexpr = BLOCK_D // 8
     ty: tl.constexpr = s_ptr.dtype.element_ty
@@ -268,6 +315,11 @@ def int4_half2_kernel(
     sm = (r0 // GROUP) * D + offs_w[:, None] * 8 + tl.arange(0, 8)[None, :]
     s = tl.load(s_ptr + sm, mask=mask_w[:, None], other=0.0)
     m = tl.load(m_ptr + sm, mask=mask_w[:, None], other=0.0)
+    pw = p_ptr + r0.to(tl.int64) * STRIDE_P + offs_w  # row r0's words; the rest at constants
+    if ASM and MODE == 0:  # the dense walk's first eight rows too: weights are no one's output
+        q0, q1, q2, q3, q4, q5, q6, q7 = _ahead(pw, mask_w, STRIDE_P, EVEN_D)
+    if PDL:  # only now the input, the workspace and the stash: the kernel before is done
+        await_inputs(PDL)
     offs_x = r0 + tl.arange(0, ROWS)
     xs = _x_of(x_ptr, xb_ptr, offs_x, K, ACT_X, GATED_X, HAS_XBIAS, ty)
     if MODE == 1:
@@ -336,7 +388,6 @@ def int4_half2_kernel(
                                                         a0, a1, a2, a3)  # fmt: skip
         sums = _joined(f0, f1, f2, f3, f4, f5, f6, f7)
     elif ASM:  # each thread walks the rows; half2 sums of SUB rows, then fp32
-        pw = p_ptr + r0.to(tl.int64) * STRIDE_P + offs_w  # row r0's words; the rest at constants
         kbits = tl.zeros((), tl.int64)
         for c in tl.static_range(ROWS // SUB):
             if MODE == 1 and (c * SUB) % 64 == 0:  # the kept rows of the 64 walked next
@@ -346,8 +397,13 @@ def int4_half2_kernel(
             a2 = tl.zeros((NW,), tl.int32)
             a3 = tl.zeros((NW,), tl.int32)
             for k in tl.static_range(SUB // 8):
-                a0, a1, a2, a3 = _walk_eight(pw, xp, kbits, inv, mask_w, c * SUB + 8 * k, STRIDE_P,
-                                             MODE, EVEN_D, ACT_X != "", a0, a1, a2, a3)  # fmt: skip
+                if MODE == 0 and c == 0 and k == 0:  # read ahead
+                    a0, a1, a2, a3 = _first_eight(q0, q1, q2, q3, q4, q5, q6, q7, xp, inv,
+                                                  ACT_X != "", a0, a1, a2, a3)  # fmt: skip
+                else:
+                    a0, a1, a2, a3 = _walk_eight(pw, xp, kbits, inv, mask_w, c * SUB + 8 * k,
+                                                 STRIDE_P, MODE, EVEN_D, ACT_X != "", a0, a1, a2,
+                                                 a3)  # fmt: skip
             f0, f1, f2, f3, f4, f5, f6, f7 = _flush(f0, f1, f2, f3, f4, f5, f6, f7, a0, a1, a2, a3)
         sums = _joined(f0, f1, f2, f3, f4, f5, f6, f7)
     else:  # the interpreter: the same decode and centring on a [ROWS, words] tile at once
@@ -433,7 +489,7 @@ def launch_half2(xb: torch.Tensor, w, res2: torch.Tensor | None, cfg: dict, *, m
         SUB=sub, BLOCK_D=block_d, ASM=xb.device.type == "cuda", COMPACT=compact, FUSED=fused,
         HAS_BIAS=bias is not None, xb_ptr=x_bias if x_bias is not None else ws, K=d_in,
         ACT_X=x_act, GATED_X=x_gated, HAS_XBIAS=x_bias is not None,
-        num_warps=int(cfg["num_warps"]), num_stages=1,
+        num_warps=int(cfg["num_warps"]), num_stages=1, **pdl_args(xb.device),
     )  # fmt: skip
     if res2 is None:
         return ws[:d_out]

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from .. import _workspace
+from ..pdl import pdl_args
 from ..threshold.tile import threshold_finalize_kernel
 
 __all__ = ["TILE", "finish", "int4_tile_kernel", "launch_tile"]
@@ -142,4 +143,5 @@ def finish(ws: torch.Tensor, res2: torch.Tensor, bias: torch.Tensor | None,
     threshold_finalize_kernel[(triton.cdiv(d_out, 1024), 1)](
         ws, bias if bias is not None else ws, res2, d_out, res2.stride(0),
         HAS_BIAS=bias is not None, ACT=activation, GATED=gated, BLOCK=1024, num_warps=4,
+        **pdl_args(ws.device),
     )  # fmt: skip
