@@ -34,7 +34,10 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 __all__ = ["EARLY", "PDL", "await_inputs", "pdl_args"]
 
+#: Kernels of the decode step launched with programmatic dependent launch (``DEJAVU_PDL=0``: not).
 PDL = os.environ.get("DEJAVU_PDL", "1") != "0"
+#: Each kernel lets the next one launch once its blocks are past the wait
+#: (``DEJAVU_PDL_EARLY=0``: only as they exit).
 EARLY = os.environ.get("DEJAVU_PDL_EARLY", "1") != "0"
 
 
