@@ -15,12 +15,15 @@ asked for, in CUDA-graph replay over weights rotated through more than 4x the L2
 - the dense int4 kernel alone (``int4_sums``: its fp32 sums left for the next launch, as the
   decode step runs it), batch 1;
 - the read floor: one streaming read of as many bytes as the dense int4 GEMV moves
-  (:mod:`dejavu_lab.bench.read_floor`), the most any kernel of those bytes could reach.
+  (:mod:`dejavu_lab.bench.read_floor`), the most any kernel of those bytes could reach; at
+  each kept fraction (batch 1) a read of the kept code rows alone (``read_kept``), the
+  threshold kernel's own floor.
 
 Each row gives µs per call, its own bytes (int4: codes of the rows read + scales and mins of
 the groups touched), the fraction of the copy ceiling those bytes reach, the ratio to fp16
 (cuBLAS and ours) and to gemlite, and for the threshold GEMV the fraction of the ideal
-(dense int4 time x kept); the dense int4 row also its fraction of the read floor. Written to
+(dense int4 time x kept); the dense int4 row also its fraction of the read floor, the
+threshold kernel alone its fraction of the kept rows' read. Written to
 ``results/int4_gemv.json`` with provenance.
 
     PYTHONPATH=. python kernels/bench_int4.py [--group 32,64,128] [--batch 1,16] [--no-sweep]
@@ -177,8 +180,10 @@ def measure(name, case, batch, picks, ceiling, peer):
             **extra)  # fmt: skip
         if batch == 1:  # the threshold kernel alone, against the dense kernel alone
             alone = _time(case, "int4_sums", kept, batch)
+            floor = _time(case, "read_kept", kept, batch)  # a read of the kept rows alone
+            row("read_kept", kept, floor, case.int4_bytes(kept, batch))
             row("int4_sums", kept, alone, case.int4_bytes(kept, batch),
-                frac_ideal=t["int4_sums"] * kept / alone)  # fmt: skip
+                frac_ideal=t["int4_sums"] * kept / alone, of_read=floor / alone)  # fmt: skip
     return rows
 
 

@@ -13,7 +13,9 @@ Providers, all on the same random weight (int4: :func:`~dejavu_lab.quant.quantiz
   (:func:`~dejavu_lab.kernels.int4.sums.int4_sums`, its tuned config; never finished or
   zeroed here, so only its time means anything): the kernel without the finishing launch;
 - ``read``: the read floor, one streaming read of as many bytes as ``int4`` moves
-  (:func:`~dejavu_lab.bench.read_floor.stream_read`);
+  (:func:`~dejavu_lab.bench.read_floor.stream_read`); ``read_kept``: a read of the code rows
+  the threshold GEMV keeps and nothing else, the threshold GEMV's floor
+  (:func:`~dejavu_lab.bench.read_floor.kept_rows_read`);
 - ``gemlite``: the peer, gemlite's ``GemLiteLinearTriton`` (4-bit, same group, the same codes,
   scales and mins passed in its HQQ form ``(q - z) s`` with ``z = -min / s``), when installed.
 
@@ -38,7 +40,7 @@ from ..kernels.int4 import (
 )
 from ..kernels.int4.sums import int4_sums
 from ..quant import Int4Weight, quantize
-from .read_floor import BLOCK, stream_read
+from .read_floor import BLOCK, kept_rows_read, stream_read
 from .timing import cuda, relerr, rotation_copies
 
 __all__ = ["Int4Case", "gemlite_layer", "gemlite_version"]
@@ -151,6 +153,11 @@ class Int4Case:
             thr = THR if kept < 1 else None  # kept < 1: the threshold GEMV's kernel alone
             # a workspace of its own: the sums pile up there, where no other kernel reads
             return [lambda c=c: int4_sums(xs[c], q[c], thr, kind="bench_sums") for c in range(n)]
+        if provider == "read_kept":  # the threshold GEMV's kept rows of codes, nothing else
+            words = self.q[0].packed.view(torch.int32)  # one xor per block of >= 64 words
+            sink = torch.empty(words.numel() // 64 + 1, dtype=torch.int32, device=self.device)
+            return [lambda c=c: kept_rows_read(q[c].packed.view(torch.int32), xs[c], THR, sink)
+                    for c in range(n)]  # fmt: skip
         if provider == "read":
             words = -(-self.int4_bytes(1.0, batch) // 4)
             bufs = [torch.zeros(words, dtype=torch.int32, device=self.device) for _ in range(n)]
@@ -161,7 +168,7 @@ class Int4Case:
                 raise ValueError("this case was built without the peer (peer=False).")
             return [lambda c=c: self.peer[c](xs[c]) for c in range(n)]
         raise ValueError(f"provider {provider!r} is not one of cublas, fp16_ours, fp16_thr, "
-                         "int4, int4_thr, int4_sums, read, gemlite.")  # fmt: skip
+                         "int4, int4_thr, int4_sums, read, read_kept, gemlite.")  # fmt: skip
 
     def int4_bytes(self, kept: float, batch: int = 1) -> int:
         """Bytes an int4 call must move: codes of the kept rows, the (scale, min) rows of every

@@ -38,6 +38,7 @@ def test_smoke_run_records_every_provider(tmp_path, monkeypatch):
     for batch in (1, 3):
         got = {(r["provider"], r["kept"]) for r in timed if r["batch"] == batch}
         alone = {("int4_sums", k) for k in (1.0, 0.5, 0.2)} if batch == 1 else set()  # one token
+        alone |= {("read_kept", k) for k in (0.5, 0.2)} if batch == 1 else set()
         assert got == {("cublas", 1.0), ("fp16_ours", 1.0), ("int4", 1.0), ("read", 1.0),
                        ("fp16_thr", 0.5), ("fp16_thr", 0.2), ("int4_thr", 0.5),
                        ("int4_thr", 0.2)} | alone  # fmt: skip
@@ -45,6 +46,9 @@ def test_smoke_run_records_every_provider(tmp_path, monkeypatch):
     dense = {r["batch"]: r for r in timed if r["provider"] == "int4"}
     assert all(read[b]["bytes"] == dense[b]["bytes"] and dense[b]["of_read"] > 0 for b in (1, 3))
     assert all(r["us"] > 0 and r["bytes"] > 0 for r in timed)
+    kept_read = {r["kept"]: r for r in timed if r["provider"] == "read_kept"}
+    sums = {r["kept"]: r for r in timed if r["provider"] == "int4_sums" and r["kept"] < 1}
+    assert all(sums[k]["of_read"] > 0 and kept_read[k]["bytes"] == sums[k]["bytes"] for k in sums)
     thr = [r for r in timed if r["provider"] == "int4_thr"]
     assert all(r["frac_ideal"] > 0 and r["config"] for r in thr)
     four = {
