@@ -3,7 +3,10 @@
 ``kernels/bench_int4.py`` times, beside each dense int4 GEMV, one streaming read of as many
 bytes (:mod:`dejavu_lab.bench.read_floor`) and, at batch 1, the kernel alone as the decode step
 runs it (``int4_sums``: fp32 sums left for the next launch, no finishing launch).
-:func:`floor_sentence` puts the three side by side against the copy ceiling.
+:func:`floor_sentence` puts the three side by side against the copy ceiling. At each kept
+fraction it also reads the kept code rows alone (``read_kept``): :func:`kept_floor_sentence`
+sets the threshold kernel beside that read and beside the "ideal" (the dense time times the
+kept fraction), which no read of scattered rows reaches.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 from .. import results
 from ..errors import ResultsError
 
-__all__ = ["FLOOR_FILES", "floor_sentence"]
+__all__ = ["FLOOR_FILES", "floor_sentence", "kept_floor_sentence"]
 
 #: the batch-1 recordings that hold the read floor, newest layout first
 FLOOR_FILES = ("int4_gemv_g128_b1_kernel", "int4_gemv_g128_b1")
@@ -58,4 +61,45 @@ def floor_sentence(names=FLOOR_FILES) -> str:
                 "measured on 2 GiB); the kernel alone is the GEMV as the decode step runs it, its "
                 "fp32 sums left for the next launch instead of a finishing launch of their own. "
                 + "; ".join(parts) + ".")  # fmt: skip
+    return ""
+
+
+def kept_floor_sentence(names=FLOOR_FILES) -> str:
+    """Per shape and kept fraction: the read of the kept code rows alone, the threshold kernel
+    alone, and the ideal (the dense kernel alone times the kept fraction), from the first of
+    ``names`` that holds ``read_kept`` rows. Empty when none does.
+
+    >>> s = kept_floor_sentence()
+    >>> s == "" or "kept" in s
+    True
+    """
+    for name in names:
+        try:
+            frame, prov = results.load(name)
+        except ResultsError:
+            continue
+        if "provider" not in frame or not (frame["provider"] == "read_kept").any():
+            continue
+        f = frame[(frame["kind"] == "time") & (frame["batch"] == 1)]
+        parts = []
+        for shape, g in f.groupby("shape", sort=False):
+            dense = g[(g["provider"] == "int4_sums") & (g["kept"] == 1.0)]["us"]
+            items = []
+            for kept, k in g[g["kept"] < 1].groupby("kept", sort=False):
+                us = k.groupby("provider")["us"].min()
+                if dense.empty or not {"read_kept", "int4_sums"} <= set(us.index):
+                    continue
+                ideal = float(dense.iloc[0]) * kept
+                items.append(f"{kept:.0%} kept: the read {us['read_kept']:.1f} µs "
+                             f"({ideal / us['read_kept']:.2f} of the ideal {ideal:.1f}), the "
+                             f"kernel {us['int4_sums']:.1f} µs "
+                             f"({us['read_kept'] / us['int4_sums']:.2f} of the read)")  # fmt: skip
+            if items:
+                parts.append(f"{shape}: " + ", ".join(items))
+        if parts:
+            return (f"On the {prov.get('gpu', 'GPU')} (code at "
+                    f"{str(prov.get('git_sha', '?'))[:7]}), a read of only the kept code rows, "
+                    "launched and timed like the kernel, takes more than the dense time times "
+                    "the kept fraction: the launch's ramp and tail and the first loads' latency "
+                    "stay, whatever is dropped. " + "; ".join(parts) + ".")  # fmt: skip
     return ""
