@@ -7,8 +7,9 @@ that Triton's CUDA backend ships: batch 1 dense and threshold (the [rows, words,
 tile), a union batch on tensor cores, the kept-row path with per-output word loads; and the
 rows-layout kernel (every row, listed rows, CATS's gate-then-up) at batch 1 and on tensor cores;
 and the one-token tile kernel, dense and threshold; and the half2 kernel's inline PTX (dense,
-threshold, bf16, the kept-row list, the kept-row bit mask) and of the rows-layout half2 kernel (every row, listed
-gated rows in bf16, CATS), which the interpreter never runs.
+threshold, bf16, the kept-row list, the kept-row bit mask; under programmatic dependent launch,
+with the dense walk's rows read before the wait) and of the rows-layout half2 kernel (every
+row, listed gated rows in bf16, CATS), which the interpreter never runs.
 """
 
 from helpers import assert_compiles, needs_ptxas
@@ -68,7 +69,8 @@ for mode, scalar, even, dt, compact in [(0, True, True, "fp16", False),
         sig.update(x_ptr="*bf16", s_ptr="*bf16", m_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16")
     c = dict(MODE=mode, THR_SCALAR=scalar, EVEN_D=even, GROUP=128, ROWS=64, SUB=32,
              BLOCK_D=512, ASM=True, COMPACT=compact, FUSED=compact or not even, HAS_BIAS=even,
-             STRIDE_P=1792, ACT_X="", GATED_X=False, HAS_XBIAS=False)
+             STRIDE_P=1792, ACT_X="", GATED_X=False, HAS_XBIAS=False,
+             PDL=2 if even else 0, AHEAD=mode == 0 and even)  # the read-ahead before the wait
     triton.compile(ASTSource(half2, sig, constexprs=c), target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": 2, "num_stages": 1})
 for mode, compact in [(0, False), (1, True), (1, 2)]:  # x: the previous product's sums, finished here
@@ -76,7 +78,7 @@ for mode, compact in [(0, False), (1, True), (1, 2)]:  # x: the previous product
     sig["x_ptr"] = "*fp32"
     c = dict(MODE=mode, THR_SCALAR=True, EVEN_D=True, GROUP=128, ROWS=64, SUB=32 if mode == 0
              else 16, BLOCK_D=512, ASM=True, COMPACT=compact, FUSED=False, HAS_BIAS=False,
-             STRIDE_P=512, ACT_X="silu", GATED_X=True, HAS_XBIAS=True)
+             STRIDE_P=512, ACT_X="silu", GATED_X=True, HAS_XBIAS=True, PDL=2, AHEAD=mode == 0)
     triton.compile(ASTSource(half2, sig, constexprs=c), target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": 2, "num_stages": 1})
 from dejavu_lab.kernels.int4.up_half2 import int4_up_half2_kernel as uh
