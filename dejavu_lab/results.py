@@ -95,8 +95,13 @@ def git_sha() -> str:
     return "unknown"
 
 
+#: environment variables of the project that name the run rather than change it
+IGNORED_ENV = ("DEJAVU_LAB_GIT_SHA", "DEJAVU_TEST_DEVICE")
+
+
 def provenance(command: str) -> dict[str, Any]:
-    """Where and with what a measurement was made (GPU, library versions, git sha, date).
+    """Where and with what a measurement was made (GPU, library versions, git sha, date, and
+    the ``DEJAVU_*`` switches set in the environment, as ``env``).
 
     >>> info = provenance("python kernels/bench_sparse_mlp.py")
     >>> set(REQUIRED_PROVENANCE) <= set(info), info["command"]
@@ -115,6 +120,14 @@ def provenance(command: str) -> dict[str, Any]:
         "cpu": _cpu_name(),  # CPU runs (perplexity frontiers) depend on it as GPU runs on "gpu"
         "cpu_count": os.cpu_count(),
     }
+    # the project's switches (DEJAVU_PDL, DEJAVU_PDL_EARLY, ...) change what is measured
+    env = {
+        k: v
+        for k, v in sorted(os.environ.items())
+        if k.startswith("DEJAVU_") and k not in IGNORED_ENV
+    }
+    if env:
+        info["env"] = env
     try:
         import torch
 

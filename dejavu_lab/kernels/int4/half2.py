@@ -64,9 +64,15 @@ __all__ = ["AHEAD", "HALF2", "HALF2_OPS", "READ_AHEAD", "int4_half2_kernel", "la
 #: The pointers the kernel reads before it waits for the kernel before it (programmatic
 #: dependent launch, :mod:`~dejavu_lab.kernels.pdl`): weights only, which no kernel writes.
 READ_AHEAD = ("p_ptr", "s_ptr", "m_ptr")
-#: Under programmatic dependent launch, the dense walk's first eight rows are read before the
-#: wait too (``DEJAVU_INT4_AHEAD=0``: only the scales and mins).
-AHEAD = os.environ.get("DEJAVU_INT4_AHEAD", "1") != "0"
+#: Under programmatic dependent launch, read the dense walk's first eight rows before the wait
+#: too (``DEJAVU_INT4_AHEAD=1``), not only the scales and mins. Off by default: on an H100
+#: (Llama-3-8B shape, ``results/engine_int4_8b_pdl_*.json`` at 1f5321a) it took the int4 dense
+#: step from 2.628 ms (no PDL) to 2.570 where each kernel launched as the one before exited, but
+#: to 2.718 where the kernel before let it launch early (:data:`~dejavu_lab.kernels.pdl.EARLY`);
+#: back to back, the dense kernel alone went from 13.5 to 15.9 µs a call
+#: (``results/int4_gemv_g128_b1_pdl.json``), while the threshold kernel, which never reads
+#: ahead, gained from the early launch.
+AHEAD = os.environ.get("DEJAVU_INT4_AHEAD", "0") == "1"
 
 # ROWS x BLOCK_D per program, SUB rows per fp16 sum. Chosen by kernels/bench_int4.py on an H100
 # (results/int4_gemv_g128_b1.json at 54b3baa, group 128, CUDA-graph replay, cold weights): at
