@@ -84,10 +84,6 @@ CANDIDATES = {  # swept per shape and group; each computes the same function (ch
         _half2(64, 16, 512, 2, compact=1),
         _half2(128, 8, 512, 2, compact=1),
         _half2(128, 16, 1024, 2, compact=1),
-        _half2(64, 16, 512, 2, compact=2),  # threshold: find the kept rows in a bit mask
-        _half2(128, 16, 512, 2, compact=2),
-        _half2(32, 32, 256, 1, compact=2),
-        _half2(64, 32, 1024, 1, compact=2),
         {**HALF2, "fused": 1},  # the last program of a column tile writes the output
     ],
     16: [

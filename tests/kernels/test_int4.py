@@ -150,8 +150,7 @@ def test_half2_fused_and_compact_with_bias_repeat(dtype, seed):
     x = torch.randn(1, D_IN, dtype=dtype)
     b = torch.randn(D_OUT, dtype=dtype)
     thr = threshold_keeping(x, 0.3)
-    for cfg in ({**HALF2, "fused": 1}, {**HALF2, "fused": 1, "compact": 1, "SUB": 16},
-                {**HALF2, "compact": 2, "SUB": 16}):  # fmt: skip
+    for cfg in ({**HALF2, "fused": 1}, {**HALF2, "fused": 1, "compact": 1, "SUB": 16}):
         first = int4_threshold_gemv(x, w, thr, bias=b, config=cfg)
         assert torch.equal(int4_threshold_gemv(x, w, thr, bias=b, config=cfg), first), cfg
         assert_close(first, int4_threshold_gemv_ref(x, w, thr, bias=b), dtype, seed)

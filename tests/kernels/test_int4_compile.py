@@ -7,7 +7,7 @@ that Triton's CUDA backend ships: batch 1 dense and threshold (the [rows, words,
 tile), a union batch on tensor cores, the kept-row path with per-output word loads; and the
 rows-layout kernel (every row, listed rows, CATS's gate-then-up) at batch 1 and on tensor cores;
 and the one-token tile kernel, dense and threshold; and the half2 kernel's inline PTX (dense,
-threshold, bf16, the kept-row list, the kept-row bit mask; under programmatic dependent launch,
+threshold, bf16, the kept-row list; under programmatic dependent launch,
 with the dense walk's rows read before the wait) and of the rows-layout half2 kernel (every
 row, listed gated rows in bf16, CATS), which the interpreter never runs.
 """
@@ -63,7 +63,7 @@ for mode, scalar, even, dt, compact in [(0, True, True, "fp16", False),
                                         (1, True, False, "fp16", False),
                                         (1, False, True, "bf16", False),
                                         (1, True, True, "fp16", True),
-                                        (1, False, False, "bf16", 2)]:
+                                        (1, False, False, "bf16", True)]:
     sig = {a: s[a] for a in half2.arg_names if a in s}
     if dt == "bf16":
         sig.update(x_ptr="*bf16", s_ptr="*bf16", m_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16")
@@ -73,7 +73,7 @@ for mode, scalar, even, dt, compact in [(0, True, True, "fp16", False),
              PDL=2 if even else 0, AHEAD=mode == 0 and even)  # the read-ahead before the wait
     triton.compile(ASTSource(half2, sig, constexprs=c), target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": 2, "num_stages": 1})
-for mode, compact in [(0, False), (1, True), (1, 2)]:  # x: the previous product's sums, finished here
+for mode, compact in [(0, False), (1, True)]:  # x: the previous product's sums, finished here
     sig = {a: s[a] for a in half2.arg_names if a in s}
     sig["x_ptr"] = "*fp32"
     c = dict(MODE=mode, THR_SCALAR=True, EVEN_D=True, GROUP=128, ROWS=64, SUB=32 if mode == 0

@@ -29,9 +29,9 @@ predicated off (no bytes move) and its activation is zero, with no branch, so no
 another; its decode still costs issue slots. ``compact=1`` instead lists the program's kept
 rows first (each with its scaled activation) and walks the list eight rows at a time, so a
 dropped row costs neither bytes nor instructions, at the price of a list written, a barrier
-and a dependent load before the first code load. ``compact=2`` finds the kept rows in the
-register mask instead (the lowest set bit, ``ffs``, then cleared): no list and no dependent
-load, eight rows' loads written before their arithmetic.
+and a dependent load before the first code load. (Finding the kept rows in the register mask
+instead, one ``ffs`` per row, ran slower than the list at every shape and kept fraction on an
+H100: more instructions per row than the list's load saves.)
 
 The fp16 sums of ``SUB`` products make this kernel less exact than :mod:`.tile`: a relative
 error of about 2e-3 against the fp32 reference where the tile kernel has 2e-5 (an H100 on
@@ -49,14 +49,13 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from .. import _workspace
 from .._neurons import act
 from .._reduce import split_reduce
 from ..pdl import await_inputs, pdl_args
 from .half2_decode import _bits, _emulated, _flush, _half, _joined
-from .half2_rows import _ahead, _block_bits, _eight, _eight_bits, _first_eight, _walk_eight
+from .half2_rows import _ahead, _block_bits, _eight, _first_eight, _walk_eight
 from .tile import finish
 
 __all__ = ["AHEAD", "HALF2", "HALF2_OPS", "READ_AHEAD", "int4_half2_kernel", "launch_half2"]
@@ -133,7 +132,7 @@ def int4_half2_kernel(
     SUB: tl.constexpr,  # rows per fp16 sum: divides ROWS
     BLOCK_D: tl.constexpr,  # outputs per program, a multiple of 8
     ASM: tl.constexpr,  # the inline PTX (compiled for a GPU) or its emulation (interpreter)
-    COMPACT: tl.constexpr,  # MODE 1: 1 walk a list of the kept rows, 2 find them in a bit mask
+    COMPACT: tl.constexpr,  # MODE 1: walk a list of the kept rows
     FUSED: tl.constexpr,  # the last program of a column tile writes the output (no 2nd launch)
     HAS_BIAS: tl.constexpr,
     xb_ptr=None,  # ACT_X with HAS_XBIAS: [K] (GATED_X: [2K]) the bias of x's sums
@@ -212,21 +211,6 @@ def int4_half2_kernel(
                             mask=(j < n)[:, None] & mask_w[None, :], other=0)  # fmt: skip
             xh = _half((e >> 16) & 0xFFFF)
             sums = _emulated(words, xh)
-    elif MODE == 1 and COMPACT == 2 and ASM:  # kept rows found in a register mask per 64 rows
-        for h in tl.static_range((ROWS + 63) // 64):
-            bits = _block_bits(xs, h, ROWS)
-            pw = p_ptr + (r0 + 64 * h).to(tl.int64) * STRIDE_P + offs_w
-            for _c in range(0, libdevice.popc(bits), SUB):
-                a0 = tl.zeros((NW,), tl.int32)
-                a1 = tl.zeros((NW,), tl.int32)
-                a2 = tl.zeros((NW,), tl.int32)
-                a3 = tl.zeros((NW,), tl.int32)
-                for _k in tl.static_range(SUB // 8):
-                    bits, a0, a1, a2, a3 = _eight_bits(bits, pw, xp + 64 * h, inv, mask_w,
-                                                       STRIDE_P, ACT_X != "", a0, a1, a2, a3)  # fmt: skip
-                f0, f1, f2, f3, f4, f5, f6, f7 = _flush(f0, f1, f2, f3, f4, f5, f6, f7,
-                                                        a0, a1, a2, a3)  # fmt: skip
-        sums = _joined(f0, f1, f2, f3, f4, f5, f6, f7)
     elif ASM:  # each thread walks the rows; half2 sums of SUB rows, then fp32
         kbits = tl.zeros((), tl.int64)
         for c in tl.static_range(ROWS // SUB):
@@ -279,8 +263,8 @@ def launch_half2(xb: torch.Tensor, w, res2: torch.Tensor | None, cfg: dict, *, m
     output ([1, D / 2] when ``gated``: :func:`~.tile.finish`); ``mode`` dense or threshold
     (``thr`` a float or fp32 [K]). ``cfg``: ``ROWS`` (a power of two dividing the group),
     ``SUB`` (a multiple of 8 dividing ``ROWS``), ``BLOCK_D`` (a power of two >= 8),
-    ``num_warps``; optional ``compact`` (threshold mode: 1 walks a list of the kept rows, 2
-    finds them in a register bit mask per 64 rows) and ``fused`` (no finishing launch). ``res2=None`` skips the finishing launch and returns the
+    ``num_warps``; optional ``compact`` (threshold mode: 1 walks a list of the kept rows) and
+    ``fused`` (no finishing launch). ``res2=None`` skips the finishing launch and returns the
     fp32 sums' [D] view of the workspace, for the next launch to take and zero
     (:func:`~.sums.int4_sums`); ``kind`` names that workspace. ``x_act``: xb is a previous
     launch's fp32 sums, finished as each program loads them, ``x_act(xb + x_bias)``
@@ -298,9 +282,9 @@ def launch_half2(xb: torch.Tensor, w, res2: torch.Tensor | None, cfg: dict, *, m
     sub = min(int(cfg["SUB"]), rows)
     block_d = min(int(cfg["BLOCK_D"]), triton.next_power_of_2(d_out))
     compact = int(cfg.get("compact", 0)) if mode == "threshold" else 0
-    if compact not in (0, 1, 2):
-        raise ValueError(f"config compact={compact} is not 0 (mask every row), 1 (list the kept "
-                         "rows) or 2 (find them in a bit mask).")  # fmt: skip
+    if compact not in (0, 1):
+        raise ValueError(f"config compact={compact} is not 0 (mask every row) or 1 (list the "
+                         "kept rows).")  # fmt: skip
     if rows & (rows - 1) or block_d & (block_d - 1) or block_d < 8 or w.group % rows or rows % sub:
         raise ValueError(f"config ROWS={rows} (dividing the group {w.group}), SUB={sub} "
                          f"(dividing ROWS) and BLOCK_D={block_d} (>= 8) must be powers of two.")  # fmt: skip

@@ -1,10 +1,9 @@
 """How the batch-1 half2 GEMV (:mod:`.half2`) reads its rows and adds them to its sums.
 
-Three ways to the same half2 sums over a program's rows: the walk (every row at a constant
+Two ways to the same half2 sums over a program's rows: the walk (every row at a constant
 offset, :func:`_walk_eight`; in threshold mode a dropped row's load is predicated off by a
-register bit mask, :func:`_block_bits`), the list of kept rows (:func:`_eight`, each entry the
-row's offset and its fp16 activation) and the bit mask searched for its kept rows
-(:func:`_eight_bits`). Each takes eight rows at a time, their eight loads written before the
+register bit mask, :func:`_block_bits`) and the list of kept rows (:func:`_eight`, each entry
+the row's offset and its fp16 activation). Each takes eight rows at a time, their eight loads written before the
 first product (ptxas then decides how far ahead each load issues). :func:`_ahead` reads a
 block's first eight rows before the kernel waits for the kernel before it, under
 programmatic dependent launch: the weights are no kernel's output.
@@ -14,7 +13,6 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from .half2_decode import _bits, _row
 
@@ -151,34 +149,6 @@ def _block_bits(xs, h, ROWS: tl.constexpr):
     r = tl.arange(0, ROWS)
     bit = tl.full((ROWS,), 1, tl.int64) << (r % 64).to(tl.int64)
     return tl.sum(tl.where((xs != 0) & (r // 64 == h), bit, 0), axis=0)
-
-
-@triton.jit
-def _next_take(bits, pw, xp, inv, mask_w, STRIDE_P: tl.constexpr, STASHED: tl.constexpr):
-    """The lowest set bit of ``bits`` (int64) taken (:func:`_take`; none left: no row) and
-    cleared: the row's number comes from register arithmetic (``ffs``), not a load."""
-    i = libdevice.ffs(bits) - 1
-    words, x2 = _take(pw, xp, tl.maximum(i, 0), i >= 0, inv, mask_w, STRIDE_P, True, False,
-                      STASHED)  # fmt: skip
-    return bits & (bits - 1), words, x2
-
-
-@triton.jit
-def _eight_bits(bits, pw, xp, inv, mask_w, STRIDE_P: tl.constexpr, STASHED: tl.constexpr,
-                a0, a1, a2, a3):  # fmt: skip
-    """The next eight kept rows of a block's bit mask added to the half2 sums, their eight
-    loads written before the first product."""
-    bits, w0, x0 = _next_take(bits, pw, xp, inv, mask_w, STRIDE_P, STASHED)
-    bits, w1, x1 = _next_take(bits, pw, xp, inv, mask_w, STRIDE_P, STASHED)
-    bits, w2, x2 = _next_take(bits, pw, xp, inv, mask_w, STRIDE_P, STASHED)
-    bits, w3, x3 = _next_take(bits, pw, xp, inv, mask_w, STRIDE_P, STASHED)
-    bits, w4, x4 = _next_take(bits, pw, xp, inv, mask_w, STRIDE_P, STASHED)
-    bits, w5, x5 = _next_take(bits, pw, xp, inv, mask_w, STRIDE_P, STASHED)
-    bits, w6, x6 = _next_take(bits, pw, xp, inv, mask_w, STRIDE_P, STASHED)
-    bits, w7, x7 = _next_take(bits, pw, xp, inv, mask_w, STRIDE_P, STASHED)
-    a0, a1, a2, a3 = _add_eight(w0, w1, w2, w3, w4, w5, w6, w7, x0, x1, x2, x3, x4, x5, x6, x7,
-                                a0, a1, a2, a3)  # fmt: skip
-    return bits, a0, a1, a2, a3
 
 
 @triton.jit
