@@ -96,7 +96,8 @@ def git_sha() -> str:
 
 
 #: environment variables of the project that name the run rather than change it
-IGNORED_ENV = ("DEJAVU_LAB_GIT_SHA", "DEJAVU_TEST_DEVICE")
+IGNORED_ENV = ("DEJAVU_LAB_CACHE", "DEJAVU_LAB_GIT_SHA", "DEJAVU_LAB_LOCK_TIMEOUT",
+               "DEJAVU_LAB_RESULTS", "DEJAVU_TEST_DEVICE")  # fmt: skip
 
 
 def provenance(command: str) -> dict[str, Any]:

@@ -70,3 +70,13 @@ def test_load_errors_do_not_modify(rdir):
     with pytest.raises(ResultsError, match="provenance lacks"):
         results.load(partial)
     assert partial.read_text() == text
+
+
+def test_provenance_records_the_switches_that_change_a_run(monkeypatch):
+    monkeypatch.setenv("DEJAVU_PDL_EARLY", "0")
+    monkeypatch.setenv("DEJAVU_LAB_RESULTS", "/somewhere")  # names where, not what: left out
+    info = results.provenance("python kernels/bench_engine_int4.py")
+    assert info["env"]["DEJAVU_PDL_EARLY"] == "0"
+    assert "DEJAVU_LAB_RESULTS" not in info["env"]
+    monkeypatch.delenv("DEJAVU_PDL_EARLY")
+    assert "DEJAVU_PDL_EARLY" not in results.provenance("x").get("env", {})
