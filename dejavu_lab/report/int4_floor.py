@@ -97,9 +97,10 @@ def kept_floor_sentence(names=FLOOR_FILES) -> str:
             if items:
                 parts.append(f"{shape}: " + ", ".join(items))
         if parts:
-            return (f"On the {prov.get('gpu', 'GPU')} (code at "
+            return ("The ideal of a threshold GEMV, the dense time times the kept fraction, asks "
+                    f"for more than its bytes allow. On the {prov.get('gpu', 'GPU')} (code at "
                     f"{str(prov.get('git_sha', '?'))[:7]}), a read of only the kept code rows, "
-                    "launched and timed like the kernel, takes more than the dense time times "
-                    "the kept fraction: the launch's ramp and tail and the first loads' latency "
-                    "stay, whatever is dropped. " + "; ".join(parts) + ".")  # fmt: skip
+                    "launched and timed like the kernel, takes longer than that: the launch's "
+                    "ramp and tail and the first loads' latency stay, whatever is dropped. "
+                    + "; ".join(parts) + ".")  # fmt: skip
     return ""

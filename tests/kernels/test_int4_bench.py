@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from helpers import DEVICE
 
+from dejavu_lab.report import int4_floor
+
 KERNELS = Path(__file__).resolve().parents[2] / "kernels"
 ON_CPU_ONLY = pytest.mark.skipif(
     DEVICE != "cpu", reason="the smoke run is the CPU check; the GPU runs the bench"
@@ -49,6 +51,10 @@ def test_smoke_run_records_every_provider(tmp_path, monkeypatch):
     kept_read = {r["kept"]: r for r in timed if r["provider"] == "read_kept"}
     sums = {r["kept"]: r for r in timed if r["provider"] == "int4_sums" and r["kept"] < 1}
     assert all(sums[k]["of_read"] > 0 and kept_read[k]["bytes"] == sums[k]["bytes"] for k in sums)
+    # the chapter's sentences read the recording: the read floor, and the kept rows' read
+    text = int4_floor.kept_floor_sentence(("int4_smoke",))
+    assert "50% kept: the read" in text and "20% kept: the read" in text and "tiny" in text
+    assert "the read" in int4_floor.floor_sentence(("int4_smoke",))
     thr = [r for r in timed if r["provider"] == "int4_thr"]
     assert all(r["frac_ideal"] > 0 and r["config"] for r in thr)
     four = {
