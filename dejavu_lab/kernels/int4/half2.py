@@ -141,7 +141,7 @@ def int4_half2_kernel(
     GATED_X: tl.constexpr = False,
     HAS_XBIAS: tl.constexpr = False,
     PDL: tl.constexpr = 0,  # launched with launch_pdl (pdl.pdl_args)
-    AHEAD: tl.constexpr = False,  # the dense walk's first eight rows read before the PDL wait
+    AHEAD: tl.constexpr = False,  # under PDL: the dense walk's first eight rows before the wait
 ):
     NW: tl.constexpr = BLOCK_D // 8
     ty: tl.constexpr = s_ptr.dtype.element_ty
@@ -155,7 +155,8 @@ def int4_half2_kernel(
     s = tl.load(s_ptr + sm, mask=mask_w[:, None], other=0.0)
     m = tl.load(m_ptr + sm, mask=mask_w[:, None], other=0.0)
     pw = p_ptr + r0.to(tl.int64) * STRIDE_P + offs_w  # row r0's words; the rest at constants
-    if ASM and MODE == 0 and AHEAD:  # the dense walk's first rows too: no kernel writes them
+    READ_FIRST: tl.constexpr = ASM and MODE == 0 and AHEAD and PDL != 0
+    if READ_FIRST:  # the dense walk's first rows too: no kernel writes them
         q0, q1, q2, q3, q4, q5, q6, q7 = _ahead(pw, mask_w, STRIDE_P, EVEN_D)
     if PDL:  # only now the input, the workspace and the stash: the kernel before is done
         await_inputs(PDL)
@@ -221,7 +222,7 @@ def int4_half2_kernel(
             a2 = tl.zeros((NW,), tl.int32)
             a3 = tl.zeros((NW,), tl.int32)
             for k in tl.static_range(SUB // 8):
-                if AHEAD and MODE == 0 and c == 0 and k == 0:  # read ahead
+                if READ_FIRST and c == 0 and k == 0:  # read ahead
                     a0, a1, a2, a3 = _first_eight(q0, q1, q2, q3, q4, q5, q6, q7, xp, inv,
                                                   ACT_X != "", a0, a1, a2, a3)  # fmt: skip
                 else:
@@ -313,7 +314,7 @@ def launch_half2(xb: torch.Tensor, w, res2: torch.Tensor | None, cfg: dict, *, m
         SUB=sub, BLOCK_D=block_d, ASM=xb.device.type == "cuda", COMPACT=compact, FUSED=fused,
         HAS_BIAS=bias is not None, xb_ptr=x_bias if x_bias is not None else ws, K=d_in,
         ACT_X=x_act, GATED_X=x_gated, HAS_XBIAS=x_bias is not None,
-        AHEAD=AHEAD and bool(pdl_args(xb.device)), num_warps=int(cfg["num_warps"]), num_stages=1,
+        AHEAD=AHEAD, num_warps=int(cfg["num_warps"]), num_stages=1,
         **pdl_args(xb.device),
     )  # fmt: skip
     if res2 is None:

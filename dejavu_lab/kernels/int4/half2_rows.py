@@ -3,8 +3,8 @@
 Two ways to the same half2 sums over a program's rows: the walk (every row at a constant
 offset, :func:`_walk_eight`; in threshold mode a dropped row's load is predicated off by a
 register bit mask, :func:`_block_bits`) and the list of kept rows (:func:`_eight`, each entry
-the row's offset and its fp16 activation). Each takes eight rows at a time, their eight loads written before the
-first product (ptxas then decides how far ahead each load issues). :func:`_ahead` reads a
+the row's offset and its fp16 activation). Each takes eight rows at a time, their eight loads
+written before the first product (ptxas then decides how far ahead each load issues). :func:`_ahead` reads a
 block's first eight rows before the kernel waits for the kernel before it, under
 programmatic dependent launch: the weights are no kernel's output.
 """
