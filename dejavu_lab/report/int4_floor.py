@@ -20,6 +20,18 @@ __all__ = ["FLOOR_FILES", "floor_sentence", "kept_floor_sentence"]
 FLOOR_FILES = ("int4_gemv_g128_b1_kernel", "int4_gemv_g128_b1")
 
 
+def _holding(names, provider: str):
+    """(frame, provenance) of each of the recordings ``names`` that exists and holds rows of
+    ``provider``, in order."""
+    for name in names:
+        try:
+            frame, prov = results.load(name)
+        except ResultsError:
+            continue
+        if "provider" in frame and (frame["provider"] == provider).any():
+            yield frame, prov
+
+
 def floor_sentence(names=FLOOR_FILES) -> str:
     """Per shape, the read floor of the dense int4 bytes (µs and fraction of the copy ceiling),
     the standalone GEMV and, where recorded, the kernel alone, each as a fraction of that read;
@@ -31,13 +43,7 @@ def floor_sentence(names=FLOOR_FILES) -> str:
     >>> floor_sentence(("no_such_recording",))
     ''
     """
-    for name in names:
-        try:
-            frame, prov = results.load(name)
-        except ResultsError:
-            continue
-        if "provider" not in frame or not (frame["provider"] == "read").any():
-            continue
+    for frame, prov in _holding(names, "read"):
         f = frame[(frame["kind"] == "time") & (frame["batch"] == 1) & (frame["kept"] == 1.0)]
         parts = []
         for shape, g in f.groupby("shape", sort=False):
@@ -73,13 +79,7 @@ def kept_floor_sentence(names=FLOOR_FILES) -> str:
     >>> s == "" or "kept" in s
     True
     """
-    for name in names:
-        try:
-            frame, prov = results.load(name)
-        except ResultsError:
-            continue
-        if "provider" not in frame or not (frame["provider"] == "read_kept").any():
-            continue
+    for frame, prov in _holding(names, "read_kept"):
         f = frame[(frame["kind"] == "time") & (frame["batch"] == 1)]
         parts = []
         for shape, g in f.groupby("shape", sort=False):
