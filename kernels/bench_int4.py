@@ -17,7 +17,9 @@ asked for, in CUDA-graph replay over weights rotated through more than 4x the L2
 - the read floor: one streaming read of as many bytes as the dense int4 GEMV moves
   (:mod:`dejavu_lab.bench.read_floor`), the most any kernel of those bytes could reach; at
   each kept fraction (batch 1) a read of the kept code rows alone (``read_kept``), the
-  threshold kernel's own floor.
+  threshold kernel's own floor; the threshold kernel alone walking kept rows listed
+  beforehand (``int4_listed``, as the norm before it lists them in the decode step), and the
+  standalone list maker (``lists``).
 
 Each row gives µs per call, its own bytes (int4: codes of the rows read + scales and mins of
 the groups touched), the fraction of the copy ceiling those bytes reach, the ratio to fp16
@@ -180,6 +182,11 @@ def measure(name, case, batch, picks, ceiling, peer):
             row("read_kept", kept, floor, case.int4_bytes(kept, batch))
             row("int4_sums", kept, alone, case.int4_bytes(kept, batch),
                 frac_ideal=t["int4_sums"] * kept / alone, of_read=floor / alone)  # fmt: skip
+            listed = _time(case, "int4_listed", kept, batch)  # its rows listed beforehand
+            row("int4_listed", kept, listed, case.int4_bytes(kept, batch),
+                frac_ideal=t["int4_sums"] * kept / listed, of_read=floor / listed,
+                vs_unlisted=alone / listed)  # fmt: skip
+            row("lists", kept, _time(case, "lists", kept, batch), 2 * case.d_in * 2)
     return rows
 
 

@@ -169,3 +169,28 @@ def test_fused_int4_step_takes_the_sums_and_gives_the_plain_steps_logits(case, m
     # one rounding fewer per block output: a threshold may flip an entry at its edge
     assert relerr(fused, plain) < 3e-2
     assert relerr(again, fused) < 1e-3  # the epilogues left the workspace at zero
+
+
+def test_norms_listing_the_kept_rows_give_the_same_logits(case, monkeypatch):
+    """With ``DEJAVU_INT4_LISTS`` the norm before each int4 TEAL product lists its kept rows
+    (:mod:`dejavu_lab.kernels.int4.lists`) and the product walks them: the same logits as the
+    products that list their own rows, and the lists were made (every block but layer 0's
+    attention, whose input comes from the first norm, and attention without a rotation to
+    finish its sums in: OPT's)."""
+    import dejavu_lab.engine.int4 as engine_int4
+
+    m, w4, _ = case
+    ids = ids_of(9, seed=11)
+    sparse = SparseConfig(method="teal", thresholds=calibrate_thresholds(
+        w4, ids_of(32, seed=12), 0.5, method="teal"))  # fmt: skip
+    with torch.no_grad():
+        own = decode_logits(Decoder(w4, max_seq_len=16, sparse=sparse), ids, 7).float()
+        monkeypatch.setattr(engine_int4, "LISTS", True)
+        dec = Decoder(w4, max_seq_len=16, sparse=sparse)
+        listed = decode_logits(dec, ids, 7).float()
+    assert relerr(listed, own) < 1e-3
+    made = [b.listed.buf is not None for b in dec.attn] + [
+        b.listed.buf is not None for b in dec.mlp
+    ]
+    rotary = dec.attn[0].st.cos is not None
+    assert made == [False] + [rotary] * (len(dec.attn) - 1) + [True] * len(dec.mlp)

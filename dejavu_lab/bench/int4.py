@@ -12,6 +12,10 @@ Providers, all on the same random weight (int4: :func:`~dejavu_lab.quant.quantiz
   runs it, leaving fp32 sums for the next launch
   (:func:`~dejavu_lab.kernels.int4.sums.int4_sums`, its tuned config; never finished or
   zeroed here, so only its time means anything): the kernel without the finishing launch;
+- ``int4_listed``: the threshold kernel alone as ``int4_sums``, walking the token's kept rows
+  listed beforehand (:func:`~dejavu_lab.kernels.int4.lists.kept_lists`, outside the timed
+  call, as the norm before it makes them in the decode step); ``lists``: that list maker
+  alone;
 - ``read``: the read floor, one streaming read of as many bytes as ``int4`` moves
   (:func:`~dejavu_lab.bench.read_floor.stream_read`); ``read_kept``: a read of the code rows
   the threshold GEMV keeps and nothing else, the threshold GEMV's floor
@@ -38,6 +42,7 @@ from ..kernels.int4 import (
     int4_threshold_gemv,
     int4_threshold_gemv_ref,
 )
+from ..kernels.int4.lists import LIST_ROWS, kept_lists
 from ..kernels.int4.sums import int4_sums
 from ..quant import Int4Weight, quantize
 from .read_floor import BLOCK, kept_rows_read, stream_read
@@ -153,6 +158,16 @@ class Int4Case:
             thr = THR if kept < 1 else None  # kept < 1: the threshold GEMV's kernel alone
             # a workspace of its own: the sums pile up there, where no other kernel reads
             return [lambda c=c: int4_sums(xs[c], q[c], thr, kind="bench_sums") for c in range(n)]
+        if provider in ("int4_listed", "lists"):
+            if batch != 1:
+                raise ValueError(f"{provider} runs one token (batch 1).")
+            rows = min(LIST_ROWS, self.group)
+            made = [kept_lists(x, THR, rows=rows) for x in xs]
+            if provider == "lists":
+                return [lambda c=c: kept_lists(xs[c], THR, out=made[c], rows=rows)
+                        for c in range(n)]  # fmt: skip
+            return [lambda c=c: int4_sums(xs[c], q[c], THR, kind="bench_sums", lists=made[c])
+                    for c in range(n)]  # fmt: skip
         if provider == "read_kept":  # the threshold GEMV's kept rows of codes, nothing else
             words = self.q[0].packed.view(torch.int32)  # one xor per block of >= 64 words
             sink = torch.empty(words.numel() // 64 + 1, dtype=torch.int32, device=self.device)
@@ -168,7 +183,8 @@ class Int4Case:
                 raise ValueError("this case was built without the peer (peer=False).")
             return [lambda c=c: self.peer[c](xs[c]) for c in range(n)]
         raise ValueError(f"provider {provider!r} is not one of cublas, fp16_ours, fp16_thr, "
-                         "int4, int4_thr, int4_sums, read, read_kept, gemlite.")  # fmt: skip
+                         "int4, int4_thr, int4_sums, int4_listed, lists, read, read_kept, "
+                         "gemlite.")  # fmt: skip
 
     def int4_bytes(self, kept: float, batch: int = 1) -> int:
         """Bytes an int4 call must move: codes of the kept rows, the (scale, min) rows of every

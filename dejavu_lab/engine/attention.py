@@ -147,6 +147,12 @@ class DenseAttention:
         """The block on a normed x [1, d] as the fused step takes it (see :meth:`o_src`)."""
         return self.o_src(self.core(self.qkv_rot(x)))
 
+    def lists_for(self) -> tuple | None:
+        """``(thr, kept)``: the kept lists (:class:`~dejavu_lab.kernels.int4.lists.KeptLists`)
+        this block's next input should come with, listed by the norm that makes it, or None
+        (the int4 threshold blocks, :class:`~dejavu_lab.engine.int4.Int4Attention`, want them)."""
+        return None
+
 
 class ThresholdAttention(DenseAttention):
     """Every head, with ``t_in`` on the attention input (attn_in) and ``t_o`` on the input of

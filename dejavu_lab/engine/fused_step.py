@@ -8,7 +8,8 @@ next norm: three launches over one row, two for cuBLAS's dense output. Here
 fp32 sums straight from the workspace (:func:`~dejavu_lab.kernels.threshold_sums`): each
 block gives its output as ``src`` (:meth:`~dejavu_lab.engine.attention.DenseAttention.o_src`,
 :meth:`~dejavu_lab.engine.mlp.DenseMLP.src`). So each layer carries both the residual stream
-and its norm to the next: ``(x, norm(x))``. With ``fuse_hidden = True`` a thresholded MLP's
+and its norm to the next: ``(x, norm(x))``. Where the next block is an int4 TEAL product, the
+norm also lists the product's kept rows (its ``lists_for``, :mod:`~dejavu_lab.kernels.int4.lists`). With ``fuse_hidden = True`` a thresholded MLP's
 hidden activations get no launch either: the down GEMV reads the gate/up GEMV's sums and
 applies ``act(gate) * up`` as it loads them, and the residual epilogue after it zeroes them.
 CATS's gate and kept up rows are summed that way too (:func:`~dejavu_lab.kernels.cats_sums`),
@@ -76,12 +77,14 @@ def fused_layers(x: torch.Tensor, w, attn: list, mlp: list, *, fuse_hidden: bool
         if lookahead is not None:
             lookahead.before(i, x)
         src, bias, sums = attn[i].src(xn)
+        lists = mlp[i].lists_for() if fuse_hidden else None
         h, hn = residual_norm(
-            src, bias, x, _norm_of(layers[i].ln_mlp, kind), kind=kind, from_sums=sums
+            src, bias, x, _norm_of(layers[i].ln_mlp, kind), kind=kind, from_sums=sums, lists=lists
         )
         src, bias, sums, gu = mlp[i].src(hn, fuse_hidden)
         nxt = _norm_of(layers[i + 1].ln_attn, kind) if i + 1 < n else None
-        x, xn = residual_norm(src, bias, h, nxt, kind=kind, from_sums=sums, zero=gu)
+        lists = attn[i + 1].lists_for() if i + 1 < n else None
+        x, xn = residual_norm(src, bias, h, nxt, kind=kind, from_sums=sums, zero=gu, lists=lists)
         if lookahead is not None:
             lookahead.after()
     return x

@@ -37,6 +37,7 @@ torch.Size([1, 6])
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
@@ -44,6 +45,8 @@ from ..kernels import rope_sums
 from ..kernels._common import use_triton
 from ..kernels.int4 import int4_gemv, int4_threshold_gemv
 from ..kernels.int4.dense import activated
+from ..kernels.int4.kernel import default_config
+from ..kernels.int4.lists import LIST_ROWS, KeptLists
 from ..kernels.int4.sums import int4_sums
 from ..quant import GROUPS, Int4Rows, Int4Weight, quantize, rows_layout
 from .attention import DenseAttention
@@ -61,6 +64,10 @@ __all__ = [
     "random_int4_weights",
 ]
 
+#: The norm before an int4 TEAL product lists the product's kept rows once per token
+#: (:mod:`~dejavu_lab.kernels.int4.lists`), instead of every column tile of the product listing
+#: its block's rows again (``DEJAVU_INT4_LISTS=1``; off by default until timed on a GPU).
+LISTS = os.environ.get("DEJAVU_INT4_LISTS", "0") == "1"
 MATRICES = ("w_qkv_t", "w_o_t", "w_in_t", "w_down_t")  # the columns layout's four matrices
 # per method, the layout of W_QKV and of W_in its int4 blocks read (W_O^T, W2^T: always rows of
 # the transposes); DejaVu gathers kept heads' and neurons' rows, CATS its kept up rows
@@ -279,13 +286,44 @@ def _product(x: torch.Tensor, w4: Int4Weight | Int4Rows, b, t, activation: str =
     return y if activation == "none" and not gated else activated(y, activation, gated)
 
 
-def _sums(x: torch.Tensor, w4, t, kind: str = "sums") -> torch.Tensor | None:
+def _sums(x: torch.Tensor, w4, t, kind: str = "sums", lists=None) -> torch.Tensor | None:
     """One token's product over the columns layout left as fp32 sums (:func:`int4_sums`),
-    thresholded at ``t`` (a Threshold, or None: dense); None where it does not run (a
-    rows-layout ``w4`` included)."""
+    thresholded at ``t`` (a Threshold, or None: dense; ``lists``: x's kept rows, listed by its
+    producer); None where it does not run (a rows-layout ``w4`` included)."""
     if not isinstance(w4, Int4Weight):
         return None
-    return int4_sums(x, w4, None if t is None else t.at(x), kind=kind)
+    return int4_sums(x, w4, None if t is None else t.at(x), kind=kind, lists=lists)
+
+
+class _Listed:
+    """The kept lists an int4 threshold block asks its input's producer for (:data:`LISTS`):
+    one buffer per block, handed out by :meth:`ask` and taken by the next product."""
+
+    def __init__(self):
+        self.buf, self.pending = None, None
+
+    def ask(self, t, w4) -> tuple | None:
+        """``(thr, kept)`` for a one-token threshold product over ``w4`` at ``t`` where the
+        half2 kernel runs it, else None."""
+        self.pending = None
+        if not LISTS or t is None or not isinstance(w4, Int4Weight):
+            return None
+        d_in, d_out = w4.shape
+        dev = w4.packed.device
+        if d_in % LIST_ROWS or w4.group % LIST_ROWS or d_out % 8 or not use_triton(dev):
+            return None
+        cfg = default_config(1, d_in, d_out, group=w4.group, op="int4_threshold_gemv", device=dev)
+        if cfg.get("mode") != "half2":
+            return None
+        if self.buf is None:
+            self.buf = KeptLists.empty(d_in, dev)
+        self.pending = self.buf
+        return (t.value if t.value is not None else t.vector), self.buf
+
+    def take(self):
+        """The lists asked for, once (then None until asked again)."""
+        out, self.pending = self.pending, None
+        return out
 
 
 class Int4Attention(DenseAttention):
@@ -304,6 +342,14 @@ class Int4Attention(DenseAttention):
     def __init__(self, lw, kv: torch.Tensor, st, t_in=None, t_o=None):
         super().__init__(lw, kv, st)
         self.t_in, self.t_o = t_in, t_o
+        self.listed = _Listed()
+
+    def lists_for(self) -> tuple | None:
+        """``(thr, kept)`` for the norm that makes the next input to list its kept rows in
+        (:data:`LISTS`), or None."""
+        if self.st.cos is None:  # no rotation to finish the sums in: the plain product
+            return None
+        return self.listed.ask(self.t_in, self.lw.w_qkv_t)
 
     def qkv(self, x: torch.Tensor) -> torch.Tensor:
         lw = self.lw
@@ -315,7 +361,8 @@ class Int4Attention(DenseAttention):
     def qkv_rot(self, x: torch.Tensor) -> torch.Tensor:
         """One token's q/k/v sums finished inside the rotation (:func:`rope_sums`)."""
         st, lw = self.st, self.lw
-        ws = _sums(x, lw.w_qkv_t, self.t_in) if st.cos is not None else None
+        lists = self.listed.take()
+        ws = _sums(x, lw.w_qkv_t, self.t_in, lists=lists) if st.cos is not None else None
         if ws is None:
             return super().qkv_rot(x)
         out = torch.empty((1, ws.numel()), dtype=x.dtype, device=x.device)
@@ -348,6 +395,11 @@ class Int4MLP(DenseMLP):
     def __init__(self, lw, w, t_in=None, t_down=None):
         super().__init__(lw, w)
         self.t_in, self.t_down = t_in, t_down
+        self.listed = _Listed()
+
+    def lists_for(self) -> tuple | None:
+        """As :meth:`Int4Attention.lists_for`, for the gate/up product (``fuse_hidden`` only)."""
+        return self.listed.ask(self.t_in, self.lw.w_in_t)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return _product(self.hidden(x), self.lw.w_down_t, self.lw.b_down, self.t_down)
@@ -361,7 +413,8 @@ class Int4MLP(DenseMLP):
         act(gate) * up, so the hidden activations cost no launch (the residual epilogue then
         zeroes those sums)."""
         lw = self.lw
-        gu = _sums(x, lw.w_in_t, self.t_in, kind="hidden") if fuse_hidden else None
+        lists = self.listed.take()
+        gu = _sums(x, lw.w_in_t, self.t_in, kind="hidden", lists=lists) if fuse_hidden else None
         if gu is not None:
             t = self.t_down
             ws = int4_sums(gu, lw.w_down_t, None if t is None else t.at(x), x_act=self.activation,

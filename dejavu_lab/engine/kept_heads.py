@@ -76,6 +76,10 @@ class KeptHeads:
         not fp32 sums)."""
         return self(x), None, False
 
+    def lists_for(self) -> None:
+        """No kept lists: the kept heads are rows of ``W_QKV``, not input channels."""
+        return None
+
     def _attend(self, qkv: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
         """Append this token's K/V, attend over the kept heads' cache only, then their W_O rows."""
         st = self.st

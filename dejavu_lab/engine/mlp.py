@@ -105,6 +105,10 @@ class DenseMLP:
     def src(self, x: torch.Tensor, fuse_hidden: bool) -> tuple:
         return self(x), None, False, None
 
+    def lists_for(self) -> tuple | None:
+        """As :meth:`~dejavu_lab.engine.attention.DenseAttention.lists_for`: None here."""
+        return None
+
 
 class KeptMLP(DenseMLP):
     """DejaVu's MLP over layer ``i``'s kept neurons ``sets.mlp_idx[i]`` (read at each call:

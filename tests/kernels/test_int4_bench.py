@@ -40,7 +40,8 @@ def test_smoke_run_records_every_provider(tmp_path, monkeypatch):
     for batch in (1, 3):
         got = {(r["provider"], r["kept"]) for r in timed if r["batch"] == batch}
         alone = {("int4_sums", k) for k in (1.0, 0.5, 0.2)} if batch == 1 else set()  # one token
-        alone |= {("read_kept", k) for k in (0.5, 0.2)} if batch == 1 else set()
+        for listed in ("read_kept", "int4_listed", "lists"):  # the kept rows: one token
+            alone |= {(listed, k) for k in (0.5, 0.2)} if batch == 1 else set()
         assert got == {("cublas", 1.0), ("fp16_ours", 1.0), ("int4", 1.0), ("read", 1.0),
                        ("fp16_thr", 0.5), ("fp16_thr", 0.2), ("int4_thr", 0.5),
                        ("int4_thr", 0.2)} | alone  # fmt: skip

@@ -142,6 +142,8 @@ def int4_half2_kernel(
     HAS_XBIAS: tl.constexpr = False,
     PDL: tl.constexpr = 0,  # launched with launch_pdl (pdl.pdl_args)
     AHEAD: tl.constexpr = False,  # under PDL: the dense walk's first eight rows before the wait
+    meta_ptr=None,  # LISTED: int32 [K // ROWS, 4] each block's count, scale and sum (.lists)
+    LISTED: tl.constexpr = False,  # MODE 1, COMPACT: list_ptr holds the token's kept lists
 ):
     NW: tl.constexpr = BLOCK_D // 8
     ty: tl.constexpr = s_ptr.dtype.element_ty
@@ -160,16 +162,23 @@ def int4_half2_kernel(
         q0, q1, q2, q3, q4, q5, q6, q7 = _ahead(pw, mask_w, STRIDE_P, EVEN_D)
     if PDL:  # only now the input, the workspace and the stash: the kernel before is done
         await_inputs(PDL)
-    offs_x = r0 + tl.arange(0, ROWS)
-    xs = _x_of(x_ptr, xb_ptr, offs_x, K, ACT_X, GATED_X, HAS_XBIAS, ty)
-    if MODE == 1:
-        if THR_SCALAR:
-            xs = tl.where(tl.abs(xs) > thr_value, xs, 0.0)
-        else:
-            xs = tl.where(tl.abs(xs) > tl.load(thr_ptr + offs_x), xs, 0.0)
-    amax = tl.max(tl.abs(xs), axis=0)
-    scale = tl.where(amax > 0, amax, 1.0)
-    inv = 1.0 / scale
+    if LISTED:  # the block's list was made with x (.lists): its count, scale and sum
+        mp = meta_ptr + tl.program_id(1) * 4
+        n = tl.load(mp)
+        scale = tl.load(mp + 1).to(tl.float32, bitcast=True)
+        xsum = tl.load(mp + 2).to(tl.float32, bitcast=True)
+    else:
+        offs_x = r0 + tl.arange(0, ROWS)
+        xs = _x_of(x_ptr, xb_ptr, offs_x, K, ACT_X, GATED_X, HAS_XBIAS, ty)
+        if MODE == 1:
+            if THR_SCALAR:
+                xs = tl.where(tl.abs(xs) > thr_value, xs, 0.0)
+            else:
+                xs = tl.where(tl.abs(xs) > tl.load(thr_ptr + offs_x), xs, 0.0)
+        amax = tl.max(tl.abs(xs), axis=0)
+        scale = tl.where(amax > 0, amax, 1.0)
+        inv = 1.0 / scale
+        xsum = tl.sum(xs, axis=0)
     f0 = tl.zeros((NW,), tl.float32)
     f1 = tl.zeros((NW,), tl.float32)
     f2 = tl.zeros((NW,), tl.float32)
@@ -184,14 +193,17 @@ def int4_half2_kernel(
         tl.store(xp + tl.arange(0, ROWS), xs.to(tl.int32, bitcast=True))  # fp32 bits, once
         tl.debug_barrier()
     if MODE == 1 and COMPACT == 1:  # the kept rows listed first, then walked SUB at a time
-        keep = xs != 0
-        n = tl.sum(keep.to(tl.int32), axis=0)
-        pos = tl.cumsum(keep.to(tl.int32), axis=0) - 1
-        # one int32 per kept row: its fp16 activation (divided by amax) high, its offset low
-        entry = (_bits((xs * inv).to(tl.float16)) << 16) | tl.arange(0, ROWS)
-        base = list_ptr + (tl.program_id(1) * tl.num_programs(0) + pid_d) * ROWS
-        tl.store(base + pos, entry, mask=keep)
-        tl.debug_barrier()  # the list is written by every thread and read by all
+        if LISTED:
+            base = list_ptr + r0
+        else:
+            keep = xs != 0
+            n = tl.sum(keep.to(tl.int32), axis=0)
+            pos = tl.cumsum(keep.to(tl.int32), axis=0) - 1
+            # one int32 per kept row: its fp16 activation (divided by amax) high, its offset low
+            entry = (_bits((xs * inv).to(tl.float16)) << 16) | tl.arange(0, ROWS)
+            base = list_ptr + (tl.program_id(1) * tl.num_programs(0) + pid_d) * ROWS
+            tl.store(base + pos, entry, mask=keep)
+            tl.debug_barrier()  # the list is written by every thread and read by all
         if ASM:
             for c in range(0, n, SUB):
                 a0 = tl.zeros((NW,), tl.int32)
@@ -244,7 +256,7 @@ def int4_half2_kernel(
     sums = sums * scale
     s = s.to(tl.float32)
     m = m.to(tl.float32)
-    y = tl.reshape(s * sums + (m + 8.0 * s) * tl.sum(xs, axis=0), (BLOCK_D,))
+    y = tl.reshape(s * sums + (m + 8.0 * s) * xsum, (BLOCK_D,))
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     if FUSED:  # fp32 atomics, then the last arrival rounds the sums into the output
         offs_b = tl.arange(0, 1)
@@ -258,7 +270,7 @@ def int4_half2_kernel(
 def launch_half2(xb: torch.Tensor, w, res2: torch.Tensor | None, cfg: dict, *, mode: str,
                  thr=None, bias: torch.Tensor | None = None, activation: str = "none",
                  gated: bool = False, kind: str = "sums", x_act: str = "",
-                 x_gated: bool = False, x_bias=None) -> torch.Tensor | None:  # fmt: skip
+                 x_gated: bool = False, x_bias=None, lists=None) -> torch.Tensor | None:  # fmt: skip
     """Run :func:`int4_half2_kernel` and the finishing launch on checked inputs: ``xb`` [1, K],
     ``w`` an Int4Weight on xb's device and dtype with ``d_out % 8 == 0``, ``res2`` the [1, D]
     output ([1, D / 2] when ``gated``: :func:`~.tile.finish`); ``mode`` dense or threshold
@@ -269,7 +281,9 @@ def launch_half2(xb: torch.Tensor, w, res2: torch.Tensor | None, cfg: dict, *, m
     fp32 sums' [D] view of the workspace, for the next launch to take and zero
     (:func:`~.sums.int4_sums`); ``kind`` names that workspace. ``x_act``: xb is a previous
     launch's fp32 sums, finished as each program loads them, ``x_act(xb + x_bias)``
-    (``x_gated``: ``act(gate) * up`` of its halves [1, 2K]).
+    (``x_gated``: ``act(gate) * up`` of its halves [1, 2K]). ``lists``: the token's kept rows
+    (:class:`~.lists.KeptLists`, threshold mode, made from xb at ``thr``), walked as they are
+    (``compact=1`` with ``ROWS`` the lists' block), so xb and thr are not read.
 
     >>> from dejavu_lab.quant import quantize
     >>> w = quantize(torch.eye(32)[:, :8], group=32, dtype=torch.float16)  # w_t [32, 8]
@@ -283,6 +297,14 @@ def launch_half2(xb: torch.Tensor, w, res2: torch.Tensor | None, cfg: dict, *, m
     sub = min(int(cfg["SUB"]), rows)
     block_d = min(int(cfg["BLOCK_D"]), triton.next_power_of_2(d_out))
     compact = int(cfg.get("compact", 0)) if mode == "threshold" else 0
+    if lists is not None:
+        if mode != "threshold" or x_act or lists.rows > w.group or w.group % lists.rows:
+            raise ValueError("kept lists feed a threshold product of x itself, in blocks that "
+                             f"divide the group of {w.group} rows.")  # fmt: skip
+        if lists.entries.numel() != d_in:
+            raise ValueError(f"the kept lists hold {lists.entries.numel()} rows; w has {d_in}.")
+        rows, compact, thr = lists.rows, 1, 0.0  # (x and thr were read by the lists' maker)
+        sub = min(sub, rows)
     if compact not in (0, 1):
         raise ValueError(f"config compact={compact} is not 0 (mask every row) or 1 (list the "
                          "kept rows).")  # fmt: skip
@@ -299,14 +321,18 @@ def launch_half2(xb: torch.Tensor, w, res2: torch.Tensor | None, cfg: dict, *, m
     scalar = mode == "threshold" and not isinstance(thr, torch.Tensor)
     grid = (triton.cdiv(d_out, block_d), d_in // rows)
     stash = compact == 1 or bool(x_act)  # kept-row lists, or the finished x of each program
-    lists = _workspace.rows(xb.device, grid[0] * grid[1] * rows) if stash else ws
+    if lists is not None:
+        stash, meta = lists.entries, lists.meta
+    else:
+        stash = _workspace.rows(xb.device, grid[0] * grid[1] * rows) if stash else ws
+        meta = ws
     # the fused epilogue rounds each column tile alone: an activation (gated: of two tiles) needs
     # the finishing launch
     fused = bool(cfg.get("fused", 0)) and activation == "none" and not gated and res2 is not None
     counts = _workspace.counters(xb.device, grid[0]) if fused else ws
     int4_half2_kernel[grid](
         xb, codes, w.scales, w.mins, thr if isinstance(thr, torch.Tensor) else ws,
-        float(thr) if scalar else 0.0, ws, lists, counts, bias if bias is not None else ws,
+        float(thr) if scalar else 0.0, ws, stash, counts, bias if bias is not None else ws,
         ws if res2 is None else res2,
         d_out, codes.stride(0),  # STRIDE_P
         MODE=1 if mode == "threshold" else 0, THR_SCALAR=scalar, EVEN_D=d_out % block_d == 0,
@@ -314,7 +340,8 @@ def launch_half2(xb: torch.Tensor, w, res2: torch.Tensor | None, cfg: dict, *, m
         SUB=sub, BLOCK_D=block_d, ASM=xb.device.type == "cuda", COMPACT=compact, FUSED=fused,
         HAS_BIAS=bias is not None, xb_ptr=x_bias if x_bias is not None else ws, K=d_in,
         ACT_X=x_act, GATED_X=x_gated, HAS_XBIAS=x_bias is not None,
-        AHEAD=AHEAD, num_warps=int(cfg["num_warps"]), num_stages=1,
+        AHEAD=AHEAD, meta_ptr=meta, LISTED=lists is not None, num_warps=int(cfg["num_warps"]),
+        num_stages=1,
         **pdl_args(xb.device),
     )  # fmt: skip
     if res2 is None:

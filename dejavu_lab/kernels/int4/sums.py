@@ -21,7 +21,7 @@ __all__ = ["int4_sums"]
 
 
 def int4_sums(x: torch.Tensor, w: Int4Weight, thr=None, *, kind: str = "sums", x_act: str = "",
-              x_gated: bool = False, x_bias=None) -> torch.Tensor | None:  # fmt: skip
+              x_gated: bool = False, x_bias=None, lists=None) -> torch.Tensor | None:  # fmt: skip
     """``x @ dequant(w)`` for one token (``thr`` a float or fp32 [d_in]: TEAL / WINA's
     thresholded product, as :func:`~dejavu_lab.kernels.int4.int4_threshold_gemv`; None: dense)
     left as fp32 sums [d_out] in the per-device workspace, with no bias and no finishing
@@ -33,7 +33,8 @@ def int4_sums(x: torch.Tensor, w: Int4Weight, thr=None, *, kind: str = "sums", x
     activation) x is itself a previous call's sums, finished as the kernel loads them:
     ``x_act(x + x_bias)``, or with ``x_gated`` ``act(gate) * up`` of x's halves, rounded to
     w's dtype before the threshold — the MLP's hidden activations without a launch of their
-    own (the caller then zeroes x).
+    own (the caller then zeroes x). ``lists``: x's kept rows at ``thr``, listed by x's producer
+    (:class:`~.lists.KeptLists`): the kernel walks them instead of listing them itself.
 
     >>> from dejavu_lab.kernels.int4 import int4_gemv_ref, int4_threshold_gemv_ref
     >>> from dejavu_lab.quant import quantize
@@ -59,4 +60,4 @@ def int4_sums(x: torch.Tensor, w: Int4Weight, thr=None, *, kind: str = "sums", x
         return None
     mode = "dense" if thr is None else "threshold"
     return launch_half2(xb, w, None, cfg, mode=mode, thr=thr, kind=kind, x_act=x_act,
-                        x_gated=x_gated, x_bias=x_bias)  # fmt: skip
+                        x_gated=x_gated, x_bias=x_bias, lists=lists)  # fmt: skip

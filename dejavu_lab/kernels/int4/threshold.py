@@ -28,7 +28,9 @@ from .._common import (
     use_triton,
 )
 from .dense import activated, check_epilogue, check_int4, int4_gemv_ref, run
+from .half2 import launch_half2
 from .kernel import default_config
+from .lists import KeptLists, check_lists
 
 __all__ = ["int4_threshold_gemv", "int4_threshold_gemv_ref"]
 
@@ -51,7 +53,7 @@ def int4_threshold_gemv_ref(x: torch.Tensor, w: Int4Weight, thr, *,
 def int4_threshold_gemv(x: torch.Tensor, w: Int4Weight, thr: torch.Tensor | float, *,
                         bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
                         config: dict | None = None, activation: str = "none",
-                        gated: bool = False) -> torch.Tensor:  # fmt: skip
+                        gated: bool = False, lists: KeptLists | None = None) -> torch.Tensor:  # fmt: skip
     """``y[b] = sum_i [|x[b,i]| > thr[i]] x[b,i] dequant(w)[i]`` (+ bias), reading kept rows only.
 
     x: [d_in] or [B, d_in] (B <= 32, fp16/bf16); w: an Int4Weight of ``w_t`` [d_in, d_out]
@@ -62,6 +64,9 @@ def int4_threshold_gemv(x: torch.Tensor, w: Int4Weight, thr: torch.Tensor | floa
     decoded; fp32 atomics; ``config={"mode": "loop"}`` for serial, bitwise-repeatable split
     sums, as batches get), no host sync. ``activation`` / ``gated``: as
     :func:`~dejavu_lab.kernels.int4.int4_gemv` (the MLP's hidden activations in the epilogue).
+    ``lists``: one token's kept rows made from this x at this thr (:func:`~.lists.kept_lists`,
+    or the epilogue that produced x): the half2 kernel walks them instead of listing its block's
+    rows again in every column tile; elsewhere they are not needed and not read.
 
     >>> from dejavu_lab.quant import quantize
     >>> _ = torch.manual_seed(0)
@@ -86,6 +91,8 @@ def int4_threshold_gemv(x: torch.Tensor, w: Int4Weight, thr: torch.Tensor | floa
     check_vector("bias", bias, d_out, dtype)
     n_out = check_epilogue(activation, gated, d_out)
     xb, squeeze = as_batch("x", x, d_in)
+    if lists is not None:
+        check_lists(lists, xb, d_in)
     res, res2 = output(out, xb.shape[0], n_out, squeeze, dtype, device)
     if not use_triton(device):
         res2.copy_(activated(int4_threshold_gemv_ref(xb, w, thr, bias=bias), activation, gated))
@@ -93,6 +100,11 @@ def int4_threshold_gemv(x: torch.Tensor, w: Int4Weight, thr: torch.Tensor | floa
     cfg = default_config(
         xb.shape[0], *w.shape, group=w.group, op="int4_threshold_gemv", device=device
     )
-    run(xb, w, res2, {**cfg, **(config or {})}, mode="threshold", thr=thr, bias=bias,
-        activation=activation, gated=gated)  # fmt: skip
+    cfg = {**cfg, **(config or {})}
+    if lists is not None and cfg.get("mode") == "half2" and xb.shape[0] == 1 and d_out % 8 == 0:
+        launch_half2(xb, w, res2, cfg, mode="threshold", bias=bias, activation=activation,
+                     gated=gated, lists=lists)  # fmt: skip
+        return res
+    run(xb, w, res2, cfg, mode="threshold", thr=thr, bias=bias, activation=activation,
+        gated=gated)  # fmt: skip
     return res

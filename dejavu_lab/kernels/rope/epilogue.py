@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from .._common import next_pow2, use_triton
+from ..int4.lists import kept_lists_ref, write_lists
 from ..norm import KINDS, normed, row_norm_ref
 from ..pdl import await_inputs, pdl_args
 from .rotate import rope_ref
@@ -137,6 +138,13 @@ def residual_norm_kernel(
     HAS_NB: tl.constexpr,
     BLOCK: tl.constexpr,  # next power of two >= N: the whole row in one program
     PDL: tl.constexpr = False,  # launched with launch_pdl (pdl.pdl_args)
+    thr_ptr=None,  # LISTS, not THR_SCALAR: [N] fp32 thresholds of the next product's input
+    thr_value=0.0,  # LISTS with THR_SCALAR: the one threshold
+    entries_ptr=None,  # LISTS: the kept lists of norm(h) (int4.lists.KeptLists)
+    meta_ptr=None,
+    LISTS: tl.constexpr = False,
+    THR_SCALAR: tl.constexpr = True,
+    LIST_ROWS: tl.constexpr = 64,
 ):
     if PDL:
         await_inputs(PDL)
@@ -156,16 +164,28 @@ def residual_norm_kernel(
         if NORM:  # the norm of the rounded residual, as the unfused path reads it
             y = normed(h.to(tl.float32), w_ptr, nb_ptr, offs, mask, n, eps, RMS, HAS_NB)
             tl.store(y_ptr + offs, y.to(ty), mask=mask)
+            if LISTS:  # the next threshold product's kept rows, listed once for all its tiles
+                xs = y.to(ty).to(tl.float32)
+                if THR_SCALAR:
+                    keep = tl.abs(xs) > thr_value
+                else:
+                    keep = tl.abs(xs) > tl.load(thr_ptr + offs, mask=mask, other=0.0)
+                xs = tl.where(keep & mask, xs, 0.0)
+                write_lists(xs, 0, entries_ptr, meta_ptr, n // LIST_ROWS, LIST_ROWS, BLOCK)
 
 
 def residual_norm(src: torch.Tensor, bias, residual: torch.Tensor, norm=None, *,
-                  kind: str = "rms", from_sums: bool = False, zero: torch.Tensor | None = None):  # fmt: skip
+                  kind: str = "rms", from_sums: bool = False, zero: torch.Tensor | None = None,
+                  lists: tuple | None = None):  # fmt: skip
     """One token's residual add and the next norm: ``h = residual + (src + bias)``, and
     ``norm(h)`` with ``norm = (weight, shift or None, eps)`` of ``kind`` "rms" or "layer"
     (None: h only). ``src`` is a tensor in the model's dtype, or (``from_sums``) the fp32 sums
     of a threshold GEMV, left at zero; residual [1, N]. ``zero``: fp32 sums an earlier launch
     read without zeroing (the MLP's gate/up sums, finished inside the down GEMV:
-    :func:`~dejavu_lab.kernels.threshold.fused.threshold_sums`), zeroed here by the launch's other programs. Returns (h, norm(h) or None), both new [1, N] tensors. No
+    :func:`~dejavu_lab.kernels.threshold.fused.threshold_sums`), zeroed here by the launch's other programs. ``lists``: ``(thr, kept)`` —
+    the rows of ``norm(h)`` that pass ``|y| > thr`` (a float, or fp32 [N]) listed into ``kept``
+    (:class:`~dejavu_lab.kernels.int4.lists.KeptLists`) for the int4 threshold product that
+    reads ``norm(h)`` next. Returns (h, norm(h) or None), both new [1, N] tensors. No
     input checks (the engine calls it inside a CUDA graph).
 
     >>> x = torch.randn(1, 96).half()
@@ -193,6 +213,10 @@ def residual_norm(src: torch.Tensor, bias, residual: torch.Tensor, norm=None, *,
             w, b, eps = norm
             y.copy_(row_norm_ref(h.float(), w.float(), None if b is None else b.float(),
                                  eps=eps, kind=kind).to(y.dtype))  # fmt: skip
+            if lists is not None:
+                ref = kept_lists_ref(y, lists[0], lists[1].rows)
+                lists[1].entries.copy_(ref.entries)
+                lists[1].meta.copy_(ref.meta)
         return h, y
     w, nb, eps = norm if norm is not None else (h, None, 0.0)
     block = next_pow2(n)
@@ -202,6 +226,19 @@ def residual_norm(src: torch.Tensor, bias, residual: torch.Tensor, norm=None, *,
         y if y is not None else h, zero if zero is not None else src, n, eps, n_zero,
         FROM_SUMS=from_sums, HAS_BIAS=bias is not None,
         NORM=norm is not None, RMS=kind == "rms", HAS_NB=nb is not None, BLOCK=block,
-        num_warps=min(16, max(1, block // 512)), **pdl_args(h.device),
+        num_warps=min(16, max(1, block // 512)), **_listing(lists, y, w), **pdl_args(h.device),
     )  # fmt: skip
     return h, y
+
+
+def _listing(lists: tuple | None, y, w) -> dict:
+    """The kernel arguments that list ``norm(h)`` 's kept rows (``lists``: ``(thr, kept)``)."""
+    if lists is None:
+        return {}
+    if y is None:
+        raise ValueError("kept lists are made from norm(h): pass the next norm too.")
+    thr, kept = lists
+    scalar = not isinstance(thr, torch.Tensor)
+    return dict(thr_ptr=w if scalar else thr, thr_value=float(thr) if scalar else 0.0,
+                entries_ptr=kept.entries, meta_ptr=kept.meta, LISTS=True, THR_SCALAR=scalar,
+                LIST_ROWS=kept.rows)  # fmt: skip
