@@ -6,7 +6,9 @@ runs it (``int4_sums``: fp32 sums left for the next launch, no finishing launch)
 :func:`floor_sentence` puts the three side by side against the copy ceiling. At each kept
 fraction it also reads the kept code rows alone (``read_kept``): :func:`kept_floor_sentence`
 sets the threshold kernel beside that read and beside the "ideal" (the dense time times the
-kept fraction), which no read of scattered rows reaches.
+kept fraction), which no read of scattered rows reaches, and, where recorded
+(``int4_listed``), the same kernel walking kept rows that x's producer listed once
+(:mod:`~dejavu_lab.kernels.int4.lists`) instead of each column tile listing its own.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from ..errors import ResultsError
 __all__ = ["FLOOR_FILES", "floor_sentence", "kept_floor_sentence"]
 
 #: the batch-1 recordings that hold the read floor, newest layout first
-FLOOR_FILES = ("int4_gemv_g128_b1_kernel", "int4_gemv_g128_b1")
+FLOOR_FILES = ("int4_gemv_g128_b1_listed", "int4_gemv_g128_b1_kernel", "int4_gemv_g128_b1")
 
 
 def _holding(names, provider: str):
@@ -94,6 +96,9 @@ def kept_floor_sentence(names=FLOOR_FILES) -> str:
                              f"({ideal / us['read_kept']:.2f} of the ideal {ideal:.1f}), the "
                              f"kernel {us['int4_sums']:.1f} µs "
                              f"({us['read_kept'] / us['int4_sums']:.2f} of the read)")  # fmt: skip
+                if "int4_listed" in us:  # its kept rows listed beforehand, once per token
+                    items[-1] += (f", {us['int4_listed']:.1f} µs walking rows listed beforehand "
+                                  f"({us['read_kept'] / us['int4_listed']:.2f})")  # fmt: skip
             if items:
                 parts.append(f"{shape}: " + ", ".join(items))
         if parts:

@@ -55,6 +55,9 @@ def test_smoke_run_records_every_provider(tmp_path, monkeypatch):
     # the chapter's sentences read the recording: the read floor, and the kept rows' read
     text = int4_floor.kept_floor_sentence(("int4_smoke",))
     assert "50% kept: the read" in text and "20% kept: the read" in text and "tiny" in text
+    assert text.count("listed beforehand") == 2 * len({r["shape"] for r in timed})
+    listed = [r for r in timed if r["provider"] == "int4_listed"]
+    assert listed and all(r["vs_unlisted"] > 0 and r["of_read"] > 0 for r in listed)
     assert "the read" in int4_floor.floor_sentence(("int4_smoke",))
     thr = [r for r in timed if r["provider"] == "int4_thr"]
     assert all(r["frac_ideal"] > 0 and r["config"] for r in thr)

@@ -29,7 +29,9 @@ predicated off (no bytes move) and its activation is zero, with no branch, so no
 another; its decode still costs issue slots. ``compact=1`` instead lists the program's kept
 rows first (each with its scaled activation) and walks the list eight rows at a time, so a
 dropped row costs neither bytes nor instructions, at the price of a list written, a barrier
-and a dependent load before the first code load. (Finding the kept rows in the register mask
+and a dependent load before the first code load; with ``lists`` (:mod:`.lists`) x's
+producer made them once per token, and the program reads its block's count, scale and sum and
+goes straight to the codes. (Finding the kept rows in the register mask
 instead, one ``ffs`` per row, ran slower than the list at every shape and kept fraction on an
 H100: more instructions per row than the list's load saves.)
 
