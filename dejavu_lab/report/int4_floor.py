@@ -16,8 +16,10 @@ from __future__ import annotations
 from .. import results
 from ..errors import ResultsError
 
-__all__ = ["FLOOR_FILES", "floor_sentence", "kept_floor_sentence"]
+__all__ = ["FLOOR_FILES", "LISTS_FILES", "floor_sentence", "kept_floor_sentence", "lists_sentence"]
 
+#: the decode step with the norm listing the next product's kept rows off and on
+LISTS_FILES = ("engine_int4_8b_lists0", "engine_int4_8b_lists1")
 #: the batch-1 recordings that hold the read floor, newest layout first
 FLOOR_FILES = ("int4_gemv_g128_b1_listed", "int4_gemv_g128_b1_kernel", "int4_gemv_g128_b1")
 
@@ -102,10 +104,47 @@ def kept_floor_sentence(names=FLOOR_FILES) -> str:
             if items:
                 parts.append(f"{shape}: " + ", ".join(items))
         if parts:
-            return ("The ideal of a threshold GEMV, the dense time times the kept fraction, asks "
-                    f"for more than its bytes allow. On the {prov.get('gpu', 'GPU')} (code at "
-                    f"{str(prov.get('git_sha', '?'))[:7]}), a read of only the kept code rows, "
-                    "launched and timed like the kernel, takes longer than that: the launch's "
-                    "ramp and tail and the first loads' latency stay, whatever is dropped. "
-                    + "; ".join(parts) + ".")  # fmt: skip
+            return ("The ideal of a threshold GEMV is the dense time times the kept fraction; a "
+                    "read of only the kept code rows, launched and timed like the kernel, is the "
+                    "floor its bytes allow, and where that read reaches less than 1 of the ideal, "
+                    "the launch's ramp and tail and the first loads' latency, which stay whatever "
+                    f"is dropped, weigh more than the bytes. On the {prov.get('gpu', 'GPU')} "
+                    f"(code at {str(prov.get('git_sha', '?'))[:7]}): " + "; ".join(parts) + ".")  # fmt: skip
     return ""
+
+
+def lists_sentence(files=LISTS_FILES) -> str:
+    """One sentence: each thresholded int4 step's ms per token with each product listing its own
+    kept rows, and with the norm before it listing them once per token
+    (:mod:`~dejavu_lab.kernels.int4.lists`), from two runs on one machine; empty when either
+    recording is missing.
+
+    >>> s = lists_sentence()
+    >>> s == "" or "ms" in s
+    True
+    >>> lists_sentence(("no_such_recording", "engine_int4_8b_lists1"))
+    ''
+    """
+    steps = []
+    for name in files:
+        try:
+            frame, prov = results.load(name)
+        except ResultsError:
+            return ""
+        f = frame[(frame["kind"] == "e2e") & (frame["sparsity"] > 0)]
+        f = f[f["weights"].str.startswith("int4")]  # the lists are the int4 products' only
+        steps.append(f.set_index(["weights", "engine", "sparsity"])["ms_per_token"])
+    own, listed = steps
+    parts = []
+    for (weights, engine, sparsity), ms in own.items():
+        if (weights, engine, sparsity) in listed.index:
+            new = float(listed[(weights, engine, sparsity)])
+            parts.append(f"{weights} {engine} at {sparsity:.0%} {ms:.2f} → {new:.2f} ms "
+                         f"({'faster' if new < ms else 'slower'})")  # fmt: skip
+    if not parts:
+        return ""
+    return (
+        f"On the {prov.get('gpu', 'GPU')} (Llama-3-8B shape, code at "
+        f"{str(prov.get('git_sha', '?'))[:7]}, one run each), per token with each product "
+        "listing its own rows → with the norm listing them: " + "; ".join(parts) + "."
+    )
