@@ -58,7 +58,8 @@ for mode, scalar, even in [(0, True, True), (1, True, False), (1, False, True)]:
                    target=GPUTarget("cuda", 90, 32), options={"num_warps": 2, "num_stages": 1})
 from dejavu_lab.kernels.int4.half2 import int4_half2_kernel as half2
 
-s.update(list_ptr="*i32", count_ptr="*i32", b_ptr="*fp16", out_ptr="*fp16", xb_ptr="*fp16", K="i32")
+s.update(list_ptr="*i32", count_ptr="*i32", b_ptr="*fp16", out_ptr="*fp16", xb_ptr="*fp16", K="i32",
+         meta_ptr="*i32")
 for mode, scalar, even, dt, compact in [(0, True, True, "fp16", False),
                                         (1, True, False, "fp16", False),
                                         (1, False, True, "bf16", False),
@@ -70,7 +71,8 @@ for mode, scalar, even, dt, compact in [(0, True, True, "fp16", False),
     c = dict(MODE=mode, THR_SCALAR=scalar, EVEN_D=even, GROUP=128, ROWS=64, SUB=32,
              BLOCK_D=512, ASM=True, COMPACT=compact, FUSED=compact or not even, HAS_BIAS=even,
              STRIDE_P=1792, ACT_X="", GATED_X=False, HAS_XBIAS=False,
-             PDL=2 if even else 0, AHEAD=mode == 0 and even)  # the read-ahead before the wait
+             PDL=2 if even else 0, AHEAD=mode == 0 and even,  # the read-ahead before the wait
+             LISTED=False)
     triton.compile(ASTSource(half2, sig, constexprs=c), target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": 2, "num_stages": 1})
 for mode, compact in [(0, False), (1, True)]:  # x: the previous product's sums, finished here
@@ -78,9 +80,26 @@ for mode, compact in [(0, False), (1, True)]:  # x: the previous product's sums,
     sig["x_ptr"] = "*fp32"
     c = dict(MODE=mode, THR_SCALAR=True, EVEN_D=True, GROUP=128, ROWS=64, SUB=32 if mode == 0
              else 16, BLOCK_D=512, ASM=True, COMPACT=compact, FUSED=False, HAS_BIAS=False,
-             STRIDE_P=512, ACT_X="silu", GATED_X=True, HAS_XBIAS=True, PDL=2, AHEAD=mode == 0)
+             STRIDE_P=512, ACT_X="silu", GATED_X=True, HAS_XBIAS=True, PDL=2, AHEAD=mode == 0,
+             LISTED=False)
     triton.compile(ASTSource(half2, sig, constexprs=c), target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": 2, "num_stages": 1})
+sig = {a: s[a] for a in half2.arg_names if a in s}  # kept rows listed once per token
+c = dict(MODE=1, THR_SCALAR=True, EVEN_D=True, GROUP=128, ROWS=64, SUB=16, BLOCK_D=512, ASM=True,
+         COMPACT=True, FUSED=False, HAS_BIAS=False, STRIDE_P=1792, ACT_X="", GATED_X=False,
+         HAS_XBIAS=False, PDL=2, AHEAD=False, LISTED=True)
+triton.compile(ASTSource(half2, sig, constexprs=c), target=GPUTarget("cuda", 90, 32),
+               options={"num_warps": 2, "num_stages": 1})
+from dejavu_lab.kernels.rope.epilogue import residual_norm_kernel as rn
+
+for scalar in (True, False):  # the norm that lists them
+    sig = {a: "*fp16" for a in ("b_ptr", "res_ptr", "h_ptr", "w_ptr", "nb_ptr", "y_ptr")}
+    sig.update(src_ptr="*fp32", z_ptr="*fp32", n="i32", eps="fp32", n_zero="i32",
+               thr_ptr="*fp32", thr_value="fp32", entries_ptr="*i32", meta_ptr="*i32")
+    c = dict(FROM_SUMS=True, HAS_BIAS=False, NORM=True, RMS=True, HAS_NB=False, BLOCK=4096,
+             PDL=2, LISTS=True, THR_SCALAR=scalar, LIST_ROWS=64)
+    triton.compile(ASTSource(rn, {a: sig[a] for a in rn.arg_names if a in sig}, constexprs=c),
+                   target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 1})
 from dejavu_lab.kernels.int4.up_half2 import int4_up_half2_kernel as uh
 from dejavu_lab.kernels.int4.up_half2 import int4_pairs_kernel as uh_pairs
 

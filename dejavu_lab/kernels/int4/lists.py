@@ -43,7 +43,12 @@ LIST_ROWS = 64
 
 class KeptLists(NamedTuple):
     """A token's kept rows, one list per block of ``rows`` input rows (module docstring):
-    ``entries`` int32 [K], ``meta`` int32 [K // rows, 4] (count, scale bits, sum bits, 0)."""
+    ``entries`` int32 [K], ``meta`` int32 [K // rows, 4] (count, scale bits, sum bits, 0).
+
+    >>> lists = kept_lists_ref(torch.tensor([0.0, 2.0, -4.0, 0.5] * 16), 1.0)
+    >>> lists.counts().tolist(), lists.scales().tolist(), lists.sums().tolist()
+    ([32], [4.0], [-32.0])
+    """
 
     entries: torch.Tensor
     meta: torch.Tensor
@@ -125,7 +130,13 @@ def kept_lists_kernel(x_ptr, thr_ptr, thr_value, entries_ptr, meta_ptr, K,
 
 
 def check_lists(lists, xb: torch.Tensor, d_in: int) -> None:
-    """``lists`` must be :class:`KeptLists` of one token of ``d_in`` rows on xb's device."""
+    """``lists`` must be :class:`KeptLists` of one token of ``d_in`` rows on xb's device.
+
+    >>> check_lists(KeptLists.empty(64, "cpu"), torch.zeros(1, 128), 128)
+    Traceback (most recent call last):
+    ...
+    ValueError: the kept lists hold 64 rows; x has 128: make them from this x (kept_lists(x, thr)).
+    """
     if not isinstance(lists, KeptLists):
         raise TypeError(f"lists is a {type(lists).__name__}; pass kept_lists(x, thr).")
     if xb.shape[0] != 1:
