@@ -90,14 +90,15 @@ c = dict(MODE=1, THR_SCALAR=True, EVEN_D=True, GROUP=128, ROWS=64, SUB=16, BLOCK
          HAS_XBIAS=False, PDL=2, AHEAD=False, LISTED=True)
 triton.compile(ASTSource(half2, sig, constexprs=c), target=GPUTarget("cuda", 90, 32),
                options={"num_warps": 2, "num_stages": 1})
-from dejavu_lab.kernels.rope.epilogue import residual_norm_kernel as rn
+from dejavu_lab.kernels.int4.norm_lists import norm_lists_kernel as rn
 
 for scalar in (True, False):  # the norm that lists them
     sig = {a: "*fp16" for a in ("b_ptr", "res_ptr", "h_ptr", "w_ptr", "nb_ptr", "y_ptr")}
-    sig.update(src_ptr="*fp32", z_ptr="*fp32", n="i32", eps="fp32", n_zero="i32",
-               thr_ptr="*fp32", thr_value="fp32", entries_ptr="*i32", meta_ptr="*i32")
-    c = dict(FROM_SUMS=True, HAS_BIAS=False, NORM=True, RMS=True, HAS_NB=False, BLOCK=4096,
-             PDL=2, LISTS=True, THR_SCALAR=scalar, LIST_ROWS=64)
+    sig.update(src_ptr="*fp32", z_ptr="*fp32", n="i32", eps="fp32", n_zero="i32", n_list="i32",
+               count_ptr="*i32", thr_ptr="*fp32", thr_value="fp32", entries_ptr="*i32",
+               meta_ptr="*i32")
+    c = dict(FROM_SUMS=True, HAS_BIAS=scalar, RMS=scalar, HAS_NB=not scalar, BLOCK=4096,
+             SLICE=256, PDL=2, THR_SCALAR=scalar, LIST_ROWS=64)
     triton.compile(ASTSource(rn, {a: sig[a] for a in rn.arg_names if a in sig}, constexprs=c),
                    target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 1})
 from dejavu_lab.kernels.int4.up_half2 import int4_up_half2_kernel as uh

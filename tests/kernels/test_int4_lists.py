@@ -19,7 +19,7 @@ from helpers import (
     seed,
 )
 
-from dejavu_lab.kernels import residual_norm
+from dejavu_lab.kernels import _workspace, residual_norm
 from dejavu_lab.kernels.int4 import int4_threshold_gemv, int4_threshold_gemv_ref
 from dejavu_lab.kernels.int4.lists import KeptLists, kept_lists, kept_lists_ref
 from dejavu_lab.kernels.int4.sums import int4_sums
@@ -68,22 +68,31 @@ def test_kept_lists_equal_their_reference_and_feed_the_gemv(dtype, which, seed):
 
 
 @pytest.mark.parametrize("which", ["site", "channel"])
-def test_the_norm_epilogue_lists_what_the_kernel_lists(which, seed):
-    """``residual_norm(..., lists=(thr, kept))`` lists norm(h): the lists kept_lists makes from
-    the norm's output, and the sums product over them equals the reference."""
-    x, ws = torch.randn(1, D_IN).half(), torch.randn(D_IN)
-    w_norm = (torch.rand(D_IN) + 0.5).half()
-    probe = torch.randn(1, D_IN).half()
-    thr = thresholds(probe, which)
-    kept = KeptLists.empty(D_IN, x.device)
-    _, y = residual_norm(ws, None, x, (w_norm, None, 1e-5), from_sums=True, lists=(thr, kept))
+@pytest.mark.parametrize("kind,n", [("rms", 512), ("layer", 320)])
+def test_the_norm_epilogue_lists_what_the_kernel_lists(which, kind, n, seed):
+    """``residual_norm(..., lists=(thr, kept))`` (its programs each normalise and list a slice):
+    the same h and norm(h) as the one-program norm, the sums and the consumed workspace left at
+    zero, the lists kept_lists makes from norm(h), and the sums product over them equals the
+    reference."""
+    x, ws, gu = torch.randn(1, n).half(), torch.randn(n), torch.randn(700)
+    norm = ((torch.rand(n) + 0.5).half(), torch.randn(n).half() if kind == "layer" else None, 1e-5)
+    bias = torch.randn(n).half()
+    thr = thresholds(torch.randn(1, n).half(), which)
+    kept = KeptLists.empty(n, x.device)
+    want_h, want_y = residual_norm(ws.clone(), bias, x, norm, kind=kind, from_sums=True)
+    h, y = residual_norm(ws, bias, x, norm, kind=kind, from_sums=True, zero=gu, lists=(thr, kept))
+    assert torch.equal(h, want_h), f"seed={seed}"
+    torch.testing.assert_close(y.float(), want_y.float(), rtol=0, atol=4e-3)  # one rounding
+    assert bool((ws == 0).all()) and bool((gu == 0).all()), f"workspaces left non-zero; seed={seed}"
     assert_same_lists(kept, kept_lists(y, thr), seed)
-    w = int4_weight(torch.float16, D_IN, D_OUT, 64)
+    w = int4_weight(torch.float16, n, D_OUT, 64)
     sums = int4_sums(y, w, thr, lists=kept)
     assert sums is not None
     out = sums.clone()
     sums.zero_()  # what the next launch does with the workspace
     assert_close(out[None].half(), int4_threshold_gemv_ref(y, w, thr), torch.float16, seed)
+    counter = _workspace.buffer(x.device, "norm_lists", 1, torch.int32)
+    assert int(counter[0]) == 0, "the arrival counter was not reset for the next launch"
 
 
 def test_bad_lists_are_refused_in_one_sentence():

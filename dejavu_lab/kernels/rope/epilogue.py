@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 
 from .._common import next_pow2, use_triton
-from ..int4.lists import kept_lists_ref, write_lists
+from ..int4.lists import kept_lists_ref
+from ..int4.norm_lists import norm_lists
 from ..norm import KINDS, normed, row_norm_ref
 from ..pdl import await_inputs, pdl_args
 from .rotate import rope_ref
@@ -138,13 +139,6 @@ def residual_norm_kernel(
     HAS_NB: tl.constexpr,
     BLOCK: tl.constexpr,  # next power of two >= N: the whole row in one program
     PDL: tl.constexpr = False,  # launched with launch_pdl (pdl.pdl_args)
-    thr_ptr=None,  # LISTS, not THR_SCALAR: [N] fp32 thresholds of the next product's input
-    thr_value=0.0,  # LISTS with THR_SCALAR: the one threshold
-    entries_ptr=None,  # LISTS: the kept lists of norm(h) (int4.lists.KeptLists)
-    meta_ptr=None,
-    LISTS: tl.constexpr = False,
-    THR_SCALAR: tl.constexpr = True,
-    LIST_ROWS: tl.constexpr = 64,
 ):
     if PDL:
         await_inputs(PDL)
@@ -164,14 +158,6 @@ def residual_norm_kernel(
         if NORM:  # the norm of the rounded residual, as the unfused path reads it
             y = normed(h.to(tl.float32), w_ptr, nb_ptr, offs, mask, n, eps, RMS, HAS_NB)
             tl.store(y_ptr + offs, y.to(ty), mask=mask)
-            if LISTS:  # the next threshold product's kept rows, listed once for all its tiles
-                xs = y.to(ty).to(tl.float32)
-                if THR_SCALAR:
-                    keep = tl.abs(xs) > thr_value
-                else:
-                    keep = tl.abs(xs) > tl.load(thr_ptr + offs, mask=mask, other=0.0)
-                xs = tl.where(keep & mask, xs, 0.0)
-                write_lists(xs, 0, entries_ptr, meta_ptr, n // LIST_ROWS, LIST_ROWS, BLOCK)
 
 
 def residual_norm(src: torch.Tensor, bias, residual: torch.Tensor, norm=None, *,
@@ -218,6 +204,11 @@ def residual_norm(src: torch.Tensor, bias, residual: torch.Tensor, norm=None, *,
                 lists[1].entries.copy_(ref.entries)
                 lists[1].meta.copy_(ref.meta)
         return h, y
+    if lists is not None:  # the listing programs (:mod:`~dejavu_lab.kernels.int4.norm_lists`)
+        if norm is None:
+            raise ValueError("kept lists are made from norm(h): pass the next norm too.")
+        norm_lists(src, bias, residual, h, y, norm, kind, from_sums, zero, lists)
+        return h, y
     w, nb, eps = norm if norm is not None else (h, None, 0.0)
     block = next_pow2(n)
     n_zero = zero.numel() if zero is not None else 0
@@ -226,19 +217,6 @@ def residual_norm(src: torch.Tensor, bias, residual: torch.Tensor, norm=None, *,
         y if y is not None else h, zero if zero is not None else src, n, eps, n_zero,
         FROM_SUMS=from_sums, HAS_BIAS=bias is not None,
         NORM=norm is not None, RMS=kind == "rms", HAS_NB=nb is not None, BLOCK=block,
-        num_warps=min(16, max(1, block // 512)), **_listing(lists, y, w), **pdl_args(h.device),
+        num_warps=min(16, max(1, block // 512)), **pdl_args(h.device),
     )  # fmt: skip
     return h, y
-
-
-def _listing(lists: tuple | None, y, w) -> dict:
-    """The kernel arguments that list ``norm(h)`` 's kept rows (``lists``: ``(thr, kept)``)."""
-    if lists is None:
-        return {}
-    if y is None:
-        raise ValueError("kept lists are made from norm(h): pass the next norm too.")
-    thr, kept = lists
-    scalar = not isinstance(thr, torch.Tensor)
-    return dict(thr_ptr=w if scalar else thr, thr_value=float(thr) if scalar else 0.0,
-                entries_ptr=kept.entries, meta_ptr=kept.meta, LISTS=True, THR_SCALAR=scalar,
-                LIST_ROWS=kept.rows)  # fmt: skip
