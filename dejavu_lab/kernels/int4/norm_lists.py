@@ -115,7 +115,14 @@ def norm_lists(src: torch.Tensor, bias, residual: torch.Tensor, h: torch.Tensor,
                y: torch.Tensor, norm: tuple, kind: str, from_sums: bool, zero, lists: tuple) -> None:  # fmt: skip
     """Launch :func:`norm_lists_kernel` for :func:`~dejavu_lab.kernels.residual_norm` (its
     arguments; ``h`` and ``y`` the outputs, ``lists`` ``(thr, kept)``). No input checks (the
-    engine calls it inside a CUDA graph)."""
+    engine calls it inside a CUDA graph).
+
+    >>> ws, x, w = torch.randn(256), torch.randn(1, 256).half(), torch.ones(256).half()
+    >>> h, y, kept = torch.empty_like(x), torch.empty_like(x), KeptLists.empty(256, "cpu")
+    >>> norm_lists(ws, None, x, h, y, (w, None, 1e-5), "rms", True, None, (0.5, kept))
+    >>> bool((ws == 0).all()), int(kept.counts().sum()) == int((y.abs() > 0.5).sum())
+    (True, True)
+    """
     thr, kept = lists
     if not isinstance(kept, KeptLists) or SLICE % kept.rows:
         raise ValueError(f"lists must hold KeptLists in blocks dividing {SLICE} rows.")
