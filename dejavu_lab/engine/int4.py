@@ -70,9 +70,9 @@ __all__ = [
 #: product alone ran 1.06-1.18x faster on listed rows (``results/int4_gemv_g128_b1_listed.json``,
 #: Llama-3-8B's MLP shapes at 50 and 20% kept), but with the listing in the norm's one program
 #: the step slowed, TEAL 50% at Llama-3-8B's shape from 2.168 to 2.267 ms per token
-#: (``results/engine_int4_8b_lists0/1.json``); the norm now lists over many programs
-#: (:mod:`~dejavu_lab.kernels.int4.norm_lists`), which ``kernels/bench_engine_int4.py`` times
-#: with the switch on and off.
+#: (``results/engine_int4_8b_lists0/1.json``). The norm now lists over many programs
+#: (:mod:`~dejavu_lab.kernels.int4.norm_lists`), not yet timed on a GPU:
+#: ``kernels/bench_engine_int4.py`` with the switch on and off (``book/reproduce.md``).
 LISTS = os.environ.get("DEJAVU_INT4_LISTS", "0") == "1"
 MATRICES = ("w_qkv_t", "w_o_t", "w_in_t", "w_down_t")  # the columns layout's four matrices
 # per method, the layout of W_QKV and of W_in its int4 blocks read (W_O^T, W2^T: always rows of
