@@ -45,9 +45,8 @@ from ..kernels import rope_sums
 from ..kernels._common import use_triton
 from ..kernels.int4 import int4_gemv, int4_threshold_gemv
 from ..kernels.int4.dense import activated
-from ..kernels.int4.kernel import default_config
 from ..kernels.int4.lists import LIST_ROWS, KeptLists
-from ..kernels.int4.sums import int4_sums
+from ..kernels.int4.sums import half2_config, int4_sums
 from ..quant import GROUPS, Int4Rows, Int4Weight, quantize, rows_layout
 from .attention import DenseAttention
 from .config import EngineError
@@ -314,12 +313,10 @@ class _Listed:
         self.pending = None
         if not LISTS or t is None or not isinstance(w4, Int4Weight):
             return None
-        d_in, d_out = w4.shape
-        dev = w4.packed.device
-        if d_in % LIST_ROWS or w4.group % LIST_ROWS or d_out % 8 or not use_triton(dev):
+        d_in, dev = w4.shape[0], w4.packed.device
+        if d_in % LIST_ROWS or w4.group % LIST_ROWS:
             return None
-        cfg = default_config(1, d_in, d_out, group=w4.group, op="int4_threshold_gemv", device=dev)
-        if cfg.get("mode") != "half2":
+        if half2_config(w4, "int4_threshold_gemv", dev) is None:  # int4_sums would not run
             return None
         if self.buf is None:
             self.buf = KeptLists.empty(d_in, dev)

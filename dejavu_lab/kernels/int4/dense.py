@@ -89,9 +89,10 @@ def activated(y: torch.Tensor, activation: str, gated: bool) -> torch.Tensor:
 
 
 def run(xb, w, res2, cfg: dict, *, mode: str, thr=None, bias=None, activation: str = "none",
-        gated: bool = False) -> None:  # fmt: skip
+        gated: bool = False, lists=None) -> None:  # fmt: skip
     """:func:`~.kernel.launch`, with the activation in the finishing launch where one token runs
-    the tile or half2 kernel, else the product first and the activation in PyTorch.
+    the tile or half2 kernel, else the product first and the activation in PyTorch (``lists``:
+    a token's kept rows, for the half2 kernel).
 
     >>> from dejavu_lab.quant import quantize
     >>> w = quantize(torch.eye(32)[:, :16], group=32, dtype=torch.float16)  # w_t [32, 16]
@@ -102,7 +103,8 @@ def run(xb, w, res2, cfg: dict, *, mode: str, thr=None, bias=None, activation: s
     """
     one = xb.shape[0] == 1 and w.shape[1] % 8 == 0 and cfg.get("mode") in ("tile", "half2")
     if one or (activation == "none" and not gated):
-        launch(xb, w, res2, cfg, mode=mode, thr=thr, bias=bias, activation=activation, gated=gated)
+        launch(xb, w, res2, cfg, mode=mode, thr=thr, bias=bias, activation=activation, gated=gated,
+               lists=lists)  # fmt: skip
         return
     full = torch.empty(xb.shape[0], w.shape[1], dtype=res2.dtype, device=res2.device)
     launch(xb, w, full, cfg, mode=mode, thr=thr, bias=bias)

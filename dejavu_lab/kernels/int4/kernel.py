@@ -269,7 +269,8 @@ def nibbles_per_word(d_out: int) -> int:
 
 def launch(xb: torch.Tensor, w, res2: torch.Tensor, cfg: dict, *, mode: str, thr=None,
            idx: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-           rows_per_index: int = 1, activation: str = "none", gated: bool = False) -> None:  # fmt: skip
+           rows_per_index: int = 1, activation: str = "none", gated: bool = False,
+           lists=None) -> None:  # fmt: skip
     """Run :func:`int4_gemv_kernel` on checked inputs (``cfg["mode"]`` ``"tile"`` or ``"half2"``
     with one token of a dense or threshold GEMV: :func:`~.tile.launch_tile` or
     :func:`~.half2.launch_half2` instead): ``xb`` [B, K]
@@ -278,7 +279,9 @@ def launch(xb: torch.Tensor, w, res2: torch.Tensor, cfg: dict, *, mode: str, thr
     fp32 [K] (threshold); ``idx`` int32 [n] (rows: blocks of
     ``rows_per_index`` rows). ``cfg``: ``BLOCK_R``, ``BLOCK_D``,
     ``num_warps``, ``num_stages``, ``programs_per_sm`` (or ``programs``, or ``split``: the
-    number of row splits), ``reduce`` (serial, atomic) and ``unpack`` (0, 1).
+    number of row splits), ``reduce`` (serial, atomic) and ``unpack`` (0, 1). ``lists``: the
+    token's kept rows (:class:`~.lists.KeptLists`), walked by the half2 kernel (the other
+    kernels list nothing and do not need them).
 
     >>> from dejavu_lab.quant import quantize
     >>> w = quantize(torch.eye(32)[:, :8], group=32, dtype=torch.float16)  # w_t [32, 8]
@@ -289,8 +292,12 @@ def launch(xb: torch.Tensor, w, res2: torch.Tensor, cfg: dict, *, mode: str, thr
     """
     one = mode != "rows" and xb.shape[0] == 1 and w.shape[1] % 8 == 0
     if one and cfg.get("mode") in ("tile", "half2"):  # one token: :mod:`.tile`, :mod:`.half2`
-        run = launch_half2 if cfg["mode"] == "half2" else launch_tile
-        run(xb, w, res2, cfg, mode=mode, thr=thr, bias=bias, activation=activation, gated=gated)
+        if cfg["mode"] == "half2":
+            launch_half2(xb, w, res2, cfg, mode=mode, thr=thr, bias=bias, activation=activation,
+                         gated=gated, lists=lists)  # fmt: skip
+        else:
+            launch_tile(xb, w, res2, cfg, mode=mode, thr=thr, bias=bias, activation=activation,
+                        gated=gated)  # fmt: skip
         return
     if activation != "none" or gated:
         raise ValueError("an activation in the epilogue needs the one-token tile or half2 path.")

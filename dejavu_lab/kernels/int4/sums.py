@@ -17,7 +17,22 @@ from .._common import use_triton
 from .half2 import launch_half2
 from .kernel import default_config
 
-__all__ = ["int4_sums"]
+__all__ = ["half2_config", "int4_sums"]
+
+
+def half2_config(w: Int4Weight, op: str, device) -> dict | None:
+    """The config one token of ``op`` (``int4_gemv``, ``int4_threshold_gemv``) over ``w`` runs
+    the half2 kernel of :mod:`.half2` with on ``device``, or None where it runs another kernel
+    (``d_out`` not a multiple of 8, the CPU without the interpreter, a tuned table's pick).
+
+    >>> from dejavu_lab.quant import quantize
+    >>> half2_config(quantize(torch.randn(64, 12), group=32), "int4_gemv", "cpu") is None
+    True
+    """
+    if w.shape[1] % 8 or not use_triton(torch.device(device)):
+        return None
+    cfg = default_config(1, *w.shape, group=w.group, op=op, device=torch.device(device))
+    return cfg if cfg.get("mode") == "half2" else None
 
 
 def int4_sums(x: torch.Tensor, w: Int4Weight, thr=None, *, kind: str = "sums", x_act: str = "",
@@ -52,11 +67,10 @@ def int4_sums(x: torch.Tensor, w: Int4Weight, thr=None, *, kind: str = "sums", x
     >>> _ = ws.zero_(), y.zero_()  # what the epilogues do
     """
     xb = x.view(1, -1) if x.dim() == 1 else x
-    if xb.shape[0] != 1 or not use_triton(x.device) or w.shape[1] % 8:
+    if xb.shape[0] != 1:
         return None
-    op = "int4_gemv" if thr is None else "int4_threshold_gemv"
-    cfg = default_config(1, *w.shape, group=w.group, op=op, device=x.device)
-    if cfg.get("mode") != "half2":
+    cfg = half2_config(w, "int4_gemv" if thr is None else "int4_threshold_gemv", x.device)
+    if cfg is None:
         return None
     mode = "dense" if thr is None else "threshold"
     return launch_half2(xb, w, None, cfg, mode=mode, thr=thr, kind=kind, x_act=x_act,

@@ -28,7 +28,6 @@ from .._common import (
     use_triton,
 )
 from .dense import activated, check_epilogue, check_int4, int4_gemv_ref, run
-from .half2 import launch_half2
 from .kernel import default_config
 from .lists import KeptLists, check_lists
 
@@ -100,11 +99,6 @@ def int4_threshold_gemv(x: torch.Tensor, w: Int4Weight, thr: torch.Tensor | floa
     cfg = default_config(
         xb.shape[0], *w.shape, group=w.group, op="int4_threshold_gemv", device=device
     )
-    cfg = {**cfg, **(config or {})}
-    if lists is not None and cfg.get("mode") == "half2" and xb.shape[0] == 1 and d_out % 8 == 0:
-        launch_half2(xb, w, res2, cfg, mode="threshold", bias=bias, activation=activation,
-                     gated=gated, lists=lists)  # fmt: skip
-        return res
-    run(xb, w, res2, cfg, mode="threshold", thr=thr, bias=bias, activation=activation,
-        gated=gated)  # fmt: skip
+    run(xb, w, res2, {**cfg, **(config or {})}, mode="threshold", thr=thr, bias=bias,
+        activation=activation, gated=gated, lists=lists)  # fmt: skip
     return res

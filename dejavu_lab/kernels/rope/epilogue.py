@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .._common import next_pow2, use_triton
-from ..int4.lists import kept_lists_ref
+from ..int4.lists import kept_lists
 from ..int4.norm_lists import norm_lists
 from ..norm import KINDS, normed, row_norm_ref
 from ..pdl import await_inputs, pdl_args
@@ -199,10 +199,8 @@ def residual_norm(src: torch.Tensor, bias, residual: torch.Tensor, norm=None, *,
             w, b, eps = norm
             y.copy_(row_norm_ref(h.float(), w.float(), None if b is None else b.float(),
                                  eps=eps, kind=kind).to(y.dtype))  # fmt: skip
-            if lists is not None:
-                ref = kept_lists_ref(y, lists[0], lists[1].rows)
-                lists[1].entries.copy_(ref.entries)
-                lists[1].meta.copy_(ref.meta)
+            if lists is not None:  # (on the CPU, kept_lists runs its reference)
+                kept_lists(y, lists[0], out=lists[1], rows=lists[1].rows)
         return h, y
     if lists is not None:  # the listing programs (:mod:`~dejavu_lab.kernels.int4.norm_lists`)
         if norm is None:
