@@ -15,7 +15,11 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     torch.set_num_threads(share)
     os.environ.setdefault("OMP_NUM_THREADS", str(share))
 
+from _interpreter import install
+
 from dejavu_lab.models import load_model, random_model
+
+install()  # Triton's interpreter patches triton.language once per launch (see _interpreter.py)
 
 
 @pytest.fixture(scope="session")

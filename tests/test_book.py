@@ -117,14 +117,16 @@ def test_page_renders_offline(browser, page):
     tab.goto(f"{base}/{page}.html", wait_until="networkidle")
     tab.wait_for_timeout(500)
     SHOTS.mkdir(parents=True, exist_ok=True)
-    # a full-page shot of the long API page took over playwright's 30 s default on a busy
-    # 2-core machine: allow more (the shot is for people to look at, not a timing); Chromium
-    # cannot capture a page much taller than 16k pixels, so a longer one is shot to there
+    # full-page JPEG shots (PNG took twice as long on a busy 2-core machine). Chromium cannot
+    # capture a page much taller than 16k pixels: a longer chapter is shot to there, and a
+    # reference page far longer than any chapter (the API page: 500k pixels) over its first
+    # screens only (a 16k-pixel shot of it took 15 s)
     height = tab.evaluate("() => document.documentElement.scrollHeight")
-    clip = {"x": 0, "y": 0, "width": 1200, "height": 16000} if height > 16000 else None
+    cut = 4000 if height > 40000 else 16000 if height > 16000 else None
+    clip = {"x": 0, "y": 0, "width": 1200, "height": cut} if cut else None
     tab.screenshot(
-        path=str(SHOTS / f"{page.replace('/', '__')}.png"), full_page=True, clip=clip,
-        timeout=180_000,
+        path=str(SHOTS / f"{page.replace('/', '__')}.jpg"), full_page=True, clip=clip,
+        type="jpeg", quality=80, timeout=180_000,
     )  # fmt: skip
     figures = tab.locator(".plotly-graph-div")
     drawn = [figures.nth(i).locator(".main-svg").count() > 0 for i in range(figures.count())]

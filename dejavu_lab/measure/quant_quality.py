@@ -46,6 +46,7 @@ import torch
 from ..arch import get_arch
 from ..errors import QuantError
 from ..quant import GROUPS
+from ..quant.gguf_file import read_gguf
 from ..quant.gguf_model import import_gguf
 from ..quant.int4 import Int4Weight, quantize
 from ..quant.refine import quantize_mse
@@ -331,10 +332,7 @@ def _gguf_title(path) -> str | None:
     """``general.name (file name)`` of a GGUF file, None when ``path`` is not one."""
     if path is None:
         return None
-    from gguf import GGUFReader
-
-    field = GGUFReader(path).fields.get("general.name")
-    title = bytes(field.parts[-1]).decode() if field is not None else "?"
+    title = read_gguf(path).metadata.get("general.name", "?")
     return f"{title} ({os.path.basename(path)})"
 
 

@@ -17,7 +17,6 @@ permutation moves whole columns of ``w_t``: still exact).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -28,6 +27,7 @@ from torch import nn
 from ..arch import Arch, get_arch
 from ..errors import QuantError
 from .gguf_blocks import FOUR_BIT, int4_from_blocks
+from .gguf_file import GGUFFile, read_gguf
 from .int4 import Int4Weight, quantize
 from .swap import decoder_linears
 
@@ -107,8 +107,8 @@ def import_gguf(
 ) -> GGUFImport:
     """Every decoder linear of ``model`` as an :class:`Int4Weight` (group 32) from its GGUF file.
 
-    ``path``: the ``.gguf`` file, or a ``gguf.GGUFReader`` already open on it (reading the
-    header parses the whole vocabulary: seconds). ``model`` is the one transformers loaded from it (:func:`dejavu_lab.models.load_model`),
+    ``path``: the ``.gguf`` file, or a :class:`~dejavu_lab.quant.gguf_file.GGUFFile` already
+    read from it (:func:`~dejavu_lab.quant.gguf_file.read_gguf`). ``model`` is the one transformers loaded from it (:func:`dejavu_lab.models.load_model`),
     which names the modules and checks the shapes. ``dtype``: of the scales and mins — fp32
     keeps every 4-bit block exact; fp16 keeps Q4_0/Q4_1 exact and rounds Q4_K's scales
     (:mod:`~dejavu_lab.quant.gguf_blocks`). ``modules``: import only these (module names).
@@ -121,7 +121,6 @@ def import_gguf(
     >>> imp.types, torch.equal(imp.weights[name].dequantize().T, model.get_submodule(name).weight)
     ({'model.layers.0.self_attn.k_proj': 'Q4_1'}, True)
     """
-    from gguf import GGUFReader
     from gguf.quants import dequantize
 
     arch = arch or get_arch(model)
@@ -133,19 +132,9 @@ def import_gguf(
                 f"{unknown[0]!r} is not a decoder linear of this model; pass names from decoder_linears(model)."
             )
         names = {g: m for g, m in names.items() if m in set(modules)}
-    reader = path if isinstance(path, GGUFReader) else None
-    if reader is None:
-        try:
-            reader = GGUFReader(os.fspath(path))
-        except Exception as e:  # the reader raises many kinds on a damaged or foreign file
-            raise QuantError(
-                f"Cannot read {os.fspath(path)!r} as GGUF ({type(e).__name__}); pass the .gguf "
-                "file the model was loaded from."
-            ) from None
-    where = str(getattr(reader.data, "filename", None) or "the GGUF file")
-    field_ = reader.fields.get("general.architecture")
-    file_arch = bytes(field_.parts[-1]).decode() if field_ is not None else ""
-    tensors = {t.name: t for t in reader.tensors}
+    gf = path if isinstance(path, GGUFFile) else read_gguf(path)
+    where, tensors = gf.path, gf.tensors
+    file_arch = str(gf.metadata.get("general.architecture", ""))
     missing = [n for n in names if n not in tensors]
     if missing:
         raise QuantError(
