@@ -39,7 +39,14 @@ _PLAIN = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8
 class GGUFTensor:
     """One tensor: ``shape`` in ggml order (``shape[0]``, the row width, first), ``data`` a
     read-only view of its bytes — the elements for the plain types (F32, F16, F64, I8 to I64),
-    else uint8 ``[..., bytes of one row]``, as ``gguf.GGUFReader`` gives them."""
+    else uint8 ``[..., bytes of one row]``, as ``gguf.GGUFReader`` gives them.
+
+    >>> from dejavu_lab import assets
+    >>> from dejavu_lab.models import DEMO_ASSET
+    >>> t = read_gguf(assets.fetch(DEMO_ASSET)).tensors["output_norm.weight"]
+    >>> t.tensor_type.name, t.shape, t.data.dtype, t.data.flags.writeable
+    ('F32', (576,), dtype('float32'), False)
+    """
 
     name: str
     tensor_type: object  # gguf.GGMLQuantizationType
@@ -50,7 +57,14 @@ class GGUFTensor:
 @dataclass(frozen=True)
 class GGUFFile:
     """What :func:`read_gguf` found: the scalar and string metadata (arrays skipped) and the
-    tensors by name, in file order."""
+    tensors by name, in file order.
+
+    >>> from dejavu_lab import assets
+    >>> from dejavu_lab.models import DEMO_ASSET
+    >>> f = read_gguf(assets.fetch(DEMO_ASSET))
+    >>> f.version, f.metadata["llama.block_count"], "tokenizer.ggml.tokens" in f.metadata
+    (3, 30, False)
+    """
 
     path: str
     version: int
