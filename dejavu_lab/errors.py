@@ -173,10 +173,10 @@ class LmEvalError(ValueError):
 
     >>> import pytest; _ = pytest.importorskip("lm_eval")  # pip install 'dejavu-lab[eval]'
     >>> from dejavu_lab.lm_eval_tasks import lm_eval_tasks
-    >>> lm_eval_tasks(None, None, ["no_such_task"])
+    >>> lm_eval_tasks(None, None, [])
     Traceback (most recent call last):
     ...
-    dejavu_lab.errors.LmEvalError: Unknown lm-eval task(s) 'no_such_task'; use ...
+    dejavu_lab.errors.LmEvalError: No task given; pass lm-eval task names, e.g. 'dejavu_demo_lambada'.
     """
 
 
