@@ -73,8 +73,8 @@ class GGUFFile:
 
 
 class _Header:
-    def __init__(self, buf, path: str):
-        self.buf, self.off, self.path = buf, 0, path
+    def __init__(self, buf):
+        self.buf, self.off = buf, 0
 
     def take(self, fmt: str):
         (v,) = struct.unpack_from("<" + fmt, self.buf, self.off)
@@ -98,8 +98,7 @@ class _Header:
         elif kind == _ARRAY:
             item, count = self.take("I"), self.take("Q")
             if item in _SCALARS:
-                n = count * struct.calcsize("<" + _SCALARS[item])
-                self.off += n
+                self.off += count * struct.calcsize("<" + _SCALARS[item])
             else:
                 for _ in range(count):
                     self.skip_value(item)
@@ -137,7 +136,7 @@ def read_gguf(path) -> GGUFFile:
         raise QuantError(
             f"Cannot open {path!r} ({type(e).__name__}); pass an existing .gguf file."
         ) from None
-    h = _Header(buf, path)
+    h = _Header(buf)
     try:
         if bytes(buf[:4]) != MAGIC:
             raise QuantError(f"{path!r} is not a GGUF file (no GGUF magic); pass a .gguf file.")
