@@ -71,7 +71,8 @@ def wrap_caption(caption: str, width: int = CAPTION_CHARS) -> str:
 
 def caption_figure(fig, caption: str, height: int = 420):
     """Put ``caption`` under a plotly figure (returns the figure), its lines wrapped to the
-    page width and the bottom margin grown to hold them.
+    page width and the bottom margin grown to hold them (a top margin the figure set itself, for
+    two-line panel titles under its title, is kept).
 
     >>> import plotly.graph_objects as go
     >>> fig = caption_figure(go.Figure(go.Bar(y=[3, 1])), "Model: tiny-opt. Hardware: CPU.")
@@ -80,7 +81,8 @@ def caption_figure(fig, caption: str, height: int = 420):
     """
     caption = wrap_caption(caption)
     lines = caption.count("<br>") + 1
-    fig.update_layout(height=height + 14 * max(0, lines - 2), margin=dict(t=60, b=62 + 14 * lines))
+    top = max(60, fig.layout.margin.t or 0)  # a figure that made room above keeps it
+    fig.update_layout(height=height + 14 * max(0, lines - 2), margin=dict(t=top, b=62 + 14 * lines))
     fig.add_annotation(
         text=caption,
         xref="paper",
