@@ -3,8 +3,9 @@
 One quick-mode build (``DEJAVU_QUICK=1``, ``-W --keep-going``) checks that each chapter in
 ``_toc.yml`` executes and the book builds with no warning. Then headless Chromium opens each page
 with the network closed and checks that every plotly figure drew its SVG, every ipywidget
-rendered its saved state, and that no page asked for anything outside the book. Screenshots are
-kept in ``_build/screenshots/`` for people to look at.
+rendered its saved state, that no page asked for anything outside the book, and that every file
+a page asked for of the book was there. Screenshots are kept in ``_build/screenshots/`` for people
+to look at.
 """
 
 from __future__ import annotations
@@ -114,6 +115,9 @@ def test_page_renders_offline(browser, page):
             None if r.url.startswith((base, "data:", "blob:", "about:")) else outside.append(r.url)
         ),
     )
+    missing = []  # the book's own files the page asked for and did not get (a font, a script)
+    tab.on("response", lambda r: missing.append(r.url) if r.status >= 400 else None)
+    tab.on("requestfailed", lambda r: missing.append(r.url) if r.url.startswith(base) else None)
     tab.goto(f"{base}/{page}.html", wait_until="networkidle")
     tab.wait_for_timeout(500)
     SHOTS.mkdir(parents=True, exist_ok=True)
@@ -136,6 +140,7 @@ def test_page_renders_offline(browser, page):
     errors = tab.locator(".output.traceback, .cell_output .output.error").count()
     tab.close()
     assert not outside, f"{page} requested URLs outside the book: {sorted(set(outside))}"
+    assert not missing, f"{page} asked for files the book does not have: {sorted(set(missing))}"
     assert all(drawn), f"{page}: {drawn.count(False)} of {len(drawn)} plotly figures drew no SVG"
     assert all(views), f"{page}: {views.count(False)} of {len(views)} widgets did not render"
     assert errors == 0, f"{page} shows {errors} error outputs"
