@@ -8,16 +8,18 @@ Each case is ``(id, make, error, words)``: ``make(w)`` builds the call from the 
 from __future__ import annotations
 
 import json
-import shutil
-from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 from _audit import refuse
-from _tiny_folder import build
-from safetensors.torch import load_file, save_file
+from _bad_inputs import (
+    W,
+    call,
+    copy_folder,
+    replace_hook,
+    shared,
+)
 
 from dejavu_lab.checks import InputError
 from dejavu_lab.checks.hooks import HookError
@@ -25,8 +27,6 @@ from dejavu_lab.collect import (
     CollectConfig,
     CollectionError,
     collect,
-    fingerprint,
-    open_collection,
 )
 from dejavu_lab.corpus import CorpusError, perplexity, token_windows, window_nll
 from dejavu_lab.engine import Decoder, EngineError, SparseConfig
@@ -35,92 +35,14 @@ from dejavu_lab.models import ModelNotFoundError, load_model, random_model
 from dejavu_lab.predictors import (
     PredictorConfig,
     PredictorError,
-    Predictors,
     evaluate,
-    load_predictors,
-    train_predictors,
 )
 from dejavu_lab.sparsify import sparse_perplexity
-
-W = 8
 
 
 @pytest.fixture(scope="module")
 def w(tmp_path_factory):
-    root = tmp_path_factory.mktemp("bad-inputs-api")
-    llama = random_model("tiny-llama")
-    ids = torch.randint(0, 128, (4, W), generator=torch.Generator().manual_seed(0))
-    col = collect(
-        llama.model,
-        None,
-        CollectConfig(window=W, max_tokens=4 * W),
-        root / "col",
-        windows=ids,
-        progress=False,
-    )
-    pred = Predictors(fingerprint(llama.model), PredictorConfig(mlp_rank=4, head_rank=2))
-    return SimpleNamespace(
-        root=root,
-        llama=llama.model,
-        opt=random_model("tiny-opt").model,
-        other=random_model("tiny-llama", seed=1).model,
-        ids=ids,
-        col=col,
-        pred=pred,
-        pred_file=pred.save(root / "pred.safetensors"),
-        folder=build(root / "tiny-folder"),
-        decoder=Decoder(random_model("tiny-opt").model, max_seq_len=16),
-    )
-
-
-def call(fn, *args, **kwargs):
-    """The call to refuse; its arguments (damaged files, …) are made before the snapshot."""
-    return lambda: fn(*args, **kwargs)
-
-
-def copy_folder(w, name: str) -> Path:
-    """A fresh copy of the tiny model folder to damage."""
-    dest = w.root / name
-    if not dest.exists():
-        shutil.copytree(w.folder, dest)
-    return dest
-
-
-def damaged_predictor_file(w, name: str, tensors=None, meta=None) -> Path:
-    """A copy of the good predictor file with edited tensors and/or metadata."""
-    from safetensors import safe_open
-
-    with safe_open(str(w.pred_file), "pt") as f:
-        old_meta = f.metadata()
-    t = load_file(w.pred_file)
-    t = tensors(t) if tensors else t
-    m = meta(dict(old_meta)) if meta else old_meta
-    path = w.root / name
-    save_file(t, str(path), metadata=m)
-    return path
-
-
-def damaged_collection(w, name: str, manifest) -> Path:
-    """A copy of the good collection whose manifest.json is replaced by ``manifest`` (text)."""
-    dest = w.root / name
-    if not dest.exists():
-        shutil.copytree(w.col.path, dest)
-    text = manifest if isinstance(manifest, str) else json.dumps(manifest(dict(w.col.manifest)))
-    (dest / "manifest.json").write_text(text)
-    return dest
-
-
-def with_tensor(key, fn):
-    def edit(t):
-        t[key] = fn(t[key])
-        return t
-
-    return edit
-
-
-def replace_hook(value):
-    """A hook at blocks.0.mlp.hook_post returning ``value(t)``."""
-    return {"blocks.0.mlp.hook_post": lambda t, name: value(t)}
+    return shared(tmp_path_factory.mktemp("bad-inputs-api"))
 
 
 TOKENS = [
@@ -483,12 +405,6 @@ HOOKS = [
 ]
 
 
-def _empty(w):
-    path = w.root / "empty.safetensors"
-    path.write_bytes(b"")
-    return path
-
-
 def _no_weights(w):
     d = copy_folder(w, "no-weights")
     (d / "model.safetensors").unlink(missing_ok=True)
@@ -578,288 +494,6 @@ MODELS = [
         lambda w: lambda: load_model(w.folder / "config.json"),
         ModelNotFoundError,
         "not a model directory",
-    ),
-]
-
-FILES = [
-    (
-        "predictor-edited-shape",
-        lambda w: call(
-            load_predictors,
-            damaged_predictor_file(
-                w,
-                "shape.safetensors",
-                with_tensor("mlp.0.down.weight", lambda t: t[:2].contiguous()),
-            ),
-        ),
-        PredictorError,
-        "has shape (2, 64)",
-        "metadata implies (4, 64)",
-    ),
-    (
-        "predictor-missing-tensor",
-        lambda w: call(
-            load_predictors,
-            damaged_predictor_file(
-                w,
-                "missing.safetensors",
-                lambda t: {k: v for k, v in t.items() if "heads.1" not in k},
-            ),
-        ),
-        PredictorError,
-        "lacks",
-    ),
-    (
-        "predictor-extra-tensor",
-        lambda w: call(
-            load_predictors,
-            damaged_predictor_file(
-                w, "extra.safetensors", lambda t: {**t, "mlp.9.up.bias": torch.zeros(3)}
-            ),
-        ),
-        PredictorError,
-        "unexpected tensors",
-    ),
-    (
-        "predictor-nan-weights",
-        lambda w: call(
-            load_predictors,
-            damaged_predictor_file(
-                w, "nan.safetensors", with_tensor("heads.0.up.bias", lambda t: t * float("nan"))
-            ),
-        ),
-        PredictorError,
-        "NaN or infinite",
-    ),
-    (
-        "predictor-inf-weights",
-        lambda w: call(
-            load_predictors,
-            damaged_predictor_file(
-                w, "inf.safetensors", with_tensor("mlp.1.up.weight", lambda t: t / 0)
-            ),
-        ),
-        PredictorError,
-        "NaN or infinite",
-    ),
-    (
-        "predictor-no-fingerprint-metadata",
-        lambda w: call(
-            load_predictors,
-            damaged_predictor_file(
-                w,
-                "nofp.safetensors",
-                meta=lambda m: {k: v for k, v in m.items() if k != "fingerprint"},
-            ),
-        ),
-        PredictorError,
-        "no 'fingerprint' metadata",
-    ),
-    (
-        "predictor-non-json-config",
-        lambda w: call(
-            load_predictors,
-            damaged_predictor_file(
-                w, "nonjson.safetensors", meta=lambda m: {**m, "config": "{mlp_rank: 4"}
-            ),
-        ),
-        PredictorError,
-        "non-JSON metadata 'config'",
-    ),
-    (
-        "predictor-config-a-list",
-        lambda w: call(
-            load_predictors,
-            damaged_predictor_file(w, "list.safetensors", meta=lambda m: {**m, "config": "[4, 2]"}),
-        ),
-        PredictorError,
-        "is a list, not a dict",
-    ),
-    (
-        "predictor-config-rank-0",
-        lambda w: call(
-            load_predictors,
-            damaged_predictor_file(
-                w,
-                "rank0.safetensors",
-                meta=lambda m: {
-                    **m,
-                    "config": json.dumps({**json.loads(m["config"]), "mlp_rank": 0}),
-                },
-            ),
-        ),
-        PredictorError,
-        "holds a bad config (mlp_rank must be at least 1",
-    ),
-    (
-        "predictor-fingerprint-incomplete",
-        lambda w: call(
-            load_predictors,
-            damaged_predictor_file(
-                w,
-                "fp.safetensors",
-                meta=lambda m: {**m, "fingerprint": json.dumps({"model_type": "llama"})},
-            ),
-        ),
-        PredictorError,
-        "incomplete model fingerprint",
-    ),
-    (
-        "predictor-plain-safetensors",
-        lambda w: call(
-            load_predictors, damaged_predictor_file(w, "plain.safetensors", meta=lambda m: {})
-        ),
-        PredictorError,
-        "not dejavu-lab predictors",
-    ),
-    (
-        "predictor-path-is-a-folder",
-        lambda w: lambda: load_predictors(w.root),
-        PredictorError,
-        "is a folder; pass one of its predictor files",
-    ),
-    (
-        "predictor-empty-file",
-        lambda w: call(load_predictors, _empty(w)),
-        PredictorError,
-        "truncated or damaged",
-    ),
-    (
-        "predictor-for-another-model",
-        lambda w: lambda: load_predictors(w.pred_file, w.other),
-        PredictorError,
-        "another model",
-    ),
-    (
-        "manifest-empty",
-        lambda w: call(open_collection, damaged_collection(w, "m-empty", "")),
-        CollectionError,
-        "is empty",
-        "collect again",
-    ),
-    (
-        "manifest-a-list",
-        lambda w: call(open_collection, damaged_collection(w, "m-list", "[]")),
-        CollectionError,
-        "holds a list",
-    ),
-    (
-        "manifest-not-json",
-        lambda w: call(open_collection, damaged_collection(w, "m-json", '{"format": 1,')),
-        CollectionError,
-        "not valid JSON",
-    ),
-    (
-        "manifest-no-fingerprint",
-        lambda w: call(
-            open_collection,
-            damaged_collection(
-                w, "m-fp", lambda m: {k: v for k, v in m.items() if k != "fingerprint"}
-            ),
-        ),
-        CollectionError,
-        "lacks the model fingerprint",
-    ),
-    (
-        "manifest-zero-chunks",
-        lambda w: call(
-            open_collection, damaged_collection(w, "m-zero", lambda m: {**m, "n_chunks": 0})
-        ),
-        CollectionError,
-        "n_chunks=0",
-    ),
-    (
-        "manifest-other-format",
-        lambda w: call(
-            open_collection, damaged_collection(w, "m-format", lambda m: {**m, "format": 99})
-        ),
-        CollectionError,
-        "another version",
-    ),
-    (
-        "collection-from-another-model",
-        lambda w: lambda: open_collection(w.col.path, w.other),
-        CollectionError,
-        "collected from another model",
-    ),
-    (
-        "collect-into-another-models-folder",
-        lambda w: (
-            lambda: collect(
-                w.other,
-                None,
-                CollectConfig(window=W, max_tokens=4 * W),
-                w.col.path,
-                windows=w.ids,
-                progress=False,
-            )
-        ),
-        CollectionError,
-        "collected from another model",
-    ),
-    (
-        "collect-into-another-configs-folder",
-        lambda w: (
-            lambda: collect(
-                w.llama,
-                None,
-                CollectConfig(window=W, max_tokens=2 * W),
-                w.col.path,
-                windows=w.ids,
-                progress=False,
-            )
-        ),
-        CollectionError,
-        "another model or config",
-    ),
-    (
-        "collect-into-a-folder-with-an-empty-manifest",
-        lambda w: call(
-            collect,
-            w.llama,
-            None,
-            CollectConfig(window=W, max_tokens=4 * W),
-            damaged_collection(w, "m-empty-2", ""),
-            windows=w.ids,
-            progress=False,
-        ),
-        CollectionError,
-        "is empty",
-    ),
-    (
-        "collection-layer-out-of-range",
-        lambda w: lambda: w.col.layer(2),
-        CollectionError,
-        "layer must be a whole number in [0, 1]",
-    ),
-    (
-        "train-on-a-list",
-        lambda w: lambda: train_predictors([w.col], progress=False),
-        PredictorError,
-        "got a list",
-    ),
-    (
-        "train-on-a-folder-without-manifest",
-        lambda w: lambda: train_predictors(w.root / "tiny-folder", progress=False),
-        CollectionError,
-        "run `dejavu-lab collect`",
-    ),
-    (
-        "train-with-a-dict-config",
-        lambda w: lambda: train_predictors(w.col, {"mlp_rank": 4}, progress=False),
-        PredictorError,
-        "PredictorConfig",
-    ),
-    (
-        "train-with-an-empty-training-split",
-        lambda w: call(
-            train_predictors,
-            open_collection(damaged_collection(w, "m-one-token", lambda m: {**m, "n_tokens": 1})),
-            PredictorConfig(mlp_rank=4, epochs=1),
-            progress=False,
-        ),
-        PredictorError,
-        "leaving none to train on",
     ),
 ]
 
@@ -968,13 +602,6 @@ def test_hooks(w, make, error, words):
     "make,error,words", [pytest.param(c[1], c[2], c[3:], id=c[0]) for c in MODELS]
 )
 def test_model_specs_and_folders(w, make, error, words):
-    refuse([w.root], make(w), error, *words)
-
-
-@pytest.mark.parametrize(
-    "make,error,words", [pytest.param(c[1], c[2], c[3:], id=c[0]) for c in FILES]
-)
-def test_predictor_files_and_collections(w, make, error, words):
     refuse([w.root], make(w), error, *words)
 
 
