@@ -14,7 +14,7 @@ from dejavu_lab import results
 from dejavu_lab.arch import get_arch
 from dejavu_lab.bench.engine_int4 import bench_int4
 from dejavu_lab.models import PRESETS
-from dejavu_lab.report import int4
+from dejavu_lab.report import int4, int4_budget
 from dejavu_lab.report import int4_speed as speed
 from dejavu_lab.step_bytes import step_bytes
 
@@ -82,7 +82,7 @@ def test_compound_sentences_follow_the_numbers(quality):
 
 def test_budget_box_picks_the_fewest_bytes_within_each_budget(quality):
     _, _, t = quality
-    box = int4.budget_table(t, (2, 10, 50, 100))
+    box = int4_budget.budget_table(t, (2, 10, 50, 100))
     flat = t.reset_index()
     for (model, budget), pick in box.iterrows():
         ok = flat[(flat.model == model) & (flat["rise over fp dense %"] <= budget)]
@@ -93,7 +93,7 @@ def test_budget_box_picks_the_fewest_bytes_within_each_budget(quality):
     assert tuple(box.loc[(QWEN, 2), ["format", "variant"]]) == ("fp", "dense")
     for model in (DEMO, QWEN):
         assert box.loc[model, "layer bytes vs fp16"].is_monotonic_decreasing
-    md = int4.budget_markdown(box)
+    md = int4_budget.budget_markdown(box)
     assert md.count("- **≤ ") == len(box) and "**SmolLM2-135M-Instruct**" in md
 
 
@@ -163,6 +163,6 @@ def test_speed_tables_read_a_real_recording(quality, tmp_path, monkeypatch):
     assert f"{ratios[0]:.2f}" in sentence and f"{ratios[-1]:.2f}" in sentence
 
     # the budget box takes the measured time of a combination the engine timed at that shape
-    box = int4.budget_table(quality[2], (2,), engine=etable, shape="tiny-llama")
+    box = int4_budget.budget_table(quality[2], (2,), engine=etable, shape="tiny-llama")
     fp16 = next(r for r in e2e if r["weights"] == "fp16" and r["engine"] == "dense")
     assert box.loc[(QWEN, 2), "tiny-llama measured ms/token"] == fp16["ms_per_token"]
