@@ -15,6 +15,7 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     torch.set_num_threads(share)
     os.environ.setdefault("OMP_NUM_THREADS", str(share))
 
+from _bad_inputs import shared
 from _interpreter import install
 
 from dejavu_lab.models import load_model, random_model
@@ -26,6 +27,13 @@ install()  # Triton's interpreter patches triton.language once per launch (see _
 def demo():
     """(model, tokenizer, arch) of the real demo model (fetched and cached on first use)."""
     return load_model("demo")
+
+
+@pytest.fixture(scope="module")
+def bad_inputs(tmp_path_factory):
+    """The objects the bad-input cases through the API are made from (``tests/_bad_inputs.py``),
+    built once per test file."""
+    return shared(tmp_path_factory.mktemp("bad-inputs"))
 
 
 @pytest.fixture(params=["tiny-opt", "tiny-opt-postln", "tiny-llama"])

@@ -18,7 +18,6 @@ from _bad_inputs import (
     call,
     copy_folder,
     replace_hook,
-    shared,
 )
 
 from dejavu_lab.checks import InputError
@@ -38,12 +37,6 @@ from dejavu_lab.predictors import (
     evaluate,
 )
 from dejavu_lab.sparsify import sparse_perplexity
-
-
-@pytest.fixture(scope="module")
-def w(tmp_path_factory):
-    return shared(tmp_path_factory.mktemp("bad-inputs-api"))
-
 
 TOKENS = [
     (
@@ -578,8 +571,8 @@ ENGINE = [
 @pytest.mark.parametrize(
     "make,error,words", [pytest.param(c[1], c[2], c[3:], id=c[0]) for c in TOKENS]
 )
-def test_token_ids_and_windows(w, make, error, words):
-    refuse([w.root], make(w), error, *words)
+def test_token_ids_and_windows(bad_inputs, make, error, words):
+    refuse([bad_inputs.root], make(bad_inputs), error, *words)
 
 
 @pytest.mark.parametrize("fields,words", [pytest.param(c[1], c[2], id=c[0]) for c in CONFIGS])
@@ -593,27 +586,31 @@ def test_config_dataclasses(fields, words, tmp_path):
 @pytest.mark.parametrize(
     "make,error,words", [pytest.param(c[1], c[2], c[3:], id=c[0]) for c in HOOKS]
 )
-def test_hooks(w, make, error, words):
-    refuse([w.root], make(w), error, *words)
-    assert sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in w.llama.modules()) == 0
+def test_hooks(bad_inputs, make, error, words):
+    refuse([bad_inputs.root], make(bad_inputs), error, *words)
+    assert (
+        sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in bad_inputs.llama.modules())
+        == 0
+    )
 
 
 @pytest.mark.parametrize(
     "make,error,words", [pytest.param(c[1], c[2], c[3:], id=c[0]) for c in MODELS]
 )
-def test_model_specs_and_folders(w, make, error, words):
-    refuse([w.root], make(w), error, *words)
+def test_model_specs_and_folders(bad_inputs, make, error, words):
+    refuse([bad_inputs.root], make(bad_inputs), error, *words)
 
 
 @pytest.mark.parametrize(
     "make,error,words", [pytest.param(c[1], c[2], c[3:], id=c[0]) for c in ENGINE]
 )
-def test_engine(w, make, error, words):
-    refuse([w.root], make(w), error, *words)
+def test_engine(bad_inputs, make, error, words):
+    refuse([bad_inputs.root], make(bad_inputs), error, *words)
 
 
-def test_good_inputs_still_work(w):
+def test_good_inputs_still_work(bad_inputs):
     """The checks accept what they should: int32 ids, a Path spec, a 0-d tensor token."""
+    w = bad_inputs
     assert perplexity(w.llama, w.ids.int(), progress=False) > 1
     assert load_model(w.folder).arch.n_layers == 2  # a pathlib.Path
     w.decoder.prefill(w.ids[:1, :3] % 100)

@@ -17,7 +17,6 @@ from _bad_inputs import (
     damaged_collection,
     damaged_predictor_file,
     empty_file,
-    shared,
     with_tensor,
 )
 
@@ -35,9 +34,10 @@ from dejavu_lab.predictors import (
 )
 
 
-@pytest.fixture(scope="module")
-def w(tmp_path_factory):
-    return shared(tmp_path_factory.mktemp("bad-inputs-files"))
+def collect_again(w, model, max_tokens: int):
+    """Collect from ``model`` into the good collection's folder (``max_tokens`` of it)."""
+    config = CollectConfig(window=W, max_tokens=max_tokens)
+    return collect(model, None, config, w.col.path, windows=w.ids, progress=False)
 
 
 FILES = [
@@ -243,31 +243,13 @@ FILES = [
     ),
     (
         "collect-into-another-models-folder",
-        lambda w: (
-            lambda: collect(
-                w.other,
-                None,
-                CollectConfig(window=W, max_tokens=4 * W),
-                w.col.path,
-                windows=w.ids,
-                progress=False,
-            )
-        ),
+        lambda w: lambda: collect_again(w, w.other, 4 * W),
         CollectionError,
         "collected from another model",
     ),
     (
         "collect-into-another-configs-folder",
-        lambda w: (
-            lambda: collect(
-                w.llama,
-                None,
-                CollectConfig(window=W, max_tokens=2 * W),
-                w.col.path,
-                windows=w.ids,
-                progress=False,
-            )
-        ),
+        lambda w: lambda: collect_again(w, w.llama, 2 * W),
         CollectionError,
         "another model or config",
     ),
@@ -326,5 +308,5 @@ FILES = [
 @pytest.mark.parametrize(
     "make,error,words", [pytest.param(c[1], c[2], c[3:], id=c[0]) for c in FILES]
 )
-def test_predictor_files_and_collections(w, make, error, words):
-    refuse([w.root], make(w), error, *words)
+def test_predictor_files_and_collections(bad_inputs, make, error, words):
+    refuse([bad_inputs.root], make(bad_inputs), error, *words)
