@@ -65,13 +65,13 @@ __all__ = [
 
 #: The norm before an int4 TEAL product lists the product's kept rows once per token
 #: (:mod:`~dejavu_lab.kernels.int4.lists`), instead of every column tile of the product listing
-#: its block's rows again (``DEJAVU_INT4_LISTS=1``). Off by default: on an H100 (fdcaec5) the
-#: product alone ran 1.06-1.18x faster on listed rows (``results/int4_gemv_g128_b1_listed.json``,
-#: Llama-3-8B's MLP shapes at 50 and 20% kept), but with the listing in the norm's one program
-#: the step slowed, TEAL 50% at Llama-3-8B's shape from 2.168 to 2.267 ms per token
-#: (``results/engine_int4_8b_lists0/1.json``). The norm now lists over many programs
-#: (:mod:`~dejavu_lab.kernels.int4.norm_lists`), not yet timed on a GPU:
-#: ``kernels/bench_engine_int4.py`` with the switch on and off (``book/reproduce.md``).
+#: its block's rows again (``DEJAVU_INT4_LISTS=1``). Off by default: on an H100 the product
+#: alone runs faster on listed rows (``results/int4_gemv_g128_b1_listed.json``: 0.85-0.92 of
+#: the self-listing kernel's time at 50% kept, 0.85-0.94 at 20%, the three Llama MLP shapes),
+#: but the step slows with the listing in the norm, whether the norm lists in one program
+#: (fdcaec5: TEAL 50% at Llama-3-8B's shape 2.168 -> 2.267 ms per token) or over many
+#: (:mod:`~dejavu_lab.kernels.int4.norm_lists`, 846af36: 2.190 -> 2.232 ms, 40% 2.367 ->
+#: 2.382, with lm_head in int4 1.926 -> 1.967; ``results/engine_int4_8b_lists0/1.json``).
 LISTS = os.environ.get("DEJAVU_INT4_LISTS", "0") == "1"
 MATRICES = ("w_qkv_t", "w_o_t", "w_in_t", "w_down_t")  # the columns layout's four matrices
 # per method, the layout of W_QKV and of W_in its int4 blocks read (W_O^T, W2^T: always rows of
