@@ -37,8 +37,7 @@ $(VENDOR)/require.js $(VENDOR)/embed-amd.js: _static/vendor.sha256
 	rm -rf $(VENDOR) && mkdir -p $(VENDOR) && tmp=$$(mktemp -d) && \
 	(cd $$tmp && npm pack --silent $(REQUIREJS) $(HTML_MANAGER) $(MATHJAX) >/dev/null) && \
 	tar -xzf $$tmp/requirejs-*.tgz -C $$tmp package/require.js && mv $$tmp/package/require.js $(VENDOR)/ && \
-	tar -xzf $$tmp/jupyter-widgets-html-manager-*.tgz -C $$tmp --wildcards \
-	  'package/dist/embed-amd.js' 'package/dist/*.woff2' && \
+	tar -xzf $$tmp/jupyter-widgets-html-manager-*.tgz -C $$tmp package/dist && \
 	mv $$tmp/package/dist/embed-amd.js $$tmp/package/dist/*.woff2 $(VENDOR)/ && \
 	mkdir -p $(VENDOR)/mathjax && \
 	tar -xzf $$tmp/mathjax-*.tgz -C $(VENDOR)/mathjax --strip-components=1 \
