@@ -14,6 +14,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are decorat
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from _hf import kv_forward
 
 from dejavu_lab.bench.timing import relerr
 from dejavu_lab.engine import (  # noqa: E402
@@ -101,8 +102,8 @@ class MaskedHF:
     @torch.no_grad()
     def decode_logits(self, ids, n_prompt, greedy=0):
         """Prefill densely, then feed ids[n_prompt:] (or ``greedy`` argmax tokens) masked."""
-        out = self.model(ids[:, :n_prompt], use_cache=True)
-        logits, past = [out.logits[0, -1:]], out.past_key_values
+        out, past = kv_forward(self.model, ids[:, :n_prompt])
+        logits = [out[0, -1:]]
         feed = list(ids[0, n_prompt:]) if not greedy else []
         tokens = []
         self.active = True
@@ -110,9 +111,8 @@ class MaskedHF:
             for t in range(greedy or len(feed)):
                 tok = feed[t] if not greedy else logits[-1].argmax(-1)[0]
                 tokens.append(int(tok))
-                out = self.model(tok.view(1, 1), past_key_values=past, use_cache=True)
-                logits.append(out.logits[0, -1:])
-                past = out.past_key_values
+                out, past = kv_forward(self.model, tok.view(1, 1), past)
+                logits.append(out[0, -1:])
         finally:
             self.active = False
         return torch.cat(logits), tokens

@@ -14,6 +14,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are decorat
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from _hf import kv_forward
 
 from dejavu_lab.bench.timing import relerr
 from dejavu_lab.engine import (  # noqa: E402
@@ -60,13 +61,12 @@ def decode_logits(dec, ids, n_prompt=N_PROMPT):
 @torch.no_grad()
 def hooks_logits(model, ids, method, plan, n_prompt=N_PROMPT):
     """Dense prefill, then each later token fed through the method's hooks (the reference)."""
-    out = model(ids[:, :n_prompt], use_cache=True)
-    logits, past = [out.logits[0, -1:]], out.past_key_values
+    out, past = kv_forward(model, ids[:, :n_prompt])
+    logits = [out[0, -1:]]
     with sparsified(model, method=method, thresholds=plan):
         for t in ids[0, n_prompt:]:
-            out = model(t.view(1, 1), past_key_values=past, use_cache=True)
-            logits.append(out.logits[0, -1:])
-            past = out.past_key_values
+            out, past = kv_forward(model, t.view(1, 1), past)
+            logits.append(out[0, -1:])
     return torch.cat(logits)
 
 

@@ -13,6 +13,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are decorat
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from _hf import kv_forward
 
 from dejavu_lab.bench.timing import relerr  # noqa: E402
 from dejavu_lab.engine import Decoder, EngineError, SparseConfig, decoder_weights, fold_refit  # noqa: E402
@@ -209,12 +210,11 @@ def _decode(dec, ids):
 def _hooks(model, ids, th, refit):
     """The prompt and each later token through the hooks (the engine masks a refit's prefill)."""
     with sparsified(model, method="wina", thresholds=th, refit=refit):
-        out = model(ids[:, :N_PROMPT], use_cache=True)
-        logits, past = [out.logits[0, -1:]], out.past_key_values
+        out, past = kv_forward(model, ids[:, :N_PROMPT])
+        logits = [out[0, -1:]]
         for t in ids[0, N_PROMPT:]:
-            out = model(t.view(1, 1), past_key_values=past, use_cache=True)
-            logits.append(out.logits[0, -1:])
-            past = out.past_key_values
+            out, past = kv_forward(model, t.view(1, 1), past)
+            logits.append(out[0, -1:])
     return torch.cat(logits)
 
 
