@@ -46,7 +46,7 @@ import torch
 from ..arch import get_arch
 from ..errors import QuantError
 from ..quant import GROUPS
-from ..quant.gguf_file import read_gguf
+from ..quant.gguf_file import GGUFFile, read_gguf
 from ..quant.gguf_model import import_gguf
 from ..quant.int4 import Int4Weight, quantize
 from ..quant.refine import quantize_mse
@@ -92,7 +92,7 @@ def format_weights(
     model,
     fmt: str,
     *,
-    gguf: str | os.PathLike | None = None,
+    gguf: str | os.PathLike | GGUFFile | None = None,
     dtype: torch.dtype | None = None,
     arch=None,
     calibration: torch.Tensor | None = None,
@@ -255,7 +255,7 @@ def quant_frontier(
     sparsities: Sequence[float] = SPARSITIES,
     *,
     sparse_formats: Sequence[str] | None = None,
-    gguf: str | os.PathLike | None = None,
+    gguf: str | os.PathLike | GGUFFile | None = None,
     dtype: torch.dtype | None = None,
     eval_windows: int = 8,
     window: int = 512,
@@ -328,12 +328,11 @@ def quant_frontier(
     return out
 
 
-def _gguf_title(path) -> str | None:
-    """``general.name (file name)`` of a GGUF file, None when ``path`` is not one."""
-    if path is None:
+def _gguf_title(gf: GGUFFile | None) -> str | None:
+    """``general.name (file name)`` of a read GGUF file, None without one."""
+    if gf is None:
         return None
-    title = read_gguf(path).metadata.get("general.name", "?")
-    return f"{title} ({os.path.basename(path)})"
+    return f"{gf.metadata.get('general.name', '?')} ({os.path.basename(gf.path)})"
 
 
 def gguf_source(spec: str):
@@ -393,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     model, tok, _ = load_model(args.model, dtype=dtype)
     source = gguf_source(args.model)
     gguf = assets.fetch(source) if isinstance(source, assets.Asset | assets.SplitAsset) else source
+    gguf = read_gguf(gguf) if gguf is not None else None  # its header read once: import, title
     kw = {}
     if args.calibration_tokens:
         kw["calibration_tokens"] = args.calibration_tokens
