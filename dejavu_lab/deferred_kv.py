@@ -29,7 +29,7 @@ from .hooks import hooks
 from .sparsify import StaticSets, sparsified
 from .sparsify.dejavu import _predictor_input
 
-__all__ = ["DeferredKVCache", "Generation", "generate"]
+__all__ = ["DeferredKVCache", "Generation", "cache_keyword", "generate"]
 
 
 class DeferredKVCache(DynamicCache):
@@ -132,6 +132,17 @@ class Generation:
     head_keep: dict = field(default_factory=dict)  # layer -> bool [b, seq, h] heads used
 
 
+def cache_keyword(model) -> str:
+    """The keyword ``model``'s forward takes its KV cache by: ``"cache"`` in transformers 5.24
+    (where ``past_key_values`` is deprecated, to go in 5.40), ``"past_key_values"`` before it.
+
+    >>> from dejavu_lab.models import random_model
+    >>> cache_keyword(random_model("tiny-llama").model) in ("cache", "past_key_values")
+    True
+    """
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 @torch.no_grad()
 def generate(
     model,
@@ -219,9 +230,7 @@ def generate(
                 lambda mod, args, i=i: cache.store_hidden(i, args[0])
             )
         )
-    cache_arg = (
-        "cache" if "cache" in inspect.signature(model.forward).parameters else ("past_key_values")
-    )
+    cache_arg = cache_keyword(model)
     device = next(model.parameters()).device
     ids = input_ids.to(device)
     step_logits = []
