@@ -327,11 +327,27 @@ def test_bench_batch_quick_records_every_variant(tmp_path, monkeypatch):
         (m, e, b)
         for m in ("tiny-opt", "tiny-llama")
         for b in (1, 2)
-        for e in ("dense", "sparse", "sparse_uncapped")
+        for e in ("dense", "sparse", "sparse_uncapped", "dense_columns")
     }
     assert got == want
     sparse = [r for r in rows if r["kind"] == "batch" and r["engine"] == "sparse"]
     assert all(0 < r["mlp_union"] <= 1 and r["part_attention_ms"] > 0 for r in sparse)
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-opt"])
+def test_dense_over_columns_equals_rows(name, monkeypatch):
+    """The batched dense step over the columns layout with every op through our kernels (what
+    the benchmark times as dense_columns; on CPU through the interpreter) gives the logits of
+    the rows layout's cuBLAS step, prompts of three lengths in one batch."""
+    if CPU:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    m = model(name, dtype=HALF, seed=3)
+    prompts, cont = rand_ids([3, 5, 4], seed=5), torch.stack(rand_ids([2] * 3, seed=6))
+    ref = forced(BatchDecoder(m, max_seq_len=12, max_batch=3), prompts, cont)
+    w = decoder_weights(m, layout="rows").set_layout("columns")
+    dec = BatchDecoder(w, max_seq_len=12, max_batch=3, dense_ops="triton")
+    assert w.layout == "columns" and set(dec.ops.values()) == {"triton"}
+    assert relerr(forced(dec, prompts, cont), ref) < 1e-2
 
 
 def test_bad_inputs_are_one_sentence_engine_errors():

@@ -11,7 +11,11 @@ at real shapes (OPT-30B, Llama-3-8B), one CUDA graph per batch size, per model a
   union recomputed inside every step; ``W_QKV``/``W_O`` read the union of the heads, the
   attention kernel each sequence's own heads;
 - ``sparse_uncapped`` — the same with no cap (the whole union, up to ``B k`` neurons), at each
-  model's target prompt (``--uncapped-at``).
+  model's target prompt (``--uncapped-at``);
+- ``dense_columns`` — ``dense`` over the ``"columns"`` layout with every op through our kernels
+  (``dense_ops="triton"``: the batch-1 engine's default dense step, batched), timed last, after
+  the weights are converted in place (``DecoderWeights.set_layout``); skipped when
+  ``--dense-ops`` is given.
 
 Every row records tokens/s (B tokens per step), the bytes a step reads (weights of the union,
 each sequence's kept KV cache, ``lm_head``), the achieved bandwidth against the copy ceiling
@@ -237,6 +241,7 @@ def bench_model(preset, prompts, batches, new, ceiling, device, *, union_budget=
             print(f"{preset} check failed: {exc!r}")
             rows.append({**base, "kind": "check", "error": repr(exc)[:300]})
     target = TARGET_PROMPT.get(arch.family) if uncapped_at is None else uncapped_at
+    timed_prompts = []  # (prompt, batch sizes) timed over the rows layout
     for prompt in prompts:
         if prompt + new + 2 > w.max_positions:  # e.g. OPT's 2048 positions at prompt 2048
             reason = (
@@ -261,6 +266,12 @@ def bench_model(preset, prompts, batches, new, ceiling, device, *, union_budget=
         for engine, sparse, b in variants:
             _time_variant(w, arch, engine, sparse, b, prompt, run, new, ceiling, base, vocab,
                          d_embed, dense_ops, rows)  # fmt: skip
+        timed_prompts.append((prompt, run))
+    if timed_prompts and dense_ops is None:  # the columns layout, every op through our kernels
+        w.set_layout("columns")  # in place, one matrix at a time: no second copy of the model
+        for prompt, run in timed_prompts:
+            _time_variant(w, arch, "dense_columns", None, None, prompt, run, new, ceiling, base,
+                          vocab, d_embed, "triton", rows)  # fmt: skip
     del w
     gc.collect()
     if cuda():
@@ -269,19 +280,21 @@ def bench_model(preset, prompts, batches, new, ceiling, device, *, union_budget=
 
 def print_table(rows: list[dict]) -> None:
     """Tokens/s per (model, prompt, batch): dense, sparse and the ratio, the bytes of a step, the
-    attention's share of the parts and the MLP union.
+    attention's share of the parts, the MLP union, and dense over the columns layout against
+    dense over the rows (``columns x``).
 
     >>> print_table([])  # doctest: +NORMALIZE_WHITESPACE
     <BLANKLINE>
-    model prompt B dense tok/s sparse tok/s x uncapped x GB/step attn share mlp union
+    model prompt B dense tok/s sparse tok/s x uncapped x GB/step attn share mlp union columns x
     """
     by = {}
     for r in (r for r in rows if r.get("kind") == "batch" and "error" not in r):
         by.setdefault((r["model"], r["prompt"], r["batch"]), {})[r["engine"]] = r
     print(f"\n{'model':>11} {'prompt':>6} {'B':>3} {'dense tok/s':>11} {'sparse tok/s':>12} "
-          f"{'x':>5} {'uncapped x':>10} {'GB/step':>8} {'attn share':>10} {'mlp union':>9}")  # fmt: skip
+          f"{'x':>5} {'uncapped x':>10} {'GB/step':>8} {'attn share':>10} {'mlp union':>9} "
+          f"{'columns x':>9}")  # fmt: skip
     for (m, p, b), e in sorted(by.items()):
-        d, s, u = e.get("dense"), e.get("sparse"), e.get("sparse_uncapped")
+        d, s, u, c = (e.get(k) for k in ("dense", "sparse", "sparse_uncapped", "dense_columns"))
         if d is None or s is None:
             continue
         x = s["tokens_per_s"] / d["tokens_per_s"]
@@ -289,7 +302,8 @@ def print_table(rows: list[dict]) -> None:
         share = s["part_attention_ms"] / (s["part_attention_ms"] + s["part_mlp_ms"])
         print(f"{m:>11} {p:6d} {b:3d} {d['tokens_per_s']:11.0f} {s['tokens_per_s']:12.0f} "
               f"{x:5.2f} {ux} {s['bytes_total'] / 1e9:8.2f} {share:10.0%} "
-              f"{s['mlp_union']:9.0%}")  # fmt: skip
+              f"{s['mlp_union']:9.0%} "
+              + (f"{c['tokens_per_s'] / d['tokens_per_s']:9.2f}" if c else f"{'-':>9}"))  # fmt: skip
     for r in rows:
         if "error" in r:
             print(f"error: {r.get('model')} {r.get('engine', r.get('kind'))}: {r['error'][:160]}")
