@@ -307,10 +307,17 @@ def compound_sentence(table: pd.DataFrame, model: str, fmt: str, variant: str = 
     >>> t = quality_table(load_quality()[0])
     >>> compound_sentence(t, "Qwen2.5 Coder 0.5B Instruct AWQ (qwen2.5-coder-0.5b-instruct-q4_k_m.gguf)", "rtn-g32")
     'On Qwen2.5 Coder 0.5B Instruct AWQ, int4 RTN, group 32 costs +5.6% dense; teal (uniform) adds +5.3% / +18.4% / +39.6% over that (25% / 40% / 50% sparse), against +4.6% / +19.5% / +41.8% on fp: interaction +0.7% / -1.0% / -1.6%, the errors multiply, no more.'
+    >>> compound_sentence(t, "Qwen2.5 Coder 0.5B Instruct AWQ (qwen2.5-coder-0.5b-instruct-q4_k_m.gguf)", "rtn-g128")
+    "On Qwen2.5 Coder 0.5B Instruct AWQ, int4 RTN, group 128 has no recorded teal (uniform) points beside its dense one, so whether it compounds the sparsity's error is not measured."
     """
     flat = table.reset_index()
     mine = flat[(flat["model"] == model) & (flat["format"] == fmt)]
     t = mine[mine["variant"] == variant].set_index("sparsity").sort_index()
+    label = _label(fmt, mine["groups"].iloc[0]) if len(mine) else fmt
+    name = model.split(" (")[0]
+    if t.empty or mine[mine["variant"] == "dense"].empty:
+        return (f"On {name}, {label} has no recorded {variant} points beside its dense one, so "
+                "whether it compounds the sparsity's error is not measured.")  # fmt: skip
     dense = float(mine.loc[mine["variant"] == "dense", "rise over fp dense %"].iloc[0])
     inter = t["interaction %"]
     if inter.abs().max() <= INDEPENDENT_PCT:
@@ -322,8 +329,7 @@ def compound_sentence(table: pd.DataFrame, model: str, fmt: str, variant: str = 
     else:
         verdict = "the sparse rise is smaller on the 4-bit weights"
     pct = " / ".join(f"{s:.0%}" for s in t.index)
-    label = _label(fmt, mine["groups"].iloc[0])
-    return (f"On {model.split(' (')[0]}, {label} costs {dense:+.1f}% dense; "
+    return (f"On {name}, {label} costs {dense:+.1f}% dense; "
             f"{variant} adds {' / '.join(f'{v:+.1f}%' for v in t['rise over own dense %'])} over "
             f"that ({pct} sparse), against "
             f"{' / '.join(f'{v:+.1f}%' for v in t['same on fp %'])} on fp: interaction "
