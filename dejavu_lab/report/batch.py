@@ -28,6 +28,7 @@ __all__ = [
     "batch_quality",
     "batch_unions",
     "breakdown_figure",
+    "columns_sentence",
     "load",
     "quality_sentence",
     "ratios_sentence",
@@ -45,6 +46,8 @@ __all__ = [
 ]
 
 NAME = "engine_batch"
+#: the recording of the batched dense step over the columns layout beside cuBLAS's
+COLUMNS_FILE = "engine_batch_columns_h100"
 # Polar Sparsity (Shrestha et al. 2025): up to 2.2x end to end across batch sizes; Deja Vu
 # Appendix C.1: union sparsity shrinks with B but stays sub-linear on OPT-175B.
 PAPER = {"Polar Sparsity, across batch sizes": "up to 2.2x"}
@@ -343,6 +346,40 @@ def ratios_sentence(frame: pd.DataFrame, model: str, prompt: int, batches=(1, 16
     have = [(b, float(t.loc[(model, prompt, b), "sparse / dense"])) for b in batches
             if (model, prompt, b) in t.index]  # fmt: skip
     return f"{model} shape, prompt {prompt}: " + (_at(have) if have else "not in this run")
+
+
+def columns_sentence(name: str = COLUMNS_FILE) -> str:
+    """The batched dense step over the columns layout through our kernels (the batch-1
+    engine's default) against cuBLAS over the rows, at each batch size of the recording
+    ``results/<name>.json``, and which one the batched engine therefore runs.
+
+    >>> columns_sentence()
+    "On the NVIDIA H100 80GB HBM3 (results/engine_batch_columns_h100.json), at the llama-3-8b shape, prompt 2048, dense over the columns through our kernels runs at ...× cuBLAS's tokens per second at B = 1 and ...× at B = 16: ..."
+    >>> columns_sentence("no_such_recording")
+    'The dense batch over the columns layout has no recording yet (results/no_such_recording.json).'
+    """
+    try:
+        frame, prov = results.load(name)
+    except results.ResultsError:
+        return (
+            f"The dense batch over the columns layout has no recording yet (results/{name}.json)."
+        )
+    t = throughput_table(frame)
+    if "columns / dense" not in t:
+        return f"results/{name}.json holds no dense_columns rows."
+    parts = []
+    for (model, prompt), g in t.groupby(level=["model", "prompt"], sort=False):
+        r = {b: v for (_, _, b), v in g["columns / dense"].dropna().items()}
+        ratios = source.listing([f"{v:.2f}× at B = {b}" for b, v in r.items()])
+        ratios = ratios.replace("× at", "× cuBLAS's tokens per second at", 1)
+        slower = [b for b, v in r.items() if v <= 1]
+        verdict = "faster at every batch size recorded" if not slower else (
+            f"slower from B = {min(slower)}, so the batched engine keeps cuBLAS"
+            + (" (one sequence alone decodes through the batch-1 Decoder, which takes our "
+               "kernels)" if len(slower) < len(r) else ""))  # fmt: skip
+        parts.append(f"at the {model} shape, prompt {prompt}, dense over the columns through "
+                     f"our kernels runs at {ratios}: {verdict}")  # fmt: skip
+    return f"On the {prov.get('gpu', 'GPU')} (results/{name}.json), " + "; ".join(parts) + "."
 
 
 def targets_sentence(frame: pd.DataFrame) -> str:
