@@ -54,12 +54,6 @@ PAPER = {"Polar Sparsity, across batch sizes": "up to 2.2x"}
 # our speed targets: (model, prompt, batch) -> sparse / dense tokens per second at least
 TARGETS = {("llama-3-8b", 2048, 16): 1.5, ("llama-3-8b", 2048, 32): 1.3,
            ("opt-30b", 512, 1): 2.0, ("opt-30b", 512, 4): 1.5}  # fmt: skip
-ENGINES = {
-    "dense": "dense",
-    "sparse": "sparse (union capped)",
-    "sparse_uncapped": "sparse (whole union)",
-    "dense_columns": "dense (columns layout, our kernels)",
-}
 
 
 def load(live: bool | None = None, *, models: str = "llama-3-8b,opt-30b",
