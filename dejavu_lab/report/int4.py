@@ -36,6 +36,7 @@ __all__ = [
     "bytes_table",
     "compound_sentence",
     "fitting_group",
+    "format_label",
     "gguf_types",
     "live_perplexity",
     "live_sentence",
@@ -74,8 +75,12 @@ FORMATS = {
 INDEPENDENT_PCT = 5.0
 
 
-def _label(fmt: str, groups: str = "") -> str:
-    """A format in words; a mixed-group RTN names its groups (the demo's 'group 128/64')."""
+def format_label(fmt: str, groups: str = "") -> str:
+    """A format in words; a mixed-group RTN names its groups (the demo's 'group 128/64').
+
+    >>> format_label("rtn-g32"), format_label("rtn-g128", "128/64")
+    ('int4 RTN, group 32', 'int4 RTN, group 128/64')
+    """
     if fmt.startswith("rtn-") and "/" in str(groups):
         return f"int4 RTN, group {groups}"
     return FORMATS.get(fmt, fmt)
@@ -288,7 +293,7 @@ def quality_figure(table: pd.DataFrame, model: str):
         color = COLORS.get(variant.split(" ")[0], "#444444")
         fig.add_trace(go.Scatter(
             x=g["layer bytes vs fp16"], y=g["perplexity"], mode="lines+markers",
-            name=f"{variant}, {_label(fmt, g['groups'].iloc[0])}", legendgroup=variant,
+            name=f"{variant}, {format_label(fmt, g['groups'].iloc[0])}", legendgroup=variant,
             marker=dict(symbol=symbols.get(fmt, "circle"), size=9, color=color),
             line=dict(color=color, dash="solid" if fmt == "fp" else "dot"),
             text=[f"{s:.0%} sparse" for s in g["sparsity"]],
@@ -313,7 +318,7 @@ def compound_sentence(table: pd.DataFrame, model: str, fmt: str, variant: str = 
     flat = table.reset_index()
     mine = flat[(flat["model"] == model) & (flat["format"] == fmt)]
     t = mine[mine["variant"] == variant].set_index("sparsity").sort_index()
-    label = _label(fmt, mine["groups"].iloc[0]) if len(mine) else fmt
+    label = format_label(fmt, mine["groups"].iloc[0]) if len(mine) else fmt
     name = model.split(" (")[0]
     if t.empty or mine[mine["variant"] == "dense"].empty:
         return (f"On {name}, {label} has no recorded {variant} points beside its dense one, so "

@@ -11,9 +11,10 @@ import math
 
 import pandas as pd
 
+from ..arch import get_arch
 from ..models import PRESETS
 from ..step_bytes import step_bytes
-from .int4 import TEAL_SITES, _arch, _label, fitting_group
+from .int4 import TEAL_SITES, fitting_group, format_label
 
 __all__ = ["budget_markdown", "budget_sentence", "budget_table"]
 
@@ -48,7 +49,7 @@ def budget_table(quality: pd.DataFrame, budgets=(2, 10, 25, 50, 100), *,
     rise over fp dense %    9.306527
     Name: (Qwen2.5 Coder 0.5B Instruct AWQ (qwen2.5-coder-0.5b-instruct-q4_k_m.gguf), 10), dtype: object
     """
-    arch, vocab = _arch(shape), PRESETS[shape].vocab
+    arch, vocab = get_arch(PRESETS[shape].config()), PRESETS[shape].vocab
     dense16 = step_bytes(arch, vocab=vocab, context=context)["total"]
     timed = {}
     if engine is not None and len(engine):
@@ -103,7 +104,7 @@ def budget_markdown(box: pd.DataFrame, shape: str = "llama-3-8b") -> str:
             ms = r.get(f"{shape} measured ms/token", math.nan)
             timing = f", measured {ms:.2f} ms per token" if ms == ms else ""
             gb, frac = r[f"{shape} GB/token"], r[f"{shape} of fp16 dense"]
-            lines.append(f"- **≤ {budget}%**: {_label(r['format'], r['groups'])}, {how} "
+            lines.append(f"- **≤ {budget}%**: {format_label(r['format'], r['groups'])}, {how} "
                          f"({r['rise over fp dense %']:+.1f}%, {r['layer bytes vs fp16']:.2f} of "
                          f"fp16's layer bytes); {gb:.1f} GB per token at {shape} size, "
                          f"{frac:.2f} of fp16 dense's{timing}.")  # fmt: skip
@@ -128,7 +129,7 @@ def budget_sentence(box: pd.DataFrame) -> str:
             continue
         first, r = fits.index[0], fits.iloc[0]
         text = (f"on {model.split(' (')[0]} the smallest budget (≤ {first}%) takes "
-                f"{_label(r['format'], r['groups'])}, {r['variant']}")  # fmt: skip
+                f"{format_label(r['format'], r['groups'])}, {r['variant']}")  # fmt: skip
         sparse = fits[fits["variant"] != "dense"]
         text += (f", and sparsity first enters at ≤ {sparse.index[0]}%" if len(sparse)
                  else ", and no budget shown takes sparsity")  # fmt: skip
