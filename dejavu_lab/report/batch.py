@@ -348,7 +348,7 @@ def columns_sentence(name: str = COLUMNS_FILE) -> str:
     ``results/<name>.json``, and which one the batched engine therefore runs.
 
     >>> columns_sentence()
-    "On the NVIDIA H100 80GB HBM3 (results/engine_batch_columns_h100.json), at the llama-3-8b shape, prompt 2048, dense over the columns through our kernels runs at ...× cuBLAS's tokens per second at B = 1 and ...× at B = 16: ..."
+    "In results/engine_batch_columns_h100.json (recorded on NVIDIA H100 80GB HBM3, ..., measured at cab3d3e, ...): at the llama-3-8b shape, prompt 2048, dense over the columns through our kernels runs at ...× cuBLAS's tokens per second at B = 1 and ...× at B = 16: ..."
     >>> columns_sentence("no_such_recording")
     'The dense batch over the columns layout has no recording yet (results/no_such_recording.json).'
     """
@@ -374,7 +374,8 @@ def columns_sentence(name: str = COLUMNS_FILE) -> str:
                "kernels)" if len(slower) < len(r) else ""))  # fmt: skip
         parts.append(f"at the {model} shape, prompt {prompt}, dense over the columns through "
                      f"our kernels runs at {ratios}: {verdict}")  # fmt: skip
-    return f"On the {prov.get('gpu', 'GPU')} (results/{name}.json), " + "; ".join(parts) + "."
+    where = source.origin(prov, live=False, frame=frame)
+    return f"In results/{name}.json ({where}): " + "; ".join(parts) + "."
 
 
 def targets_sentence(frame: pd.DataFrame) -> str:
